@@ -1,0 +1,1 @@
+"""engine_shim (see DESIGN.md)."""

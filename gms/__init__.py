@@ -1,0 +1,1 @@
+"""gms (see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""lockserver (see DESIGN.md)."""

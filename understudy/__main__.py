@@ -1,0 +1,3 @@
+from understudy.cli import main
+
+raise SystemExit(main())
