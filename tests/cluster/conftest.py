@@ -1,0 +1,155 @@
+"""Fixtures for the cluster tier: a real single-node Kubernetes (hack/cluster/up).
+
+Tests here are marked ``@pytest.mark.cluster`` and take the session-scoped
+``cluster`` fixture. It reuses a cluster that is already up (its env file
+exists and the API server answers /readyz); otherwise it runs
+``hack/cluster/up``, which needs root and, on a machine with no cache, builds
+Kubernetes from source first (~10 min on 2 cores). The cluster is left running
+for the next session unless ``UNDERSTUDY_CLUSTER_TEARDOWN=1`` and this session
+started it.
+
+The per-test timeout (pytest-timeout, 120 s by default) also covers fixture
+setup, so the first test that brings the cluster up gets ``UP_TIMEOUT``
+instead; see ``pytest_collection_modifyitems``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+UP_SCRIPT = REPO_ROOT / "hack" / "cluster" / "up"
+DOWN_SCRIPT = REPO_ROOT / "hack" / "cluster" / "down"
+CLUSTER_DIR = Path(os.environ.get("UNDERSTUDY_CLUSTER_DIR", "/var/lib/understudy/cluster"))
+# Cold: package install + Kubernetes build + debootstrap; cached: ~30 s.
+UP_TIMEOUT = float(os.environ.get("UNDERSTUDY_CLUSTER_UP_TIMEOUT", "2400"))
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A running cluster: where its kubeconfig is and how to talk to it."""
+
+    kubeconfig: Path
+    cluster_dir: Path
+    env: dict[str, str] = field(repr=False)
+    node_name: str
+    device_class: str
+    dra_driver: str
+    base_image: str = "localhost/understudy-base:bookworm"
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
+        """Run our kubectl against this cluster; raise with its stderr if it fails and check is set."""
+        proc = subprocess.run(
+            ["kubectl", *args],
+            input=input,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(
+                f"kubectl {' '.join(args)} exited {proc.returncode}\n"
+                f"stdout: {proc.stdout}\nstderr: {proc.stderr}"
+            )
+        return proc
+
+    def get_json(self, *args: str) -> Any:
+        """``kubectl get ARGS -o json``, parsed."""
+        return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
+
+    def apply(self, manifest: str, namespace: str | None = None) -> None:
+        """``kubectl apply -f -`` with MANIFEST (YAML or JSON text)."""
+        ns = ["-n", namespace] if namespace else []
+        self.kubectl("apply", *ns, "-f", "-", input=manifest)
+
+    def ready(self) -> bool:
+        return self.kubectl("get", "--raw", "/readyz", check=False, timeout=10).returncode == 0
+
+
+def _read_env_file(path: Path) -> dict[str, str]:
+    """Evaluate the `export K="V"` lines of the cluster's env file into a copy of os.environ."""
+    proc = subprocess.run(
+        ["bash", "-c", f'set -a; . "{path}"; env -0'],
+        capture_output=True,
+        check=True,
+    )
+    env: dict[str, str] = {}
+    for item in proc.stdout.split(b"\0"):
+        if b"=" in item:
+            k, _, v = item.partition(b"=")
+            env[k.decode()] = v.decode()
+    return env
+
+
+def _load_cluster() -> Cluster | None:
+    env_file = CLUSTER_DIR / "env"
+    if not env_file.is_file():
+        return None
+    env = _read_env_file(env_file)
+    c = Cluster(
+        kubeconfig=Path(env["KUBECONFIG"]),
+        cluster_dir=CLUSTER_DIR,
+        env=env,
+        node_name=env["UNDERSTUDY_NODE_NAME"],
+        device_class=env["UNDERSTUDY_DEVICE_CLASS"],
+        dra_driver=env["UNDERSTUDY_DRA_DRIVER"],
+    )
+    return c if c.ready() else None
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    """The single-node cluster, brought up by hack/cluster/up if needed."""
+    c = _load_cluster()
+    started = False
+    if c is None:
+        if os.geteuid() != 0:
+            pytest.skip("the cluster tier needs root to run hack/cluster/up")
+        proc = subprocess.run(
+            [str(UP_SCRIPT)], capture_output=True, text=True, timeout=UP_TIMEOUT
+        )
+        if proc.returncode != 0:
+            pytest.fail(f"hack/cluster/up failed ({proc.returncode}):\n{proc.stderr[-5000:]}")
+        started = True
+        c = _load_cluster()
+        assert c is not None, "hack/cluster/up succeeded but the cluster does not answer"
+    yield c
+    if started and os.environ.get("UNDERSTUDY_CLUSTER_TEARDOWN") == "1":
+        subprocess.run([str(DOWN_SCRIPT)], check=False, timeout=300)
+
+
+@pytest.fixture
+def namespace(cluster: Cluster) -> Iterator[str]:
+    """A fresh namespace for one test, deleted (without waiting) afterwards."""
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    cluster.kubectl("create", "namespace", name)
+    # The ServiceAccount controller creates "default" asynchronously; pods need it.
+    cluster.kubectl(
+        "wait", "--for=jsonpath={.metadata.name}=default", "-n", name,
+        "serviceaccount/default", "--timeout=30s",
+    )
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Give the first cluster test, whose setup may run hack/cluster/up, UP_TIMEOUT."""
+    for item in items:
+        if item.get_closest_marker("cluster") and "cluster" in getattr(item, "fixturenames", ()):
+            marker = item.get_closest_marker("timeout")
+            current = float(marker.args[0]) if marker and marker.args else 0.0
+            if current < UP_TIMEOUT:
+                item.add_marker(pytest.mark.timeout(UP_TIMEOUT + current), append=False)
+            break
