@@ -36,7 +36,7 @@ def encode(body: bytes, max_size: int = DEFAULT_MAX_FRAME) -> bytes:
 class FrameDecoder:
     """Incremental decoder. After a RemoteFrameError it refuses further input."""
 
-    __slots__ = ("_buf", "_broken", "max_size")
+    __slots__ = ("_broken", "_buf", "max_size")
 
     def __init__(self, max_size: int = DEFAULT_MAX_FRAME) -> None:
         self.max_size = max_size

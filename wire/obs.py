@@ -37,7 +37,9 @@ def fmt(event: str, fields: Mapping[str, object]) -> str:
     return " ".join(parts)
 
 
-def log_event(logger: logging.Logger, event: str, level: int = logging.INFO, **fields: object) -> None:
+def log_event(
+    logger: logging.Logger, event: str, level: int = logging.INFO, **fields: object
+) -> None:
     logger.log(level, fmt(event, fields))
 
 

@@ -95,7 +95,9 @@ def bind_unix(path: Path, mode: int = 0o660, backlog: int = 1024) -> socket.sock
     return sock
 
 
-def set_keepalive(sock: socket.socket, idle_s: int = 1, interval_s: int = 1, count: int = 3) -> None:
+def set_keepalive(
+    sock: socket.socket, idle_s: int = 1, interval_s: int = 1, count: int = 3
+) -> None:
     """TCP keepalive and user timeout so a vanished peer is seen in about
     ``idle + interval * count`` seconds (4 s with the defaults)."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)

@@ -1,0 +1,27 @@
+"""Frozen settings of the lock server and its clients."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_RECONNECT_WINDOW_S = 10.0
+# The client keeps trying longer than the server's window (Decision 8), so a
+# restarted server can still see its holder come back.
+DEFAULT_CLIENT_RECONNECT_S = DEFAULT_RECONNECT_WINDOW_S + 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    socket_path: Path
+    state_file: Path
+    reconnect_window_s: float = DEFAULT_RECONNECT_WINDOW_S
+    tcp: tuple[str, int] | None = None
+    token: str | None = None
+    metrics_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.reconnect_window_s < 0:
+            raise ValueError("reconnect window must be >= 0 seconds")
+        if self.tcp is not None and not self.token:
+            raise ValueError("TCP needs a shared token (--token-file)")

@@ -1,0 +1,404 @@
+"""The lock server's decision core: who holds the pod's lock, and who waits.
+
+Sans-IO (STYLE.md b1–b4): ``step(state, event) -> (state, actions)``. The shell
+feeds connection events and timer expiries and carries out the actions
+(reply, persist, clear). Everything that changes the lock's state is in this
+file, and ``TRANSITIONS`` is the one table of which events each phase accepts
+and which phases they may lead to.
+
+Semantics (seed 002, Decisions 4 and 8):
+- the connection is the lock: no release message, a holder's disconnect frees it;
+- every new grant gets an epoch (fencing token) higher than any before, also
+  across restarts (the epoch is persisted, and a corrupt state file restarts
+  the count above any counter-based epoch);
+- on restart with a persisted holder a reconnect window opens; only that holder
+  can be granted during it (with its old epoch); afterwards the lock is free;
+- a holder that lost its connection may ask for its grant back
+  (``resume_epoch``); that succeeds only if nobody was granted since.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import assert_never
+
+# ---------------------------------------------------------------- state ----
+
+
+class Phase(enum.Enum):
+    INIT = "init"  # before the state file was read
+    FREE = "free"
+    HELD = "held"
+    WINDOW = "window"  # restarted with a persisted holder; waiting for it
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    conn: int
+    engine_id: str
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Waiter:
+    conn: int
+    engine_id: str
+    resume_epoch: int | None
+    since: float
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    holder: str | None  # None: the state file was unreadable, holder unknown
+    epoch: int
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class LockState:
+    phase: Phase = Phase.INIT
+    epoch: int = 0  # the highest epoch ever granted (or restored)
+    holder: Holder | None = None
+    waiters: tuple[Waiter, ...] = ()
+    window: Window | None = None
+    last_holder: str | None = None  # engine id of the most recent holder
+
+
+# --------------------------------------------------------------- events ----
+
+
+@dataclass(frozen=True, slots=True)
+class PersistedRecord:
+    holder: str | None
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """The shell read the state file: a record, nothing (``None``), or garbage."""
+
+    record: PersistedRecord | None
+    corrupt: bool
+    now: float
+    window_s: float
+    # Epoch to restart from when the file is corrupt: the shell passes wall
+    # time in milliseconds, which exceeds any counter-based epoch ever written.
+    epoch_floor: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Connected:
+    conn: int
+
+
+@dataclass(frozen=True, slots=True)
+class AcquireRequested:
+    conn: int
+    engine_id: str
+    now: float
+    resume_epoch: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Disconnected:
+    conn: int
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class WindowExpired:
+    now: float
+
+
+Event = Restored | Connected | AcquireRequested | Disconnected | WindowExpired
+
+# -------------------------------------------------------------- actions ----
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    conn: int
+    engine_id: str
+    epoch: int
+    resumed: bool
+    waited_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Persist:
+    """Write ``{holder, epoch, granted_at}`` before the grant is sent."""
+
+    engine_id: str
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Clear:
+    """Write ``{holder: null, epoch}``: nobody holds the lock."""
+
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    conn: int
+    code: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class WindowOpened:
+    holder: str | None
+    epoch: int
+    deadline: float
+    corrupt: bool
+
+
+@dataclass(frozen=True, slots=True)
+class WindowClosed:
+    reason: str  # "reclaimed" | "expired"
+
+
+Action = Grant | Persist | Clear | Reject | WindowOpened | WindowClosed
+
+
+class InvalidTransition(Exception):
+    """An event the current phase does not accept (a bug in the shell)."""
+
+
+# ------------------------------------------------------------- handlers ----
+
+Result = tuple[LockState, list[Action]]
+
+
+def _restored(s: LockState, e: Restored) -> Result:
+    if e.corrupt:
+        epoch = max(e.epoch_floor, s.epoch)
+        w = Window(holder=None, epoch=epoch, deadline=e.now + e.window_s)
+        return (
+            replace(s, phase=Phase.WINDOW, epoch=epoch, window=w),
+            [WindowOpened(None, epoch, w.deadline, corrupt=True)],
+        )
+    if e.record is None:
+        return replace(s, phase=Phase.FREE), []
+    if e.record.holder is None:
+        return replace(s, phase=Phase.FREE, epoch=e.record.epoch), []
+    w = Window(holder=e.record.holder, epoch=e.record.epoch, deadline=e.now + e.window_s)
+    return (
+        replace(s, phase=Phase.WINDOW, epoch=e.record.epoch, window=w, last_holder=w.holder),
+        [WindowOpened(w.holder, w.epoch, w.deadline, corrupt=False)],
+    )
+
+
+def _noop(s: LockState, e: Event) -> Result:
+    return s, []
+
+
+def _known(s: LockState, conn: int) -> str | None:
+    if s.holder is not None and s.holder.conn == conn:
+        return "holds the lock"
+    if any(w.conn == conn for w in s.waiters):
+        return "is already waiting"
+    return None
+
+
+def _grant(s: LockState, w: Waiter, now: float) -> Result:
+    """Make ``w`` the holder: a resume keeps its epoch, anything else gets a new one."""
+    # Keeping an epoch is only for the engine that was granted it; anyone else
+    # (or a claim of an older epoch) gets a fresh, higher one.
+    resumed = w.resume_epoch is not None and (
+        w.resume_epoch > s.epoch or (w.resume_epoch == s.epoch and w.engine_id == s.last_holder)
+    )
+    epoch = w.resume_epoch if resumed and w.resume_epoch is not None else s.epoch + 1
+    holder = Holder(w.conn, w.engine_id, epoch)
+    rest = tuple(x for x in s.waiters if x.conn != w.conn)
+    actions: list[Action] = [
+        Persist(w.engine_id, epoch),
+        Grant(w.conn, w.engine_id, epoch, resumed, max(0.0, now - w.since)),
+    ]
+    # Resumes of an older grant can never succeed any more: tell them now
+    # rather than let them wait for a lock that is no longer theirs.
+    keep: list[Waiter] = []
+    for x in rest:
+        if x.resume_epoch is not None and x.resume_epoch < epoch:
+            actions.append(Reject(x.conn, "superseded", _superseded(x.resume_epoch, epoch)))
+        else:
+            keep.append(x)
+    new = replace(
+        s,
+        phase=Phase.HELD,
+        epoch=epoch,
+        holder=holder,
+        waiters=tuple(keep),
+        window=None,
+        last_holder=w.engine_id,
+    )
+    return new, actions
+
+
+def _superseded(theirs: int, ours: int) -> str:
+    return f"epoch {theirs} was superseded by epoch {ours}; the lock is lost"
+
+
+def _next_waiter(s: LockState) -> Waiter | None:
+    """FIFO, except that the last holder resuming its current grant goes first
+    (its old connection died half-open and nobody was granted since)."""
+    for w in s.waiters:
+        if w.resume_epoch == s.epoch and w.engine_id == s.last_holder:
+            return w
+    return s.waiters[0] if s.waiters else None
+
+
+def _release(s: LockState, now: float) -> Result:
+    """The lock just became free (holder gone or window over): promote or clear."""
+    s = replace(s, holder=None, window=None)
+    nxt = _next_waiter(s)
+    if nxt is None:
+        return replace(s, phase=Phase.FREE), [Clear(s.epoch)]
+    return _grant(s, nxt, now)
+
+
+def _acquire_free(s: LockState, e: AcquireRequested) -> Result:
+    w = Waiter(e.conn, e.engine_id, e.resume_epoch, e.now)
+    if e.resume_epoch is not None and e.resume_epoch < s.epoch:
+        return s, [Reject(e.conn, "superseded", _superseded(e.resume_epoch, s.epoch))]
+    return _grant(replace(s, waiters=(*s.waiters, w)), w, e.now)
+
+
+def _acquire_held(s: LockState, e: AcquireRequested) -> Result:
+    if (why := _known(s, e.conn)) is not None:
+        return s, [Reject(e.conn, "bad_request", f"this connection {why}")]
+    if e.resume_epoch is not None and e.resume_epoch < s.epoch:
+        return s, [Reject(e.conn, "superseded", _superseded(e.resume_epoch, s.epoch))]
+    w = Waiter(e.conn, e.engine_id, e.resume_epoch, e.now)
+    return replace(s, waiters=(*s.waiters, w)), []
+
+
+def _acquire_window(s: LockState, e: AcquireRequested) -> Result:
+    assert s.window is not None
+    if (why := _known(s, e.conn)) is not None:
+        return s, [Reject(e.conn, "bad_request", f"this connection {why}")]
+    w = Waiter(e.conn, e.engine_id, e.resume_epoch, e.now)
+    if s.window.holder is not None and e.engine_id == s.window.holder:
+        if e.resume_epoch is not None and e.resume_epoch != s.window.epoch:
+            return s, [Reject(e.conn, "superseded", _superseded(e.resume_epoch, s.window.epoch))]
+        # The persisted holder is back: same grant, same epoch, no failover.
+        w = replace(w, resume_epoch=s.window.epoch)
+        new, actions = _grant(replace(s, waiters=(*s.waiters, w)), w, e.now)
+        return new, [WindowClosed("reclaimed"), *actions]
+    if e.resume_epoch is not None and e.resume_epoch < s.epoch:
+        return s, [Reject(e.conn, "superseded", _superseded(e.resume_epoch, s.epoch))]
+    return replace(s, waiters=(*s.waiters, w)), []
+
+
+def _drop_waiter(s: LockState, conn: int) -> LockState:
+    return replace(s, waiters=tuple(w for w in s.waiters if w.conn != conn))
+
+
+def _disconnect_held(s: LockState, e: Disconnected) -> Result:
+    if s.holder is not None and s.holder.conn == e.conn:
+        return _release(s, e.now)
+    return _drop_waiter(s, e.conn), []
+
+
+def _disconnect_other(s: LockState, e: Disconnected) -> Result:
+    return _drop_waiter(s, e.conn), []
+
+
+def _window_timer(s: LockState, e: WindowExpired) -> Result:
+    assert s.window is not None
+    if e.now < s.window.deadline:
+        return s, []  # early wake-up of the shell's timer
+    new, actions = _release(s, e.now)
+    return new, [WindowClosed("expired"), *actions]
+
+
+# --------------------------------------------------------------- table -----
+
+Handler = Callable[[LockState, "Event"], Result]
+
+# (phase, event type) -> (handler, phases it may lead to). A miss is an
+# InvalidTransition: the shell fed an event this phase cannot take.
+TRANSITIONS: dict[tuple[Phase, type], tuple[Callable[..., Result], frozenset[Phase]]] = {
+    (Phase.INIT, Restored): (_restored, frozenset({Phase.FREE, Phase.WINDOW})),
+    (Phase.INIT, Connected): (_noop, frozenset({Phase.INIT})),
+    (Phase.FREE, Connected): (_noop, frozenset({Phase.FREE})),
+    (Phase.FREE, AcquireRequested): (_acquire_free, frozenset({Phase.FREE, Phase.HELD})),
+    (Phase.FREE, Disconnected): (_disconnect_other, frozenset({Phase.FREE})),
+    (Phase.FREE, WindowExpired): (_noop, frozenset({Phase.FREE})),
+    (Phase.HELD, Connected): (_noop, frozenset({Phase.HELD})),
+    (Phase.HELD, AcquireRequested): (_acquire_held, frozenset({Phase.HELD})),
+    (Phase.HELD, Disconnected): (_disconnect_held, frozenset({Phase.HELD, Phase.FREE})),
+    (Phase.HELD, WindowExpired): (_noop, frozenset({Phase.HELD})),
+    (Phase.WINDOW, Connected): (_noop, frozenset({Phase.WINDOW})),
+    (Phase.WINDOW, AcquireRequested): (_acquire_window, frozenset({Phase.WINDOW, Phase.HELD})),
+    (Phase.WINDOW, Disconnected): (_disconnect_other, frozenset({Phase.WINDOW})),
+    (Phase.WINDOW, WindowExpired): (
+        _window_timer,
+        frozenset({Phase.WINDOW, Phase.HELD, Phase.FREE}),
+    ),
+}
+
+
+def step(state: LockState, event: Event) -> Result:
+    """Apply one event. Raises InvalidTransition (state unchanged) on a miss."""
+    entry = TRANSITIONS.get((state.phase, type(event)))
+    if entry is None:
+        raise InvalidTransition(
+            f"{type(event).__name__} is not accepted in phase {state.phase.value}"
+        )
+    handler, targets = entry
+    new, actions = handler(state, event)
+    if new.phase not in targets:  # the table is the contract; a handler broke it
+        raise InvalidTransition(
+            f"{type(event).__name__} in {state.phase.value} led to {new.phase.value}"
+        )
+    return new, actions
+
+
+def next_deadline(state: LockState) -> float | None:
+    """When the shell must feed WindowExpired next, if at all."""
+    return state.window.deadline if state.window is not None else None
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    holder: str | None
+    epoch: int
+    waiters: tuple[str, ...]
+    window_open: bool
+    window_holder: str | None
+    window_remaining_s: float | None
+
+
+def snapshot(state: LockState, now: float) -> Snapshot:
+    w = state.window
+    return Snapshot(
+        holder=state.holder.engine_id if state.holder else None,
+        epoch=state.epoch,
+        waiters=tuple(x.engine_id for x in state.waiters),
+        window_open=w is not None,
+        window_holder=w.holder if w else None,
+        window_remaining_s=max(0.0, w.deadline - now) if w else None,
+    )
+
+
+def describe(action: Action) -> str:
+    """Short name of an action for logs and metrics (exhaustive by construction)."""
+    match action:
+        case Grant():
+            return "grant"
+        case Persist():
+            return "persist"
+        case Clear():
+            return "clear"
+        case Reject():
+            return "reject"
+        case WindowOpened():
+            return "window_opened"
+        case WindowClosed():
+            return "window_closed"
+        case _:
+            assert_never(action)

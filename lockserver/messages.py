@@ -1,0 +1,98 @@
+"""Every message of the lock protocol, and its codec (the only wire shapes).
+
+Client → server: ``Acquire`` (blocks until ``Granted``), ``Status``.
+Server → client: ``Granted``, ``StatusReply``, ``Error``.
+There is no release message: closing the connection releases (Decision 4).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import pydantic
+
+from understudy.wire.messages import FROZEN, MessageCodec
+
+MAX_FRAME = 16 * 1024
+MAX_ID = 256
+
+
+class LockProtocolError(Exception):
+    """Base of lock protocol errors."""
+
+
+class LocalLockProtocolError(LockProtocolError):
+    """We broke the protocol (a bug on our side)."""
+
+
+class RemoteLockProtocolError(LockProtocolError):
+    """The peer broke the protocol: reply with an error and close."""
+
+
+EngineId = Annotated[str, pydantic.StringConstraints(min_length=1, max_length=MAX_ID)]
+Token = Annotated[str, pydantic.StringConstraints(max_length=1024)]
+
+
+class Acquire(pydantic.BaseModel):
+    model_config = FROZEN
+    type: Literal["acquire"] = "acquire"
+    engine_id: EngineId
+    # Set when a holder that lost its connection tries to get the same grant
+    # back (Decision 8): re-granted with this epoch only if nobody else was
+    # granted in between, otherwise refused as superseded.
+    resume_epoch: int | None = None
+    token: Token | None = None
+
+
+class Status(pydantic.BaseModel):
+    model_config = FROZEN
+    type: Literal["status"] = "status"
+    token: Token | None = None
+
+
+class Granted(pydantic.BaseModel):
+    model_config = FROZEN
+    type: Literal["granted"] = "granted"
+    engine_id: str
+    epoch: int
+    resumed: bool = False
+
+
+class StatusReply(pydantic.BaseModel):
+    model_config = FROZEN
+    type: Literal["status_reply"] = "status_reply"
+    holder: str | None
+    epoch: int
+    waiters: tuple[str, ...]
+    window_open: bool
+    window_holder: str | None
+    window_remaining_s: float | None
+
+
+ErrorCode = Literal["bad_request", "unauthorized", "superseded", "busy", "internal"]
+
+
+class Error(pydantic.BaseModel):
+    model_config = FROZEN
+    type: Literal["error"] = "error"
+    code: ErrorCode
+    message: str
+
+
+ClientMessage = Annotated[Acquire | Status, pydantic.Field(discriminator="type")]
+ServerMessage = Annotated[Granted | StatusReply | Error, pydantic.Field(discriminator="type")]
+
+CLIENT_ADAPTER: pydantic.TypeAdapter[Acquire | Status] = pydantic.TypeAdapter(ClientMessage)
+SERVER_ADAPTER: pydantic.TypeAdapter[Granted | StatusReply | Error] = pydantic.TypeAdapter(
+    ServerMessage
+)
+
+
+def client_codec() -> MessageCodec[Acquire | Status]:
+    """What a server uses to read clients."""
+    return MessageCodec(CLIENT_ADAPTER, RemoteLockProtocolError, MAX_FRAME)
+
+
+def server_codec() -> MessageCodec[Granted | StatusReply | Error]:
+    """What a client uses to read the server."""
+    return MessageCodec(SERVER_ADAPTER, RemoteLockProtocolError, MAX_FRAME)

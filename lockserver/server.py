@@ -1,0 +1,341 @@
+"""The lock server's asyncio shell: sockets in, events to the core, actions out.
+
+One loop per connection (STYLE.md b8): read, decode, feed the core, carry out
+its actions. EOF or a reset becomes ``Disconnected``, which is how "the
+connection is the lock" reaches the core. Bad input gets an error reply and
+closes only that connection. The state file is written before a grant is
+sent, so a crash after a grant always leaves the holder on disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import itertools
+import logging
+import socket
+import time
+from collections.abc import Coroutine
+from typing import Self, assert_never
+
+import prometheus_client as prom
+
+from understudy.lockserver import fsm, statefile
+from understudy.lockserver.config import ServerConfig
+from understudy.lockserver.messages import (
+    Acquire,
+    Error,
+    ErrorCode,
+    Granted,
+    RemoteLockProtocolError,
+    Status,
+    StatusReply,
+    client_codec,
+    server_codec,
+)
+from understudy.wire.obs import log_event, start_metrics_server
+from understudy.wire.uds import bind_unix, peer_credentials, set_keepalive
+
+log = logging.getLogger("understudy.lockserver")
+
+GRANTS = prom.Counter("understudy_lock_grants_total", "Lock grants", ["resumed"])
+EPOCH = prom.Gauge("understudy_lock_epoch", "Highest epoch granted or restored")
+WAIT = prom.Histogram(
+    "understudy_lock_wait_seconds",
+    "Time an acquire waited before its grant",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 300, 3600),
+)
+WAITERS = prom.Gauge("understudy_lock_waiters", "Connections waiting in acquire")
+HELD = prom.Gauge("understudy_lock_held", "1 while an engine holds the lock")
+WINDOW_OPEN = prom.Gauge("understudy_lock_window_open", "1 while the reconnect window is open")
+WINDOW_CLOSED = prom.Counter(
+    "understudy_lock_window_closed_total", "Reconnect windows closed", ["reason"]
+)
+REJECTS = prom.Counter("understudy_lock_rejects_total", "Requests refused", ["code"])
+CONNECTIONS = prom.Gauge("understudy_lock_connections", "Open client connections")
+
+_READ_CHUNK = 64 * 1024
+
+
+class LockServer:
+    """``async with LockServer(config) as server: await server.serve_forever()``."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.state = fsm.LockState()
+        self._codec_out = server_codec()
+        self._writers: dict[int, tuple[asyncio.StreamWriter, bool]] = {}  # conn -> (w, is_tcp)
+        self._ids = itertools.count(1)
+        self._servers: list[asyncio.Server] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> Self:
+        self._loop = asyncio.get_running_loop()
+        self._restore()
+        sock = bind_unix(self.config.socket_path, mode=0o660)
+        self._servers.append(
+            await asyncio.start_unix_server(
+                lambda r, w: self._spawn(self._connection(r, w, is_tcp=False)), sock=sock
+            )
+        )
+        log_event(log, "listening", transport="unix", path=str(self.config.socket_path))
+        if self.config.tcp is not None:
+            host, port = self.config.tcp
+            self._servers.append(
+                await asyncio.start_server(
+                    lambda r, w: self._spawn(self._connection(r, w, is_tcp=True)), host, port
+                )
+            )
+            log_event(log, "listening", transport="tcp", address=f"{host}:{port}")
+        start_metrics_server(self.config.metrics_port)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        for server in self._servers:
+            server.close()
+        for writer, _ in list(self._writers.values()):
+            writer.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for server in self._servers:
+            await server.wait_closed()
+        with contextlib.suppress(FileNotFoundError):
+            self.config.socket_path.unlink()
+
+    async def serve_forever(self) -> None:
+        await asyncio.gather(*(s.serve_forever() for s in self._servers))
+
+    def _spawn(self, coro: Coroutine[None, None, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _now(self) -> float:
+        assert self._loop is not None
+        return self._loop.time()
+
+    def _restore(self) -> None:
+        path = self.config.state_file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        result = statefile.read(path)
+        wall = time.time()
+        if result.corrupt:
+            copy = statefile.keep_copy(path, wall)
+            log_event(
+                log,
+                "state_file_corrupt",
+                logging.ERROR,
+                path=str(path),
+                detail=result.detail,
+                copy=str(copy) if copy else None,
+                consequence="unknown holder assumed; every acquire waits for the reconnect window",
+            )
+        self._feed(
+            fsm.Restored(
+                record=result.record,
+                corrupt=result.corrupt,
+                now=self._now(),
+                window_s=self.config.reconnect_window_s,
+                epoch_floor=int(wall * 1000),
+            )
+        )
+        log_event(
+            log,
+            "restored",
+            phase=self.state.phase.value,
+            epoch=self.state.epoch,
+            holder=result.record.holder if result.record else None,
+        )
+
+    # ----------------------------------------------------------- the core
+
+    def _feed(self, event: fsm.Event) -> None:
+        self.state, actions = fsm.step(self.state, event)
+        for action in actions:
+            self._execute(action)
+        WAITERS.set(len(self.state.waiters))
+        HELD.set(1 if self.state.holder else 0)
+        WINDOW_OPEN.set(1 if self.state.window else 0)
+        EPOCH.set(self.state.epoch)
+
+    def _execute(self, action: fsm.Action) -> None:
+        match action:
+            case fsm.Persist(engine_id=engine_id, epoch=epoch):
+                statefile.write(self.config.state_file, engine_id, epoch, time.time())
+            case fsm.Clear(epoch=epoch):
+                statefile.write(self.config.state_file, None, epoch, time.time())
+                log_event(log, "released", epoch=epoch)
+            case fsm.Grant(conn=conn, engine_id=engine_id, epoch=epoch, resumed=resumed):
+                GRANTS.labels(resumed=str(resumed).lower()).inc()
+                WAIT.observe(action.waited_s)
+                log_event(
+                    log,
+                    "granted",
+                    engine_id=engine_id,
+                    epoch=epoch,
+                    resumed=resumed,
+                    waited_ms=round(action.waited_s * 1000, 3),
+                    conn=conn,
+                )
+                self._send(conn, Granted(engine_id=engine_id, epoch=epoch, resumed=resumed))
+            case fsm.Reject(conn=conn, code=code, message=message):
+                self._reject(conn, code, message)
+            case fsm.WindowOpened(holder=holder, epoch=epoch, deadline=deadline, corrupt=corrupt):
+                log_event(
+                    log,
+                    "window_opened",
+                    logging.WARNING,
+                    holder=holder or "<unknown>",
+                    epoch=epoch,
+                    seconds=round(deadline - self._now(), 3),
+                    corrupt=corrupt,
+                )
+                self._arm_timer(deadline)
+            case fsm.WindowClosed(reason=reason):
+                WINDOW_CLOSED.labels(reason=reason).inc()
+                log_event(log, "window_closed", reason=reason)
+                if self._timer is not None:
+                    self._timer.cancel()
+                    self._timer = None
+            case _:
+                assert_never(action)
+
+    def _arm_timer(self, deadline: float) -> None:
+        assert self._loop is not None
+        self._timer = self._loop.call_at(deadline, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._feed(fsm.WindowExpired(now=self._now()))
+        deadline = fsm.next_deadline(self.state)
+        if deadline is not None and self._timer is None:  # woke a hair early
+            self._arm_timer(deadline)
+
+    # -------------------------------------------------------- connections
+
+    def _send(self, conn: int, message: Granted | StatusReply | Error) -> None:
+        entry = self._writers.get(conn)
+        if entry is None:
+            return  # already gone; its Disconnected is on its way to the core
+        writer, _ = entry
+        if writer.is_closing():
+            return
+        writer.write(self._codec_out.encode(message))
+
+    def _reject(self, conn: int, code: str, message: str) -> None:
+        REJECTS.labels(code=code).inc()
+        log_event(log, "rejected", logging.WARNING, conn=conn, code=code, reason=message)
+        self._send(conn, Error(code=_error_code(code), message=message))
+
+    def _authorized(self, is_tcp: bool, token: str | None) -> bool:
+        if not is_tcp:
+            return True  # Unix sockets are guarded by the file mode (0660)
+        expected = self.config.token or ""
+        return token is not None and hmac.compare_digest(token.encode(), expected.encode())
+
+    async def _connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, is_tcp: bool
+    ) -> None:
+        conn = next(self._ids)
+        sock: socket.socket | None = writer.get_extra_info("socket")
+        if is_tcp and sock is not None:
+            set_keepalive(sock)
+            peer = str(writer.get_extra_info("peername"))
+        else:
+            cred = peer_credentials(sock) if sock is not None else None
+            peer = str(cred) if cred else "unknown"
+        log_event(log, "connected", logging.DEBUG, conn=conn, peer=peer, tcp=is_tcp)
+        self._writers[conn] = (writer, is_tcp)
+        CONNECTIONS.inc()
+        codec = client_codec()
+        reason = "eof"
+        try:
+            self._feed(fsm.Connected(conn))
+            while True:
+                data = await reader.read(_READ_CHUNK)
+                if not data:
+                    break
+                try:
+                    messages = codec.feed(data)
+                except RemoteLockProtocolError as exc:
+                    reason = "protocol_error"
+                    self._reject(conn, "bad_request", str(exc))
+                    break
+                for message in messages:
+                    if not self._authorized(is_tcp, message.token):
+                        reason = "unauthorized"
+                        self._reject(conn, "unauthorized", "missing or wrong token")
+                        break
+                    self._handle(conn, message)
+                else:
+                    continue
+                break
+        except (ConnectionError, TimeoutError) as exc:
+            reason = type(exc).__name__
+        finally:
+            self._writers.pop(conn, None)
+            CONNECTIONS.dec()
+            held = self.state.holder is not None and self.state.holder.conn == conn
+            self._feed(fsm.Disconnected(conn, self._now()))
+            log_event(
+                log,
+                "disconnected",
+                logging.INFO if held else logging.DEBUG,
+                conn=conn,
+                peer=peer,
+                reason=reason,
+                was_holder=held,
+            )
+            with contextlib.suppress(Exception):
+                await writer.drain()
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    def _handle(self, conn: int, message: Acquire | Status) -> None:
+        match message:
+            case Acquire(engine_id=engine_id, resume_epoch=resume_epoch):
+                log_event(
+                    log,
+                    "acquire",
+                    logging.DEBUG,
+                    conn=conn,
+                    engine_id=engine_id,
+                    resume_epoch=resume_epoch,
+                )
+                self._feed(fsm.AcquireRequested(conn, engine_id, self._now(), resume_epoch))
+            case Status():
+                snap = fsm.snapshot(self.state, self._now())
+                self._send(
+                    conn,
+                    StatusReply(
+                        holder=snap.holder,
+                        epoch=snap.epoch,
+                        waiters=snap.waiters,
+                        window_open=snap.window_open,
+                        window_holder=snap.window_holder,
+                        window_remaining_s=snap.window_remaining_s,
+                    ),
+                )
+            case _:
+                assert_never(message)
+
+
+def _error_code(code: str) -> ErrorCode:
+    match code:
+        case "bad_request" | "unauthorized" | "superseded" | "busy":
+            return code
+    return "internal"
+
+
+async def run(config: ServerConfig) -> None:
+    async with LockServer(config) as server:
+        await server.serve_forever()

@@ -1,0 +1,104 @@
+"""The lock's persisted record (Decision 8): ``{holder, epoch, granted_at}``.
+
+Written on every grant and cleared (holder null, epoch kept) on release.
+Atomic: write a temp file, fsync it, rename over the record, fsync the
+directory — all under an exclusive ``flock`` on a sibling lock file, so two
+writers (a restarting server overlapping its predecessor) never interleave.
+A record that cannot be parsed is reported as corrupt, never as "no holder":
+the caller must then assume an unknown holder may be alive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import fcntl
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from understudy.lockserver.fsm import PersistedRecord
+
+
+@dataclass(frozen=True, slots=True)
+class ReadResult:
+    record: PersistedRecord | None  # None: no file (first boot)
+    corrupt: bool
+    detail: str = ""
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    lock_path = path.with_name(path.name + ".lock")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing drops the flock
+
+
+def read(path: Path) -> ReadResult:
+    with _locked(path):
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return ReadResult(None, corrupt=False)
+        except OSError as exc:
+            return ReadResult(None, corrupt=True, detail=f"unreadable: {exc}")
+    return parse(raw)
+
+
+def parse(raw: bytes) -> ReadResult:
+    try:
+        data = json.loads(raw)
+        holder = data["holder"]
+        epoch = data["epoch"]
+        if holder is not None and (not isinstance(holder, str) or not holder):
+            raise ValueError("holder must be a non-empty string or null")
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            raise ValueError("epoch must be a non-negative integer")
+    except (ValueError, KeyError, TypeError) as exc:
+        return ReadResult(None, corrupt=True, detail=f"unparsable: {exc}")
+    return ReadResult(PersistedRecord(holder=holder, epoch=epoch), corrupt=False)
+
+
+def write(path: Path, holder: str | None, epoch: int, now_wall: float) -> None:
+    granted_at = (
+        dt.datetime.fromtimestamp(now_wall, dt.UTC).isoformat(timespec="milliseconds")
+        if holder is not None
+        else None
+    )
+    body = json.dumps({"holder": holder, "epoch": epoch, "granted_at": granted_at}).encode()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with _locked(path):
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, body)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+def keep_copy(path: Path, now_wall: float) -> Path | None:
+    """Copy a corrupt record aside for forensics.
+
+    A copy, not a move: if the server crashed again before writing a new
+    record, a missing file would read as "first boot" and let a second engine
+    be granted while the first may be alive. The corrupt original keeps the
+    next start in a reconnect window too.
+    """
+    target = path.with_name(f"{path.name}.corrupt-{int(now_wall)}")
+    try:
+        target.write_bytes(path.read_bytes())
+    except OSError:
+        return None
+    return target
