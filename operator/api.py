@@ -1,0 +1,460 @@
+"""The ``GpuInstance`` API (``understudy.dev/v1alpha1``): one source of truth.
+
+The pydantic models below are the spec and status. ``crd.py`` generates the
+CRD's structural schema from them, including the defaults, enums, bounds and
+the CEL ``x-kubernetes-validations`` attached here with :func:`cel`. A test
+checks that the generated CRD equals the copies in ``manifests/`` and
+``charts/``, so the two cannot drift (DESIGN.md principle 4).
+
+Field names are snake_case in Python and camelCase on the wire (alias
+generator); always dump with ``by_alias=True``.
+
+Core module: no I/O imports.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "understudy.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "GpuInstance"
+PLURAL = "gpuinstances"
+SINGULAR = "gpuinstance"
+SHORT_NAMES = ("gi", "gpui")
+
+# Ports fixed by docs/pod.md.
+STATUS_PORT_BASE = 8100
+LOCKSERVER_METRICS_PORT = 9101
+GMS_METRICS_PORT = 9102
+MAX_SHADOWS = 4
+MAX_GPUS = 16
+
+DEFAULT_DEVICE_CLASS = "gpu.understudy.dev"
+
+# Kubernetes' apiserver estimates the cost of every CEL rule from the maximum
+# sizes of the lists and strings it touches; unbounded ones make a rule too
+# expensive to admit. Every list and free string therefore has a bound.
+_NAME = 253
+_TEXT = 4096
+
+
+def cel(
+    rule: str, message: str, *, field_path: str | None = None, reason: str | None = None
+) -> dict[str, str]:
+    """One ``x-kubernetes-validations`` entry."""
+    entry = {"rule": rule, "message": message}
+    if field_path is not None:
+        entry["fieldPath"] = field_path
+    if reason is not None:
+        entry["reason"] = reason
+    return entry
+
+
+def _validations(*rules: dict[str, str]) -> dict[str, Any]:
+    return {"x-kubernetes-validations": list(rules)}
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        frozen=True,
+        use_enum_values=False,
+    )
+
+
+IntOrString = int | str  # a Kubernetes quantity: `1`, `"500m"`, `"8Gi"`
+
+
+# --------------------------------------------------------------------- spec
+
+
+class EngineAdapter(StrEnum):
+    REFERENCE = "reference"
+    SYNTHETIC = "synthetic"
+    VLLM = "vllm"
+
+
+class GmsBackend(StrEnum):
+    HOST = "host"
+    CUDA = "cuda"
+
+
+class PlacementStrategy(StrEnum):
+    BINPACK = "binpack"
+    SPREAD = "spread"
+
+
+class ModelSpec(_Model):
+    """What the engines serve."""
+
+    source: str = Field(
+        min_length=1,
+        max_length=_TEXT,
+        description=(
+            "Model source passed to the engine as UNDERSTUDY_MODEL: `builtin:<name>`, a path "
+            "in the container, or for the synthetic adapter a size such as `8GiB`."
+        ),
+    )
+    path: str | None = Field(
+        default=None,
+        max_length=_TEXT,
+        pattern=r"^/",
+        description=(
+            "Optional absolute directory on the node holding model files; mounted read-only "
+            "at the same path in every engine container so that `source` may point into it."
+        ),
+    )
+
+
+class ResourceRequirements(_Model):
+    """CPU and memory of one engine container (the GPUs come from the DRA claim)."""
+
+    requests: dict[str, IntOrString] = Field(
+        default_factory=dict, max_length=8, description="Resource requests (cpu, memory, ...)."
+    )
+    limits: dict[str, IntOrString] = Field(
+        default_factory=dict, max_length=8, description="Resource limits (cpu, memory, ...)."
+    )
+
+
+class EngineSpec(_Model):
+    """The inference engine run by every engine container."""
+
+    adapter: EngineAdapter = Field(
+        default=EngineAdapter.REFERENCE, description="Engine adapter of the shim."
+    )
+    image: str | None = Field(
+        default=None,
+        max_length=_TEXT,
+        description="Engine image; defaults to the operator's component image.",
+    )
+    args: list[Annotated[str, Field(max_length=_TEXT)]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Extra adapter arguments (UNDERSTUDY_ENGINE_ARGS, a JSON list).",
+    )
+    resources: ResourceRequirements = Field(
+        default_factory=ResourceRequirements,
+        description="Requests and limits of each engine container.",
+    )
+
+
+class DeviceSelector(_Model):
+    cel: Annotated[str, Field(min_length=1, max_length=10240)] = Field(
+        description=(
+            "A DRA CEL device selector, e.g. "
+            '`device.attributes["gpu.understudy.dev"].productName == "A100"`.'
+        )
+    )
+
+
+class GpuSpec(_Model):
+    """The devices every pod gets through one DRA claim shared by GMS and the engines."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_validations(
+            cel(
+                "!has(self.indices) || size(self.indices) == self.count",
+                "gpus.indices must list exactly gpus.count device indices",
+                field_path=".indices",
+            ),
+            cel(
+                "!has(self.indices) || self.indices.all(i, self.indices.exists_one(j, j == i))",
+                "gpus.indices must not repeat an index",
+                field_path=".indices",
+            ),
+        )
+    )
+
+    count: int = Field(default=1, ge=1, le=MAX_GPUS, description="Devices per pod.")
+    device_class_name: str = Field(
+        default=DEFAULT_DEVICE_CLASS,
+        min_length=1,
+        max_length=_NAME,
+        description="DRA DeviceClass of the devices (immutable).",
+        json_schema_extra=_validations(cel("self == oldSelf", "gpus.deviceClassName is immutable")),
+    )
+    selectors: list[DeviceSelector] = Field(
+        default_factory=list, max_length=8, description="Extra CEL device selectors."
+    )
+    exclusive: bool = Field(
+        default=True,
+        description=(
+            "true: each pod gets its own claim (ResourceClaimTemplate), devices reserved for it. "
+            "false: one ResourceClaim shared by every replica pod (immutable)."
+        ),
+        json_schema_extra=_validations(cel("self == oldSelf", "gpus.exclusive is immutable")),
+    )
+    indices: list[Annotated[int, Field(ge=0, le=1023)]] | None = Field(
+        default=None,
+        max_length=MAX_GPUS,
+        description="Explicit device indices (the devices' index attribute), as many as count.",
+    )
+    index_attribute: str | None = Field(
+        default=None,
+        max_length=_NAME,
+        pattern=r"^[a-z0-9.-]+/[A-Za-z0-9_]+$",
+        description=(
+            "Qualified device attribute holding the index, `<domain>/<name>`; "
+            "defaults to `<deviceClassName>/index`."
+        ),
+    )
+
+
+class GmsSpec(_Model):
+    backend: GmsBackend = Field(
+        default=GmsBackend.CUDA,
+        description="GMS memory backend: `cuda` (CUDA VMM) or `host` (memfd, CPU clusters).",
+    )
+    resources: ResourceRequirements = Field(
+        default_factory=ResourceRequirements, description="Requests and limits of the GMS sidecar."
+    )
+
+
+class FailoverSpec(_Model):
+    enabled: bool = Field(default=True, description="Run shadow engines (hot standby).")
+    shadows: int = Field(
+        default=1, ge=1, le=MAX_SHADOWS, description="Shadow engines per pod when enabled."
+    )
+    wake_timeout_seconds: int = Field(
+        default=60, ge=1, le=3600, description="Longest Waking phase."
+    )
+    remap_timeout_seconds: int = Field(
+        default=30, ge=1, le=3600, description="GMS remap timeout on wake."
+    )
+    lock_reconnect_window_seconds: int = Field(
+        default=10, ge=1, le=600, description="Lock server reconnect window after its restart."
+    )
+    startup_budget_seconds: int = Field(
+        default=1800, ge=10, le=86400, description="Longest Init phase of an engine (model load)."
+    )
+
+
+class PlacementSpec(_Model):
+    target_node: str | None = Field(
+        default=None, max_length=_NAME, description="Place every replica on this node."
+    )
+    node_selector: dict[str, Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=dict, max_length=16, description="Node labels a node must carry."
+    )
+    strategy: PlacementStrategy = Field(
+        default=PlacementStrategy.SPREAD,
+        description="binpack: fill the busiest fitting node; spread: the least busy.",
+    )
+
+
+class ReplicasSpec(_Model):
+    """min / desired / max with the meaning of seed 001 (Skyward's Nodes).
+
+    ``min`` pods always exist. ``desired`` (default ``min``) is the readiness
+    threshold: the instance is Ready when that many replicas serve. Without
+    ``max`` the instance is fixed-size and ``desired <= min``; with ``max`` it is
+    elastic, ``desired <= max``, and the operator runs ``max(min, desired)``
+    pods until the autoscaler (later) moves within [min, max].
+    """
+
+    model_config = ConfigDict(
+        json_schema_extra=_validations(
+            cel(
+                "!has(self.max) || self.max >= self.min",
+                "replicas.max must be at least replicas.min",
+                field_path=".max",
+            ),
+            cel(
+                "!has(self.desired) || self.desired <= (has(self.max) ? self.max : self.min)",
+                "replicas.desired must be at most replicas.max (or replicas.min when max is unset)",
+                field_path=".desired",
+            ),
+        )
+    )
+
+    min: int = Field(default=1, ge=1, le=64, description="Pods that always exist.")
+    desired: int | None = Field(
+        default=None, ge=1, le=64, description="Ready replicas needed for Ready (default min)."
+    )
+    max: int | None = Field(default=None, ge=1, le=64, description="Upper bound when elastic.")
+
+    @property
+    def ready_threshold(self) -> int:
+        return self.desired if self.desired is not None else self.min
+
+    @property
+    def target(self) -> int:
+        return max(self.min, self.ready_threshold)
+
+
+class GpuInstanceSpec(_Model):
+    model_config = ConfigDict(
+        json_schema_extra=_validations(
+            cel(
+                "self.servingPort < 8100 || self.servingPort > 8100 + self.failover.shadows",
+                "servingPort collides with an engine status port (8100 + i)",
+                field_path=".servingPort",
+            ),
+            cel(
+                "self.servingPort != 9101 && self.servingPort != 9102",
+                "servingPort collides with a sidecar metrics port (9101, 9102)",
+                field_path=".servingPort",
+            ),
+            cel(
+                "!has(self.gpus.indices) || self.replicas.min == 1 && !has(self.replicas.max)",
+                "gpus.indices pins devices of one node: use it with a single replica",
+                field_path=".gpus.indices",
+            ),
+        )
+    )
+
+    model: ModelSpec
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    gpus: GpuSpec = Field(default_factory=GpuSpec)
+    gms: GmsSpec = Field(default_factory=GmsSpec)
+    failover: FailoverSpec = Field(default_factory=FailoverSpec)
+    placement: PlacementSpec = Field(default_factory=PlacementSpec)
+    replicas: ReplicasSpec = Field(default_factory=ReplicasSpec)
+    serving_port: int = Field(
+        default=8000, ge=1024, le=65535, description="Port of the OpenAI-compatible API."
+    )
+
+    @property
+    def shadow_count(self) -> int:
+        return self.failover.shadows if self.failover.enabled else 0
+
+
+# ------------------------------------------------------------------- status
+
+
+class Phase(StrEnum):
+    """The instance's summary phase (a printer column)."""
+
+    PENDING = "Pending"
+    SCHEDULING = "Scheduling"
+    STARTING = "Starting"
+    RUNNING = "Running"
+    DEGRADED = "Degraded"
+    FAILED = "Failed"
+
+
+class ConditionStatus(StrEnum):
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class Condition(_Model):
+    """A ``metav1.Condition``."""
+
+    type: str = Field(max_length=316)
+    status: ConditionStatus
+    observed_generation: int = Field(default=0, ge=0)
+    last_transition_time: str = Field(
+        max_length=64, description="RFC 3339 time of the last status flip."
+    )
+    reason: str = Field(max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
+    message: str = Field(default="", max_length=32768)
+
+
+class ReplicaPhase(StrEnum):
+    """Lifecycle of one replica (lifecycle.py holds its transition table)."""
+
+    PENDING = "Pending"
+    SCHEDULED = "Scheduled"
+    STARTING = "Starting"
+    RUNNING = "Running"
+    UNKNOWN = "Unknown"
+    FAILED = "Failed"
+    TERMINATING = "Terminating"
+
+
+class HistoryEntry(_Model):
+    time: str = Field(max_length=64)
+    replica: int = Field(ge=0)
+    attempt: int = Field(ge=0)
+    handler: str = Field(max_length=64)
+    result: str = Field(max_length=32)
+    message: str = Field(default="", max_length=1024)
+
+
+class ReplicaStatus(_Model):
+    index: int = Field(ge=0)
+    pod: str = Field(max_length=_NAME)
+    phase: ReplicaPhase = ReplicaPhase.PENDING
+    phase_since: str = Field(
+        default="", max_length=64, description="RFC 3339 time the phase began."
+    )
+    attempt: int = Field(
+        default=0, ge=0, description="Placements so far; pods of older attempts are stale."
+    )
+    retries: int = Field(default=0, ge=0, description="Failures reported in the current phase.")
+    node: str | None = Field(default=None, max_length=_NAME)
+    active_engine: str | None = Field(default=None, max_length=_NAME)
+    epoch: int | None = Field(default=None, ge=0, description="Lock epoch of the active engine.")
+    routable: bool = False
+    standby_ready: bool = False
+    failovers: int = Field(default=0, ge=0)
+
+
+class GpuInstanceStatus(_Model):
+    phase: Phase = Phase.PENDING
+    observed_generation: int = Field(default=0, ge=0)
+    conditions: list[Condition] = Field(default_factory=list, max_length=16)
+    attempt: int = Field(default=0, ge=0, description="Sum of placement attempts over replicas.")
+    replicas: list[ReplicaStatus] = Field(default_factory=list, max_length=64)
+    ready_replicas: int = Field(default=0, ge=0)
+    active: str = Field(
+        default="0/0", max_length=32, description="Replicas with an Active engine / target."
+    )
+    failovers: int = Field(default=0, ge=0)
+    last_failover_time: str | None = Field(default=None, max_length=64)
+    last_failover_duration_seconds: float | None = Field(default=None, ge=0)
+    history: list[HistoryEntry] = Field(default_factory=list, max_length=32)
+
+
+class ObjectMeta(BaseModel):
+    """The subset of metadata the operator reads (extra keys allowed)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    name: str
+    namespace: str = "default"
+    uid: str = ""
+    generation: int = 0
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class GpuInstance(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    api_version: Literal["understudy.dev/v1alpha1"] = Field(
+        default="understudy.dev/v1alpha1", alias="apiVersion"
+    )
+    kind: Literal["GpuInstance"] = "GpuInstance"
+    metadata: ObjectMeta
+    spec: GpuInstanceSpec
+    status: GpuInstanceStatus = Field(default_factory=GpuInstanceStatus)
+
+    @classmethod
+    def from_body(cls, body: Any) -> GpuInstance:
+        """From a raw API body (extra metadata kept, unknown top-level keys dropped)."""
+        data = dict(body)
+        keep = {
+            k: data[k] for k in ("apiVersion", "kind", "metadata", "spec", "status") if k in data
+        }
+        meta = dict(keep.get("metadata") or {})
+        keep["metadata"] = meta
+        if keep.get("status") is None:
+            keep.pop("status", None)
+        else:
+            status = {k: v for k, v in dict(keep["status"]).items() if k in _STATUS_KEYS}
+            keep["status"] = status
+        return cls.model_validate(keep)
+
+
+_STATUS_KEYS = frozenset(f.alias or n for n, f in GpuInstanceStatus.model_fields.items())

@@ -1,0 +1,204 @@
+"""The GpuInstance CRD, generated from the pydantic models of ``api.py``.
+
+pydantic's JSON Schema is turned into a Kubernetes *structural* schema:
+``$ref`` inlined, ``Optional`` (``anyOf`` with null) collapsed to the type,
+``int | str`` to ``x-kubernetes-int-or-string``, titles dropped, the CEL rules
+declared in ``api.py`` kept as ``x-kubernetes-validations``. Optional nested
+objects of the spec default to ``{}`` so the API server materialises their
+defaults. ``understudy operator crd`` prints it; ``manifests/crd.yaml`` and the
+chart's copy must equal it (tests/unit/operator/test_crd.py).
+
+Core module: no I/O imports.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+
+from understudy.operator import api
+
+CRD_NAME = f"{api.PLURAL}.{api.GROUP}"
+
+_KEEP_SCALAR = (
+    "type",
+    "description",
+    "default",
+    "enum",
+    "format",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "minItems",
+    "maxItems",
+    "minProperties",
+    "maxProperties",
+    "required",
+    "x-kubernetes-validations",
+    "x-kubernetes-int-or-string",
+    "x-kubernetes-list-type",
+    "x-kubernetes-list-map-keys",
+)
+
+PRINTER_COLUMNS: list[dict[str, Any]] = [
+    {
+        "name": "Ready",
+        "type": "string",
+        "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
+    },
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {
+        "name": "Active",
+        "type": "string",
+        "jsonPath": ".status.active",
+        "description": "Replicas with an Active engine / replicas",
+    },
+    {"name": "Failovers", "type": "integer", "jsonPath": ".status.failovers"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+
+def _merge_rules(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, str]]:
+    return [*a.get("x-kubernetes-validations", []), *b.get("x-kubernetes-validations", [])]
+
+
+def _structural(node: dict[str, Any], defs: dict[str, Any], *, in_spec: bool) -> dict[str, Any]:
+    if "$ref" in node:
+        target = defs[node["$ref"].rsplit("/", 1)[-1]]
+        merged = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
+        rules = _merge_rules(target, node)
+        if rules:
+            merged["x-kubernetes-validations"] = rules
+        return _structural(merged, defs, in_spec=in_spec)
+    if "anyOf" in node:
+        options = [o for o in node["anyOf"] if o.get("type") != "null"]
+        outer = {k: v for k, v in node.items() if k != "anyOf"}
+        if outer.get("default", 0) is None:
+            del outer["default"]
+        types = sorted(o.get("type", "") for o in options)
+        if types == ["integer", "string"]:
+            return {**_scalars(outer), "x-kubernetes-int-or-string": True}
+        if len(options) != 1:
+            raise ValueError(f"cannot express a union in a structural schema: {node}")
+        merged = {**options[0], **outer}
+        rules = _merge_rules(options[0], outer)
+        if rules:
+            merged["x-kubernetes-validations"] = rules
+        return _structural(merged, defs, in_spec=in_spec)
+    out = _scalars(node)
+    if node.get("type") == "object":
+        props = node.get("properties")
+        if props is not None:
+            out["properties"] = {}
+            required = set(node.get("required", []))
+            for name, sub in props.items():
+                child = _structural(sub, defs, in_spec=in_spec)
+                if (
+                    in_spec
+                    and name not in required
+                    and child.get("type") == "object"
+                    and "properties" in child
+                    and "default" not in child
+                ):
+                    child["default"] = {}
+                out["properties"][name] = child
+        extra = node.get("additionalProperties")
+        if isinstance(extra, dict):
+            out["additionalProperties"] = _structural(extra, defs, in_spec=in_spec)
+    if node.get("type") == "array" and "items" in node:
+        out["items"] = _structural(node["items"], defs, in_spec=in_spec)
+    return out
+
+
+def _scalars(node: dict[str, Any]) -> dict[str, Any]:
+    out = {k: node[k] for k in _KEEP_SCALAR if k in node}
+    if "required" in out:
+        out["required"] = sorted(out["required"])
+    return out
+
+
+def _schema_of(model: type[BaseModel], *, in_spec: bool) -> dict[str, Any]:
+    raw = model.model_json_schema(by_alias=True, mode="validation")
+    defs = raw.get("$defs", {})
+    top = {k: v for k, v in raw.items() if k != "$defs"}
+    return _structural(top, defs, in_spec=in_spec)
+
+
+def spec_schema() -> dict[str, Any]:
+    return _schema_of(api.GpuInstanceSpec, in_spec=True)
+
+
+def status_schema() -> dict[str, Any]:
+    schema = _schema_of(api.GpuInstanceStatus, in_spec=False)
+    props = schema["properties"]
+    props["conditions"]["x-kubernetes-list-type"] = "map"
+    props["conditions"]["x-kubernetes-list-map-keys"] = ["type"]
+    props["replicas"]["x-kubernetes-list-type"] = "map"
+    props["replicas"]["x-kubernetes-list-map-keys"] = ["index"]
+    # Status is written only by the operator; required keys would make a partial
+    # merge patch fail, so none are declared at the top.
+    schema.pop("required", None)
+    return schema
+
+
+def generate_crd() -> dict[str, Any]:
+    """The CustomResourceDefinition as a plain dict."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": CRD_NAME,
+            "labels": {
+                "app.kubernetes.io/name": "understudy",
+                "app.kubernetes.io/component": "crd",
+            },
+        },
+        "spec": {
+            "group": api.GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": api.KIND,
+                "listKind": f"{api.KIND}List",
+                "plural": api.PLURAL,
+                "singular": api.SINGULAR,
+                "shortNames": list(api.SHORT_NAMES),
+                "categories": ["understudy"],
+            },
+            "versions": [
+                {
+                    "name": api.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": PRINTER_COLUMNS,
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "description": "A model served by hot-standby engines on GPUs.",
+                            "required": ["spec"],
+                            "properties": {
+                                "apiVersion": {"type": "string"},
+                                "kind": {"type": "string"},
+                                "metadata": {"type": "object"},
+                                "spec": spec_schema(),
+                                "status": status_schema(),
+                            },
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
+HEADER = "# Generated by `understudy operator crd` from operator/api.py. Do not edit.\n"
+
+
+def crd_yaml() -> str:
+    return HEADER + yaml.safe_dump(generate_crd(), sort_keys=False, width=100)

@@ -1,0 +1,338 @@
+"""Lifecycle of one GpuInstance replica: one transition table, one coordinator.
+
+Seed 000 (PyLet) gives the states and attempt fencing; seed 003 (Sokovan)
+gives the split of responsibilities:
+
+* **handlers** look at one replica and its pod and only *report* an
+  :class:`Outcome` (success / failure / skipped) for the replica's current
+  ``attempt``;
+* each handler **declares** which :class:`Event` each verdict means
+  (:class:`Transitions`), but never changes a state itself;
+* the **coordinator** (:func:`judge`) ignores reports of a stale attempt or
+  for a phase the handler does not target, counts failures, decides
+  NEED_RETRY / GIVE_UP (retry count) or EXPIRED (time in phase), and applies
+  the declared event through :func:`step`, the only function that changes a
+  phase, which consults :data:`TRANSITIONS` and raises
+  :class:`InvalidTransition` on a miss, leaving the record unchanged.
+
+Every judged report yields a :class:`HistoryEntry`; the history is bounded
+(:func:`append_history`) and each entry becomes a Kubernetes Event.
+
+The attempt counter rises on every placement (``PLACED``) and nowhere else;
+a pod carries its attempt in an annotation, so anything observed from a pod of
+an older attempt arrives here as a stale report and is dropped.
+
+Core module: no I/O imports; ``now`` is epoch seconds passed in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from enum import StrEnum
+
+from understudy.operator.api import ReplicaPhase
+
+P = ReplicaPhase
+
+
+class Event(StrEnum):
+    PLACED = "Placed"  # the scheduler chose a placement; a pod of a new attempt is created
+    BOUND = "Bound"  # kube-scheduler bound the pod (and DRA allocated its claim)
+    STARTED = "Started"  # the pod runs
+    NODE_LOST = "NodeLost"  # the pod's node is NotReady or gone
+    NODE_BACK = "NodeBack"  # the node came back and the pod still runs
+    POD_LOST = "PodLost"  # the pod of the current attempt vanished or failed for good
+    EXPIRED = "Expired"  # too long in the current phase (coordinator)
+    GAVE_UP = "GaveUp"  # too many failures in the current phase (coordinator)
+    RESET = "Reset"  # a failed replica gets another chance (spec changed)
+    DELETE = "Delete"  # scale down or instance deletion
+
+
+# The one table. (phase, event) -> next phase; anything else is invalid.
+TRANSITIONS: dict[tuple[ReplicaPhase, Event], ReplicaPhase] = {
+    (P.PENDING, Event.PLACED): P.SCHEDULED,
+    (P.PENDING, Event.GAVE_UP): P.FAILED,
+    (P.PENDING, Event.DELETE): P.TERMINATING,
+    (P.SCHEDULED, Event.BOUND): P.STARTING,
+    (P.SCHEDULED, Event.POD_LOST): P.PENDING,
+    (P.SCHEDULED, Event.EXPIRED): P.PENDING,
+    (P.SCHEDULED, Event.GAVE_UP): P.PENDING,
+    (P.SCHEDULED, Event.DELETE): P.TERMINATING,
+    (P.STARTING, Event.STARTED): P.RUNNING,
+    (P.STARTING, Event.NODE_LOST): P.UNKNOWN,
+    (P.STARTING, Event.POD_LOST): P.PENDING,
+    (P.STARTING, Event.EXPIRED): P.PENDING,
+    (P.STARTING, Event.GAVE_UP): P.PENDING,
+    (P.STARTING, Event.DELETE): P.TERMINATING,
+    (P.RUNNING, Event.NODE_LOST): P.UNKNOWN,
+    (P.RUNNING, Event.POD_LOST): P.PENDING,
+    (P.RUNNING, Event.DELETE): P.TERMINATING,
+    (P.UNKNOWN, Event.NODE_BACK): P.RUNNING,
+    (P.UNKNOWN, Event.POD_LOST): P.PENDING,
+    (P.UNKNOWN, Event.EXPIRED): P.PENDING,
+    (P.UNKNOWN, Event.DELETE): P.TERMINATING,
+    (P.FAILED, Event.RESET): P.PENDING,
+    (P.FAILED, Event.EXPIRED): P.PENDING,
+    (P.FAILED, Event.DELETE): P.TERMINATING,
+}
+
+TERMINAL: frozenset[ReplicaPhase] = frozenset({P.TERMINATING})
+
+
+class LifecycleError(Exception):
+    """Base of lifecycle errors."""
+
+
+class InvalidTransition(LifecycleError):
+    """A (phase, event) pair absent from TRANSITIONS: a bug in a handler declaration."""
+
+    def __init__(self, phase: ReplicaPhase, event: Event) -> None:
+        super().__init__(f"no transition from {phase} on {event}")
+        self.phase = phase
+        self.event = event
+
+
+class Outcome(StrEnum):
+    """What a handler reports."""
+
+    SUCCESS = "Success"
+    FAILURE = "Failure"  # attempted and failed: counts as a retry
+    SKIPPED = "Skipped"  # could not attempt yet (waiting): history only, expiry checked
+
+
+class Verdict(StrEnum):
+    """What the coordinator decides."""
+
+    SUCCESS = "Success"
+    NEED_RETRY = "NeedRetry"
+    EXPIRED = "Expired"
+    GIVE_UP = "GiveUp"
+    SKIPPED = "Skipped"
+
+
+class Handler(StrEnum):
+    SCHEDULE = "schedule"  # Pending: find a placement and create the pod
+    PRESENCE = "presence"  # a pod of the current attempt exists and has not failed
+    BIND = "bind"  # Scheduled: the pod got a node
+    NODE = "node"  # the pod's node is Ready
+    START = "start"  # Starting: the pod runs
+    RECOVER = "recover"  # Unknown: the node is back and the pod still runs
+    RETRY_FAILED = "retry-failed"  # Failed: wait out the back-off
+
+
+@dataclass(frozen=True, slots=True)
+class Transitions:
+    """The event each verdict means for one handler; None keeps the phase."""
+
+    success: Event | None = None
+    need_retry: Event | None = None
+    expired: Event | None = None
+    give_up: Event | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HandlerSpec:
+    targets: frozenset[ReplicaPhase]
+    transitions: Transitions
+    max_retries: int | None  # None: never gives up
+    timeout: str | None  # a field of Policy: the longest time in the phase, or None
+
+
+HANDLERS: dict[Handler, HandlerSpec] = {
+    Handler.SCHEDULE: HandlerSpec(
+        frozenset({P.PENDING}),
+        Transitions(success=Event.PLACED, give_up=Event.GAVE_UP),
+        max_retries=30,
+        timeout=None,
+    ),
+    Handler.PRESENCE: HandlerSpec(
+        frozenset({P.SCHEDULED, P.STARTING, P.RUNNING, P.UNKNOWN}),
+        Transitions(need_retry=Event.POD_LOST),
+        max_retries=None,
+        timeout=None,
+    ),
+    Handler.BIND: HandlerSpec(
+        frozenset({P.SCHEDULED}),
+        Transitions(success=Event.BOUND, expired=Event.EXPIRED, give_up=Event.GAVE_UP),
+        max_retries=60,
+        timeout="bind_timeout",
+    ),
+    Handler.NODE: HandlerSpec(
+        frozenset({P.STARTING, P.RUNNING}),
+        Transitions(need_retry=Event.NODE_LOST),
+        max_retries=None,
+        timeout=None,
+    ),
+    Handler.START: HandlerSpec(
+        frozenset({P.STARTING}),
+        Transitions(success=Event.STARTED, expired=Event.EXPIRED, give_up=Event.GAVE_UP),
+        max_retries=20,
+        timeout="start_timeout",
+    ),
+    Handler.RECOVER: HandlerSpec(
+        frozenset({P.UNKNOWN}),
+        Transitions(success=Event.NODE_BACK, expired=Event.EXPIRED),
+        max_retries=None,
+        timeout="unknown_timeout",
+    ),
+    Handler.RETRY_FAILED: HandlerSpec(
+        frozenset({P.FAILED}),
+        Transitions(expired=Event.EXPIRED),
+        max_retries=None,
+        timeout="failed_backoff",
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """Time budgets (seconds) the coordinator judges expiry with."""
+
+    bind_timeout: float = 300.0
+    start_timeout: float = 1800.0 + 300.0
+    unknown_timeout: float = 60.0
+    failed_backoff: float = 300.0
+
+    def budget(self, name: str | None) -> float | None:
+        if name is None:
+            return None
+        value: float = getattr(self, name)
+        return value
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    """The coordinator's record of one replica (persisted in status.replicas)."""
+
+    index: int
+    phase: ReplicaPhase = P.PENDING
+    attempt: int = 0
+    retries: int = 0
+    since: float = 0.0
+    node: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    handler: Handler
+    replica: int
+    attempt: int
+    outcome: Outcome
+    message: str = ""
+    node: str | None = None  # for SCHEDULE success: the chosen node (None: kube-scheduler picks)
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryEntry:
+    time: float
+    replica: int
+    attempt: int
+    handler: Handler
+    verdict: Verdict
+    event: Event | None
+    phase: ReplicaPhase  # the phase after the verdict
+    message: str
+
+
+HISTORY_LIMIT = 32
+
+
+def step(replica: Replica, event: Event, now: float) -> Replica:
+    """The only phase change. Raises InvalidTransition (record unchanged) on a miss."""
+    nxt = TRANSITIONS.get((replica.phase, event))
+    if nxt is None:
+        raise InvalidTransition(replica.phase, event)
+    attempt = replica.attempt + 1 if event is Event.PLACED else replica.attempt
+    return replace(replica, phase=nxt, attempt=attempt, retries=0, since=now)
+
+
+def _event_for(verdict: Verdict, tr: Transitions) -> Event | None:
+    match verdict:
+        case Verdict.SUCCESS:
+            return tr.success
+        case Verdict.NEED_RETRY:
+            return tr.need_retry
+        case Verdict.EXPIRED:
+            return tr.expired
+        case Verdict.GIVE_UP:
+            return tr.give_up
+        case Verdict.SKIPPED:
+            return None
+
+
+def judge(
+    replica: Replica, report: Report, policy: Policy, now: float
+) -> tuple[Replica, HistoryEntry | None]:
+    """Coordinator: apply one report. Stale or inapplicable reports change nothing."""
+    if report.replica != replica.index or report.attempt != replica.attempt:
+        return replica, None
+    spec = HANDLERS[report.handler]
+    if replica.phase not in spec.targets:
+        return replica, None
+    retries = replica.retries
+    match report.outcome:
+        case Outcome.SUCCESS:
+            verdict = Verdict.SUCCESS
+            retries = 0
+        case Outcome.FAILURE:
+            retries += 1
+            if spec.max_retries is not None and retries > spec.max_retries:
+                verdict = Verdict.GIVE_UP
+            else:
+                verdict = Verdict.NEED_RETRY
+        case Outcome.SKIPPED:
+            budget = policy.budget(spec.timeout)
+            if budget is not None and now - replica.since > budget:
+                verdict = Verdict.EXPIRED
+            else:
+                verdict = Verdict.SKIPPED
+    event = _event_for(verdict, spec.transitions)
+    updated = replace(replica, retries=retries)
+    if event is not None:
+        updated = step(updated, event, now)
+        if event is Event.PLACED:
+            updated = replace(updated, node=report.node)
+    entry = HistoryEntry(
+        time=now,
+        replica=replica.index,
+        attempt=replica.attempt,
+        handler=report.handler,
+        verdict=verdict,
+        event=event,
+        phase=updated.phase,
+        message=report.message,
+    )
+    return updated, entry
+
+
+def delete(replica: Replica, now: float) -> Replica:
+    """Scale-down or deletion: every non-terminal phase may be terminated."""
+    if replica.phase in TERMINAL:
+        return replica
+    return step(replica, Event.DELETE, now)
+
+
+def reset(replica: Replica, now: float) -> Replica:
+    """A spec change gives a Failed replica another chance."""
+    if replica.phase is P.FAILED:
+        return step(replica, Event.RESET, now)
+    return replica
+
+
+def append_history(
+    history: Sequence[HistoryEntry], entries: Sequence[HistoryEntry], limit: int = HISTORY_LIMIT
+) -> tuple[HistoryEntry, ...]:
+    """Bounded history; a repeat of the same replica's last identical verdict is not stored."""
+    out = list(history)
+    for e in entries:
+        last = next((h for h in reversed(out) if h.replica == e.replica), None)
+        if (
+            last is not None
+            and e.event is None
+            and (last.handler, last.verdict, last.attempt, last.message, last.phase)
+            == (e.handler, e.verdict, e.attempt, e.message, e.phase)
+        ):
+            continue
+        out.append(e)
+    return tuple(out[-limit:])

@@ -1,0 +1,482 @@
+"""Rendering: a GpuInstance becomes the objects of docs/pod.md (pure).
+
+``render_pod`` is the pod contract of docs/pod.md, container by container;
+``render_claim`` the DRA claim (a ``ResourceClaimTemplate`` for exclusive
+devices, one shared ``ResourceClaim`` otherwise) that GMS and every engine
+reference; ``render_service`` the Service of the readiness-trap design
+(``publishNotReadyAddresses`` plus the ``understudy.dev/routable`` selector).
+Every object is a plain dict carrying an owner reference to the GpuInstance.
+``docs/operator.md`` explains the design.
+
+Core module: no I/O imports.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from understudy.operator import api
+from understudy.operator.api import EngineAdapter, GpuInstance
+
+PREFIX = "understudy.dev"
+LABEL_INSTANCE = f"{PREFIX}/instance"
+LABEL_REPLICA = f"{PREFIX}/replica"
+LABEL_ROUTABLE = f"{PREFIX}/routable"
+ANNOTATION_ATTEMPT = f"{PREFIX}/attempt"
+ANNOTATION_SPEC_HASH = f"{PREFIX}/spec-hash"
+MANAGED_BY = "understudy-operator"
+
+RUN_DIR = "/run/understudy"
+LOCK_SOCKET = f"{RUN_DIR}/lock.sock"
+LOCK_STATE = f"{RUN_DIR}/lock.state"
+GMS_SOCKET_DIR = f"{RUN_DIR}/gms"
+CLAIM_NAME = "gpus"  # the pod-level name of the DRA claim
+RUN_UID = 65532
+
+LOCKSERVER = "lockserver"
+GMS = "gms"
+PRIMARY = "engine-primary"
+
+
+def shadow_name(k: int) -> str:
+    return f"engine-shadow-{k}"
+
+
+@dataclass(frozen=True, slots=True)
+class RenderConfig:
+    """Operator-level settings the rendering needs (not part of the spec)."""
+
+    image: str = "localhost/understudy:dev"  # the one component image
+    image_pull_policy: str = "IfNotPresent"
+    # Probe timings of docs/pod.md; the startup probe's failureThreshold is
+    # derived from the startup budget.
+    engine_startup_period_s: int = 2
+    termination_grace_s: int = 30
+
+
+def pod_name(inst: GpuInstance, index: int) -> str:
+    return f"{inst.metadata.name}-{index}"
+
+
+def claim_name(inst: GpuInstance) -> str:
+    return f"{inst.metadata.name}-gpus"
+
+
+def service_name(inst: GpuInstance) -> str:
+    return inst.metadata.name
+
+
+def engine_names(inst: GpuInstance) -> list[str]:
+    return [PRIMARY, *(shadow_name(k) for k in range(1, inst.spec.shadow_count + 1))]
+
+
+def status_port(i: int) -> int:
+    return api.STATUS_PORT_BASE + i
+
+
+def owner_reference(inst: GpuInstance) -> dict[str, Any]:
+    return {
+        "apiVersion": api.API_VERSION,
+        "kind": api.KIND,
+        "name": inst.metadata.name,
+        "uid": inst.metadata.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def common_labels(inst: GpuInstance, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "understudy",
+        "app.kubernetes.io/instance": inst.metadata.name,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        LABEL_INSTANCE: inst.metadata.name,
+    }
+
+
+def _meta(inst: GpuInstance, name: str, component: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": inst.metadata.namespace,
+        "labels": common_labels(inst, component),
+        "ownerReferences": [owner_reference(inst)],
+    }
+
+
+def devices_arg(inst: GpuInstance) -> str:
+    return ",".join(str(d) for d in range(inst.spec.gpus.count))
+
+
+def _container_security(*, read_only_root: bool) -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "readOnlyRootFilesystem": read_only_root,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _resources(
+    req: api.ResourceRequirements, *, defaults: Mapping[str, str], claim: bool
+) -> dict[str, Any]:
+    out: dict[str, Any] = {"requests": {**defaults, **req.requests}}
+    if req.limits:
+        out["limits"] = dict(req.limits)
+    if claim:
+        out["claims"] = [{"name": CLAIM_NAME}]
+    return out
+
+
+def _mounts(inst: GpuInstance, *, model: bool) -> list[dict[str, Any]]:
+    mounts: list[dict[str, Any]] = [
+        {"name": "run", "mountPath": RUN_DIR},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    if model and inst.spec.model.path is not None:
+        mounts.append({"name": "model", "mountPath": inst.spec.model.path, "readOnly": True})
+    return mounts
+
+
+def _exec(*argv: str) -> dict[str, Any]:
+    return {"exec": {"command": list(argv)}}
+
+
+def lockserver_container(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]:
+    window = inst.spec.failover.lock_reconnect_window_seconds
+    return {
+        "name": LOCKSERVER,
+        "image": cfg.image,
+        "imagePullPolicy": cfg.image_pull_policy,
+        "restartPolicy": "Always",
+        "command": ["understudy"],
+        "args": [
+            "lockserver",
+            "serve",
+            "--socket",
+            LOCK_SOCKET,
+            "--state-file",
+            LOCK_STATE,
+            "--reconnect-window",
+            str(window),
+            "--metrics-port",
+            str(api.LOCKSERVER_METRICS_PORT),
+        ],
+        "ports": [
+            {
+                "name": "lock-metrics",
+                "containerPort": api.LOCKSERVER_METRICS_PORT,
+                "protocol": "TCP",
+            }
+        ],
+        "startupProbe": {
+            **_exec("understudy", "lock", "status", "--socket", LOCK_SOCKET, "--timeout", "1"),
+            "periodSeconds": 1,
+            "timeoutSeconds": 2,
+            "failureThreshold": 60,
+        },
+        # docs/pod.md, the readiness trap: "some engine in this pod is Active and
+        # healthy". Only the Active engine binds the serving port. The operator
+        # copies this container's readiness into the understudy.dev/routable label.
+        "readinessProbe": {
+            "httpGet": {"path": "/health", "port": inst.spec.serving_port, "scheme": "HTTP"},
+            "periodSeconds": 1,
+            "timeoutSeconds": 1,
+            "successThreshold": 1,
+            "failureThreshold": 3,
+        },
+        "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
+        "securityContext": _container_security(read_only_root=True),
+        "volumeMounts": _mounts(inst, model=False),
+    }
+
+
+def gms_container(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]:
+    devices = devices_arg(inst)
+    return {
+        "name": GMS,
+        "image": cfg.image,
+        "imagePullPolicy": cfg.image_pull_policy,
+        "restartPolicy": "Always",
+        "command": ["understudy"],
+        "args": [
+            "gms",
+            "serve",
+            "--socket-dir",
+            GMS_SOCKET_DIR,
+            "--devices",
+            devices,
+            "--backend",
+            inst.spec.gms.backend.value,
+            "--metrics-port",
+            str(api.GMS_METRICS_PORT),
+        ],
+        "ports": [
+            {"name": "gms-metrics", "containerPort": api.GMS_METRICS_PORT, "protocol": "TCP"}
+        ],
+        "startupProbe": {
+            **_exec(
+                "understudy",
+                "gms",
+                "wait-ready",
+                "--socket-dir",
+                GMS_SOCKET_DIR,
+                "--devices",
+                devices,
+                "--timeout",
+                "1",
+            ),
+            "periodSeconds": 1,
+            "timeoutSeconds": 2,
+            "failureThreshold": 120,
+        },
+        "resources": _resources(
+            inst.spec.gms.resources, defaults={"cpu": "50m", "memory": "64Mi"}, claim=True
+        ),
+        "securityContext": _container_security(read_only_root=True),
+        "volumeMounts": _mounts(inst, model=False),
+    }
+
+
+def engine_env(inst: GpuInstance, name: str, i: int) -> list[dict[str, Any]]:
+    s = inst.spec
+    values = {
+        "ENGINE_ROLE": "primary" if i == 0 else "shadow",
+        "UNDERSTUDY_ENGINE_NAME": name,
+        "UNDERSTUDY_RUN_DIR": RUN_DIR,
+        "UNDERSTUDY_LOCK_SOCKET": LOCK_SOCKET,
+        "UNDERSTUDY_GMS_SOCKET_DIR": GMS_SOCKET_DIR,
+        "UNDERSTUDY_GMS_BACKEND": s.gms.backend.value,
+        "UNDERSTUDY_DEVICES": devices_arg(inst),
+        "UNDERSTUDY_ENGINE_ADAPTER": s.engine.adapter.value,
+        "UNDERSTUDY_MODEL": s.model.source,
+        "UNDERSTUDY_ENGINE_ARGS": json.dumps(list(s.engine.args)),
+        "UNDERSTUDY_SERVE_PORT": str(s.serving_port),
+        "UNDERSTUDY_STATUS_PORT": str(status_port(i)),
+        "UNDERSTUDY_STARTUP_BUDGET_S": str(s.failover.startup_budget_seconds),
+        "UNDERSTUDY_WAKE_TIMEOUT_S": str(s.failover.wake_timeout_seconds),
+        "UNDERSTUDY_REMAP_TIMEOUT_S": str(s.failover.remap_timeout_seconds),
+        # Decision 8: the client waits longer than the server's window.
+        "UNDERSTUDY_LOCK_RECONNECT_S": str(s.failover.lock_reconnect_window_seconds + 5),
+    }
+    env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in values.items()]
+    env += [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+    ]
+    return env
+
+
+def engine_container(inst: GpuInstance, cfg: RenderConfig, i: int) -> dict[str, Any]:
+    name = PRIMARY if i == 0 else shadow_name(i)
+    port = status_port(i)
+    budget = inst.spec.failover.startup_budget_seconds
+    period = cfg.engine_startup_period_s
+
+    def http(path: str) -> dict[str, Any]:
+        return {"httpGet": {"path": path, "port": port, "scheme": "HTTP"}}
+
+    # vLLM writes caches (torch compile, triton) under $HOME; the CPU adapters don't.
+    read_only = inst.spec.engine.adapter is not EngineAdapter.VLLM
+    return {
+        "name": name,
+        "image": inst.spec.engine.image or cfg.image,
+        "imagePullPolicy": cfg.image_pull_policy,
+        "command": ["understudy"],
+        "args": ["engine", "run"],
+        "env": engine_env(inst, name, i),
+        # The serving port is deliberately not declared: only the Active engine
+        # binds it, whichever container that is; the Service targets the number.
+        "ports": [{"name": f"status-{i}", "containerPort": port, "protocol": "TCP"}],
+        "startupProbe": {
+            **http("/startup"),
+            "periodSeconds": period,
+            "timeoutSeconds": 2,
+            "failureThreshold": max(1, math.ceil(budget / period)),
+        },
+        "livenessProbe": {
+            **http("/live"),
+            "periodSeconds": 5,
+            "timeoutSeconds": 2,
+            "failureThreshold": 3,
+        },
+        "readinessProbe": {
+            **http("/ready"),
+            "periodSeconds": 2,
+            "timeoutSeconds": 2,
+            "failureThreshold": 2,
+        },
+        "resources": _resources(
+            inst.spec.engine.resources, defaults={"cpu": "100m", "memory": "256Mi"}, claim=True
+        ),
+        "securityContext": _container_security(read_only_root=read_only),
+        "volumeMounts": _mounts(inst, model=True),
+    }
+
+
+def _volumes(inst: GpuInstance) -> list[dict[str, Any]]:
+    vols: list[dict[str, Any]] = [
+        # Survives container restarts within the pod: the lock state file
+        # (Decision 8) and the sockets live here.
+        {"name": "run", "emptyDir": {"sizeLimit": "64Mi"}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+    ]
+    if inst.spec.model.path is not None:
+        vols.append(
+            {"name": "model", "hostPath": {"path": inst.spec.model.path, "type": "Directory"}}
+        )
+    return vols
+
+
+def _pod_claim(inst: GpuInstance) -> dict[str, str]:
+    if inst.spec.gpus.exclusive:
+        return {"name": CLAIM_NAME, "resourceClaimTemplateName": claim_name(inst)}
+    return {"name": CLAIM_NAME, "resourceClaimName": claim_name(inst)}
+
+
+def pod_spec(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]:
+    """The pod spec without placement: what the spec hash covers."""
+    spec: dict[str, Any] = {
+        "restartPolicy": "Always",
+        "terminationGracePeriodSeconds": cfg.termination_grace_s,
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_UID,
+            "runAsGroup": RUN_UID,
+            "fsGroup": RUN_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "resourceClaims": [_pod_claim(inst)],
+        "initContainers": [lockserver_container(inst, cfg), gms_container(inst, cfg)],
+        "containers": [engine_container(inst, cfg, i) for i in range(inst.spec.shadow_count + 1)],
+        "volumes": _volumes(inst),
+    }
+    if inst.spec.placement.node_selector:
+        spec["nodeSelector"] = dict(inst.spec.placement.node_selector)
+    return spec
+
+
+def spec_hash(inst: GpuInstance, cfg: RenderConfig) -> str:
+    """Changes exactly when the rendered pod (minus placement) changes."""
+    blob = json.dumps(pod_spec(inst, cfg), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def render_pod(
+    inst: GpuInstance, index: int, attempt: int, node: str | None, cfg: RenderConfig
+) -> dict[str, Any]:
+    """Replica ``index`` of placement ``attempt``; ``node`` narrows kube-scheduler's choice.
+
+    Placement is node affinity, not ``nodeName``: a pod with ``nodeName`` skips
+    kube-scheduler, and with it the DRA allocation of its claim.
+    """
+    meta = _meta(inst, pod_name(inst, index), "engine-pod")
+    meta["labels"][LABEL_REPLICA] = str(index)
+    meta["labels"][LABEL_ROUTABLE] = "false"  # the operator sets it from lockserver readiness
+    meta["annotations"] = {
+        ANNOTATION_ATTEMPT: str(attempt),
+        ANNOTATION_SPEC_HASH: spec_hash(inst, cfg),
+    }
+    spec = pod_spec(inst, cfg)
+    if node is not None:
+        spec["affinity"] = {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchFields": [
+                                {"key": "metadata.name", "operator": "In", "values": [node]}
+                            ]
+                        }
+                    ]
+                }
+            }
+        }
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
+
+
+def _selectors(inst: GpuInstance) -> list[dict[str, Any]]:
+    g = inst.spec.gpus
+    out = [{"cel": {"expression": s.cel}} for s in g.selectors]
+    if g.indices is not None:
+        attr = g.index_attribute or f"{g.device_class_name}/index"
+        domain, name = attr.split("/", 1)
+        values = ", ".join(str(i) for i in g.indices)
+        out.append({"cel": {"expression": f'device.attributes["{domain}"].{name} in [{values}]'}})
+    return out
+
+
+def _device_request(inst: GpuInstance) -> dict[str, Any]:
+    g = inst.spec.gpus
+    exactly: dict[str, Any] = {
+        "deviceClassName": g.device_class_name,
+        "allocationMode": "ExactCount",
+        "count": g.count,
+    }
+    selectors = _selectors(inst)
+    if selectors:
+        exactly["selectors"] = selectors
+    return {"devices": {"requests": [{"name": CLAIM_NAME, "exactly": exactly}]}}
+
+
+def render_claim(inst: GpuInstance) -> dict[str, Any]:
+    """ResourceClaimTemplate (exclusive: one claim per pod) or a shared ResourceClaim."""
+    meta = _meta(inst, claim_name(inst), "gpus")
+    if inst.spec.gpus.exclusive:
+        return {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaimTemplate",
+            "metadata": meta,
+            "spec": {
+                "metadata": {"labels": common_labels(inst, "gpus")},
+                "spec": _device_request(inst),
+            },
+        }
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": meta,
+        "spec": _device_request(inst),
+    }
+
+
+def render_service(inst: GpuInstance) -> dict[str, Any]:
+    """The readiness-trap Service: not-ready addresses published, routable pods selected."""
+    port = inst.spec.serving_port
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(inst, service_name(inst), "serving"),
+        "spec": {
+            "type": "ClusterIP",
+            "publishNotReadyAddresses": True,
+            "selector": {LABEL_INSTANCE: inst.metadata.name, LABEL_ROUTABLE: "true"},
+            "ports": [{"name": "http", "port": port, "targetPort": port, "protocol": "TCP"}],
+        },
+    }
+
+
+def render_all(
+    inst: GpuInstance,
+    cfg: RenderConfig,
+    placements: Mapping[int, tuple[int, str | None]] | None = None,
+) -> list[dict[str, Any]]:
+    """Everything the operator creates; ``placements`` maps replica -> (attempt, node).
+
+    Without placements, every target replica is rendered at attempt 1 on
+    ``placement.targetNode`` (what ``understudy render`` prints).
+    """
+    if placements is None:
+        node = inst.spec.placement.target_node
+        placements = {i: (1, node) for i in range(inst.spec.replicas.target)}
+    objs = [render_claim(inst), render_service(inst)]
+    objs += [render_pod(inst, i, a, n, cfg) for i, (a, n) in sorted(placements.items())]
+    return objs

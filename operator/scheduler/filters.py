@@ -1,0 +1,109 @@
+"""Placement filters (seed 004's filter chain), pure.
+
+Each filter looks at one candidate node and returns None (keep) or the reason
+it is rejected. The chain runs in order and records the first rejection of
+every node, so "no feasible node" comes with a message that says why.
+
+Placement only narrows where kube-scheduler may bind the pod (node affinity);
+DRA still allocates the actual devices, so device counts here are a forecast
+from ResourceSlices and allocated ResourceClaims, not a reservation.
+
+Core module: no I/O imports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from understudy.operator.api import PlacementStrategy
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    name: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+    ready: bool = True
+    schedulable: bool = True
+    # Device indices of the requested class on this node (ResourceSlices) and
+    # those allocated to any claim. None: unknown (no ResourceSlice access).
+    devices: frozenset[int] | None = None
+    allocated: frozenset[int] = frozenset()
+    reserved: int = 0  # devices promised to placements made in this cycle
+    ours: int = 0  # replicas of this instance already on the node
+
+    @property
+    def free(self) -> int | None:
+        if self.devices is None:
+            return None
+        return len(self.devices - self.allocated) - self.reserved
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    count: int
+    strategy: PlacementStrategy = PlacementStrategy.SPREAD
+    indices: tuple[int, ...] | None = None
+    target_node: str | None = None
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    exclusive: bool = True
+
+
+Filter = Callable[[Request, NodeInfo], str | None]
+
+
+def target_node_filter(req: Request, node: NodeInfo) -> str | None:
+    if req.target_node is not None and node.name != req.target_node:
+        return f"not the target node {req.target_node}"
+    return None
+
+
+def node_selector_filter(req: Request, node: NodeInfo) -> str | None:
+    for key, value in req.node_selector.items():
+        if node.labels.get(key) != value:
+            return f"label {key}={value} missing"
+    return None
+
+
+def status_filter(req: Request, node: NodeInfo) -> str | None:
+    if not node.ready:
+        return "node not Ready"
+    if not node.schedulable:
+        return "node unschedulable (cordoned)"
+    return None
+
+
+def device_filter(req: Request, node: NodeInfo) -> str | None:
+    if node.devices is None:
+        return None  # unknown: leave it to kube-scheduler and DRA
+    if req.indices is not None:
+        missing = sorted(set(req.indices) - node.devices)
+        if missing:
+            return f"no device with index {missing}"
+        if req.exclusive:
+            taken = sorted(set(req.indices) & node.allocated)
+            if taken:
+                return f"device index {taken} already allocated"
+        return None
+    have = node.free if req.exclusive else len(node.devices)
+    if have is not None and have < req.count:
+        return f"{have} free device(s), {req.count} needed"
+    return None
+
+
+CHAIN: tuple[Filter, ...] = (target_node_filter, node_selector_filter, status_filter, device_filter)
+
+
+def filter_nodes(
+    req: Request, nodes: Sequence[NodeInfo], chain: Sequence[Filter] = CHAIN
+) -> tuple[list[NodeInfo], dict[str, str]]:
+    """Candidates, and the first rejection reason of every other node."""
+    kept: list[NodeInfo] = []
+    rejected: dict[str, str] = {}
+    for node in nodes:
+        reason = next((r for f in chain if (r := f(req, node)) is not None), None)
+        if reason is None:
+            kept.append(node)
+        else:
+            rejected[node.name] = reason
+    return kept, rejected
