@@ -1,0 +1,56 @@
+"""The memory-backend interface, server side and client side.
+
+A server backend owns physical allocations and exports each as a file
+descriptor; a client mapper turns such an fd into memory at an address it
+chose (a reservation), and can drop the memory while keeping the address
+reserved, so that a later ``map`` at the same address makes old pointers and
+views valid again (sleep / wake, Decision 6).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from understudy.gms.messages import GmsError
+
+
+class BackendUnavailable(GmsError):
+    """The backend cannot work here (no driver, no device); one line of text."""
+
+
+class ServerBackend(Protocol):
+    name: str
+    device: int
+    granularity: int
+
+    def create(self, alloc_id: int, size: int) -> None:
+        """Create ``size`` bytes (already aligned) under ``alloc_id``."""
+
+    def export(self, alloc_id: int, writable: bool) -> int:
+        """A new fd for the allocation; the caller closes it once sent."""
+
+    def release(self, alloc_id: int) -> None:
+        """Drop the server's reference (memory is freed when no one maps it)."""
+
+    def close(self) -> None:
+        """Release everything."""
+
+
+class ClientMapper(Protocol):
+    name: str
+
+    def reserve(self, size: int, granularity: int) -> int:
+        """Reserve ``size`` bytes of address space; returns the address."""
+
+    def map(self, fd: int, address: int, size: int, writable: bool) -> None:
+        """Map the allocation behind ``fd`` at ``address`` (reserved). ``fd``
+        stays the caller's (it may be closed right after)."""
+
+    def protect_readonly(self, address: int, size: int) -> None:
+        """Make a mapping read-only (after commit)."""
+
+    def unmap(self, address: int, size: int) -> None:
+        """Drop the mapping and its reference to the memory; keep the reservation."""
+
+    def free(self, address: int, size: int) -> None:
+        """Give the (unmapped) reservation back."""

@@ -1,0 +1,223 @@
+"""``cuda`` backend: CUDA virtual memory management through cuda-python.
+
+UNVERIFIED: written without a GPU in reach; the tests marked ``gpu`` exercise
+it where a driver is present.
+
+Server (``CudaVmmBackend``): ``cuInit`` and ``cuMemCreate`` (pinned, on the
+device, POSIX-fd handle type), ``cuMemExportToShareableHandle`` per export,
+``cuMemRelease`` on abort. The server never maps memory, so it needs no VA
+and, like NVIDIA Dynamo's GPU Memory Service (``GMSServerMemoryManager``: "it
+creates shareable memory without mapping it locally (no CUDA context needed
+on the server)"), it creates no context: ``cuMemCreate`` and the export are
+context-independent driver calls. Should a driver insist on a current context
+(``CUDA_ERROR_INVALID_CONTEXT``), the backend retains the device's *primary*
+context once and retries — the cheapest context there is, never a new one —
+and logs that it did.
+
+Client (``CudaVmmMapper``): ``cuMemImportFromShareableHandle`` on the received
+fd, ``cuMemAddressReserve`` once per allocation, ``cuMemMap`` and
+``cuMemSetAccess`` (READWRITE for the writer, READ after commit and for
+readers). Sleep is ``cuMemUnmap`` + ``cuMemRelease`` of the imported handle
+with the VA reservation kept; wake imports the new fd and maps it at the same
+address. Physical memory is reference-counted across processes (Decision 7):
+the server's ``cuMemRelease`` frees nothing while an engine still holds an
+imported handle. The client needs a current context (the engine has one; if
+not, the device's primary context is retained and made current).
+
+Without a driver, cuda-python raises a ``RuntimeError`` subclass on the first
+driver call; both classes turn that into ``BackendUnavailable`` with one line.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from understudy.gms.backends.base import BackendUnavailable
+from understudy.gms.messages import GmsError
+
+log = logging.getLogger(__name__)
+
+
+class CudaError(GmsError):
+    """A CUDA driver call failed."""
+
+
+def _driver() -> Any:
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:  # cuda-python not installed
+        raise BackendUnavailable(f"cuda backend: cuda-python is not installed ({exc})") from exc
+    return driver
+
+
+def _check(drv: Any, result: Any, what: str) -> None:
+    if result != drv.CUresult.CUDA_SUCCESS:
+        err, text = drv.cuGetErrorString(result)
+        reason = text.decode() if err == drv.CUresult.CUDA_SUCCESS and text else str(result)
+        raise CudaError(f"{what} failed: {reason}")
+
+
+def _init(drv: Any, device: int) -> Any:
+    """cuInit + cuDeviceGet, with the missing-driver case as one clear line."""
+    try:
+        (result,) = drv.cuInit(0)
+    except RuntimeError as exc:  # DynamicLibNotFoundError etc.: no libcuda
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise BackendUnavailable(f"cuda backend: no NVIDIA driver: {first}") from None
+    if result != drv.CUresult.CUDA_SUCCESS:
+        raise BackendUnavailable(f"cuda backend: cuInit failed: {result}")
+    result, dev = drv.cuDeviceGet(device)
+    if result != drv.CUresult.CUDA_SUCCESS:
+        raise BackendUnavailable(f"cuda backend: no CUDA device {device}: {result}")
+    result, supported = drv.cuDeviceGetAttribute(
+        drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev
+    )
+    if result != drv.CUresult.CUDA_SUCCESS or not supported:
+        raise BackendUnavailable(f"cuda backend: device {device} cannot export POSIX fds")
+    return dev
+
+
+def _prop(drv: Any, device: int) -> Any:
+    prop = drv.CUmemAllocationProp()
+    prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = device
+    prop.requestedHandleTypes = (
+        drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    )
+    return prop
+
+
+def _granularity(drv: Any, device: int) -> int:
+    result, gran = drv.cuMemGetAllocationGranularity(
+        _prop(drv, device), drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+    )
+    _check(drv, result, "cuMemGetAllocationGranularity")
+    return int(gran)
+
+
+def _retain_primary(drv: Any, dev: Any) -> Any:
+    result, ctx = drv.cuDevicePrimaryCtxRetain(dev)
+    _check(drv, result, "cuDevicePrimaryCtxRetain")
+    (result,) = drv.cuCtxSetCurrent(ctx)
+    _check(drv, result, "cuCtxSetCurrent")
+    return ctx
+
+
+class CudaVmmBackend:
+    """Server side: physical allocations, exported as POSIX fds; never mapped."""
+
+    name = "cuda"
+
+    def __init__(self, device: int) -> None:
+        self._drv = _driver()
+        self._dev = _init(self._drv, device)
+        self.device = device
+        self.granularity = _granularity(self._drv, device)
+        self._handles: dict[int, Any] = {}
+        self._ctx: Any = None
+
+    def create(self, alloc_id: int, size: int) -> None:
+        drv = self._drv
+        result, handle = drv.cuMemCreate(size, _prop(drv, self.device), 0)
+        if result == drv.CUresult.CUDA_ERROR_INVALID_CONTEXT and self._ctx is None:
+            log.warning("event=cuda_primary_context device=%d reason=cuMemCreate", self.device)
+            self._ctx = _retain_primary(drv, self._dev)
+            result, handle = drv.cuMemCreate(size, _prop(drv, self.device), 0)
+        _check(drv, result, f"cuMemCreate({size})")
+        self._handles[alloc_id] = handle
+
+    def export(self, alloc_id: int, writable: bool) -> int:
+        # A POSIX-fd handle carries no access rights; the client sets them.
+        drv = self._drv
+        result, fd = drv.cuMemExportToShareableHandle(
+            self._handles[alloc_id],
+            drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            0,
+        )
+        _check(drv, result, "cuMemExportToShareableHandle")
+        return int(fd)
+
+    def release(self, alloc_id: int) -> None:
+        handle = self._handles.pop(alloc_id, None)
+        if handle is not None:
+            (result,) = self._drv.cuMemRelease(handle)
+            if result != self._drv.CUresult.CUDA_SUCCESS:
+                log.warning("event=cuda_release_failed id=%d result=%s", alloc_id, result)
+
+    def close(self) -> None:
+        for alloc_id in list(self._handles):
+            self.release(alloc_id)
+        if self._ctx is not None:
+            self._drv.cuDevicePrimaryCtxRelease(self._dev)
+            self._ctx = None
+
+
+class CudaVmmMapper:
+    """Client side: import, reserve, map, set access; unmap keeps the VA."""
+
+    name = "cuda"
+
+    def __init__(self, device: int) -> None:
+        drv = self._drv = _driver()
+        self.device = device
+        self._dev = _init(drv, device)
+        result, ctx = drv.cuCtxGetCurrent()
+        _check(drv, result, "cuCtxGetCurrent")
+        if not int(ctx):
+            _retain_primary(drv, self._dev)
+        self._handles: dict[int, Any] = {}  # address -> imported handle
+
+    def _access(self, address: int, size: int, writable: bool) -> None:
+        drv = self._drv
+        desc = drv.CUmemAccessDesc()
+        desc.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        desc.location.id = self.device
+        desc.flags = (
+            drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            if writable
+            else drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ
+        )
+        (result,) = drv.cuMemSetAccess(address, size, [desc], 1)
+        _check(drv, result, "cuMemSetAccess")
+
+    def reserve(self, size: int, granularity: int) -> int:
+        result, ptr = self._drv.cuMemAddressReserve(size, granularity, 0, 0)
+        _check(self._drv, result, "cuMemAddressReserve")
+        return int(ptr)
+
+    def map(self, fd: int, address: int, size: int, writable: bool) -> None:
+        drv = self._drv
+        result, handle = drv.cuMemImportFromShareableHandle(
+            fd, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        )
+        _check(drv, result, "cuMemImportFromShareableHandle")
+        try:
+            (result,) = drv.cuMemMap(address, size, 0, handle, 0)
+            _check(drv, result, "cuMemMap")
+            try:
+                self._access(address, size, writable)
+            except BaseException:
+                drv.cuMemUnmap(address, size)
+                raise
+        except BaseException:
+            drv.cuMemRelease(handle)
+            raise
+        self._handles[address] = handle
+
+    def protect_readonly(self, address: int, size: int) -> None:
+        self._access(address, size, writable=False)
+
+    def unmap(self, address: int, size: int) -> None:
+        drv = self._drv
+        (result,) = drv.cuMemUnmap(address, size)
+        _check(drv, result, "cuMemUnmap")
+        handle = self._handles.pop(address, None)
+        if handle is not None:
+            (result,) = drv.cuMemRelease(handle)
+            _check(drv, result, "cuMemRelease")
+
+    def free(self, address: int, size: int) -> None:
+        (result,) = self._drv.cuMemAddressFree(address, size)
+        _check(self._drv, result, "cuMemAddressFree")

@@ -1,0 +1,136 @@
+"""``host`` backend: Linux shared memory (memfd), shared by fd.
+
+Server: one ``memfd_create`` per allocation, sized with ``ftruncate`` to the
+granularity (pages are only allocated when first written), sealed against
+growing and shrinking so no client can truncate it under the others (which
+would SIGBUS them). RO sessions receive an fd re-opened ``O_RDONLY``, so the
+kernel refuses a writable shared mapping of it.
+
+Client: mirrors CUDA VMM. ``reserve`` takes address space with
+``mmap(NULL, size, PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)``;
+``map`` puts the memfd over it with ``MAP_SHARED|MAP_FIXED``; ``unmap``
+replaces it with a fresh ``PROT_NONE`` anonymous mapping (the reservation
+stays, the shared pages are no longer referenced); ``map`` again at the same
+address after a wake. RO mappings are ``PROT_READ``: a write faults (SIGSEGV).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import fcntl
+import mmap
+import os
+
+from understudy.gms.backends.base import BackendUnavailable
+from understudy.gms.layout import DEFAULT_GRANULARITY
+
+# Linux generic values (x86_64 and arm64 agree); Python's mmap module lacks them.
+MAP_FIXED = 0x10
+MAP_NORESERVE = 0x4000
+PROT_NONE = 0
+MAP_FAILED = ctypes.c_void_p(-1).value
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_mmap = _libc.mmap
+_mmap.restype = ctypes.c_void_p
+_mmap.argtypes = (
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+)
+_munmap = _libc.munmap
+_munmap.restype = ctypes.c_int
+_munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_mprotect = _libc.mprotect
+_mprotect.restype = ctypes.c_int
+_mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+def _oserror(what: str) -> OSError:
+    err = ctypes.get_errno()
+    return OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _do_mmap(address: int | None, size: int, prot: int, flags: int, fd: int) -> int:
+    got = _mmap(address, size, prot, flags, fd, 0)
+    if got is None or got == MAP_FAILED:
+        raise _oserror("mmap")
+    if address is not None and got != address:
+        raise OSError(f"mmap returned {got:#x}, not the fixed address {address:#x}")
+    return int(got)
+
+
+class MemfdBackend:
+    """Server side: allocations are memfds."""
+
+    name = "host"
+
+    def __init__(self, device: int, granularity: int | None = None) -> None:
+        if not hasattr(os, "memfd_create"):
+            raise BackendUnavailable("host backend needs memfd_create (Linux)")
+        self.device = device
+        self.granularity = granularity or DEFAULT_GRANULARITY
+        self._fds: dict[int, int] = {}
+
+    def create(self, alloc_id: int, size: int) -> None:
+        name = f"understudy-gms-{os.getpid()}-{self.device}-{alloc_id}"
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fds[alloc_id] = fd
+
+    def export(self, alloc_id: int, writable: bool) -> int:
+        fd = self._fds[alloc_id]
+        if writable:
+            return os.dup(fd)
+        # A new open file description, read-only: mmap(PROT_WRITE, MAP_SHARED) fails.
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+    def release(self, alloc_id: int) -> None:
+        fd = self._fds.pop(alloc_id, None)
+        if fd is not None:
+            os.close(fd)
+
+    def close(self) -> None:
+        for alloc_id in list(self._fds):
+            self.release(alloc_id)
+
+
+class HostMapper:
+    """Client side: reservations and fixed shared mappings."""
+
+    name = "host"
+
+    def reserve(self, size: int, granularity: int) -> int:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE
+        return _do_mmap(None, size, PROT_NONE, flags, -1)
+
+    def map(self, fd: int, address: int, size: int, writable: bool) -> None:
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        _do_mmap(address, size, prot, mmap.MAP_SHARED | MAP_FIXED, fd)
+
+    def protect_readonly(self, address: int, size: int) -> None:
+        if _mprotect(address, size, mmap.PROT_READ) != 0:
+            raise _oserror("mprotect")
+
+    def unmap(self, address: int, size: int) -> None:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED
+        _do_mmap(address, size, PROT_NONE, flags, -1)
+
+    def free(self, address: int, size: int) -> None:
+        if _munmap(address, size) != 0:
+            raise _oserror("munmap")
+
+
+def close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)

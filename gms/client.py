@@ -1,0 +1,549 @@
+"""The GMS client the engine shim uses: synchronous, blocking sockets.
+
+    client = GmsClient.connect(path, Mode.RW_OR_RO, timeout=60.0, on_lost=die)
+    if client.granted_mode is Granted.RW:
+        a = client.allocate(n)            # mapped read-write at a.address
+        a.view()[:] = weights
+        client.put_metadata("layer0", {"alloc": a.id, "offset": 0, ...})
+        client.commit()                   # layout hash; mappings become read-only
+    else:
+        client.import_all()               # every allocation mapped read-only
+    client.unmap()                        # sleep: memory and session dropped,
+                                          # addresses stay reserved
+    client.remap(timeout=30.0)            # wake: same addresses, same layout, or
+                                          # StaleMemoryLayoutError / GmsTimeoutError
+
+Addresses survive sleep and wake: the client reserves address space per
+allocation and maps the backend's memory into it (``backends``), so numpy
+arrays or tensors built from ``Allocation.address`` before ``unmap`` read the
+same bytes after ``remap``. Between the two, touching them faults.
+
+Read-only is enforced: an RO session's mappings are ``PROT_READ`` (host) or
+``CU_MEM_ACCESS_FLAGS_PROT_READ`` (cuda), and so are the writer's after
+commit. A write segfaults rather than silently corrupting shared weights.
+
+A lost server connection while mapped is reported once to ``on_lost`` from a
+watcher thread. The watcher polls only for hang-up (POLLRDHUP/POLLHUP/
+POLLERR), never for readable data, so it cannot steal a reply from a request
+in flight on the same socket.
+
+All public methods take one lock: one engine may call them from any thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+from understudy.gms import messages as m
+from understudy.gms.backends import ClientMapper, make_mapper
+from understudy.gms.messages import GmsError, Granted, Mode
+from understudy.wire.framing import RemoteFrameError, encode
+from understudy.wire.uds import OwnedFd, recv_frame, send_frame
+
+__all__ = [
+    "Allocation",
+    "GmsClient",
+    "GmsConnectionLost",
+    "GmsError",
+    "GmsRefused",
+    "GmsTimeoutError",
+    "StaleMemoryLayoutError",
+    "query_state",
+]
+
+
+class GmsTimeoutError(GmsError, TimeoutError):
+    """The lock (or a reply, or the server's socket) did not come in time."""
+
+
+class GmsConnectionLost(GmsError, ConnectionError):
+    """The server closed the connection or could not be reached."""
+
+
+class GmsRefused(GmsError):
+    """The server answered a request with an error (``code``)."""
+
+    def __init__(self, code: m.ErrorCode, message: str) -> None:
+        super().__init__(f"{code.value}: {message}")
+        self.code = code
+
+
+class StaleMemoryLayoutError(GmsError):
+    """What is committed now is not what this client mapped before sleeping."""
+
+
+LostCallback = Callable[[BaseException], None]
+R = TypeVar("R")
+
+_RETRY_CONNECT_S = 0.05
+_REPLY_SLACK_S = 2.0  # beyond a hello's own timeout, for the server's answer to arrive
+
+
+@dataclass(slots=True, eq=False)
+class Allocation:
+    """One allocation as this client sees it. ``address`` never changes."""
+
+    id: int
+    tag: str
+    size: int
+    requested: int
+    address: int
+    _client: GmsClient
+
+    def view(self) -> memoryview:
+        """The mapped bytes (host backend). Read-only unless this is the writer
+        before commit. Invalid (raises) while unmapped."""
+        self._client._check_view()
+        buf = (ctypes.c_char * self.size).from_address(self.address)
+        view = memoryview(buf).cast("B")
+        return view if self._client.writable else view.toreadonly()
+
+    def array(self, dtype: Any = "uint8", count: int = -1, offset: int = 0) -> Any:
+        """A numpy array over the mapped bytes (host backend)."""
+        import numpy as np
+
+        return np.frombuffer(self.view(), dtype=dtype, count=count, offset=offset)
+
+
+class _Watcher(threading.Thread):
+    """Reports a hang-up of ``sock`` to ``on_lost``, once, unless stopped first."""
+
+    def __init__(self, sock: socket.socket, on_lost: LostCallback) -> None:
+        super().__init__(name="gms-watcher", daemon=True)
+        self._fd = sock.fileno()
+        self._on_lost = on_lost
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        poller = select.poll()
+        poller.register(self._fd, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        poller.register(self._wake_r, select.POLLIN)
+        try:
+            while not self._stopped.is_set():
+                events = poller.poll()
+                if self._stopped.is_set():
+                    return
+                for fd, _ in events:
+                    if fd == self._fd:
+                        self._stopped.set()
+                        self._on_lost(GmsConnectionLost("GMS closed the connection"))
+                        return
+        finally:
+            os.close(self._wake_r)
+
+    def stop(self) -> None:
+        """Stop without reporting; call before closing the socket."""
+        if not self._stopped.is_set():
+            self._stopped.set()
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"x")
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout=5)
+        with contextlib.suppress(OSError):
+            os.close(self._wake_w)
+
+
+def _connect_socket(path: Path, deadline: float) -> socket.socket:
+    """Connect, retrying while the server is not there yet, until ``deadline``."""
+    last: OSError | None = None
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise GmsTimeoutError(f"cannot reach GMS at {path}: {last or 'timed out'}")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(remaining)
+        try:
+            sock.connect(str(path))
+            return sock
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            last = exc
+        except TimeoutError as exc:
+            sock.close()
+            raise GmsTimeoutError(f"cannot reach GMS at {path}: {exc}") from None
+        except OSError as exc:
+            sock.close()
+            if exc.errno != errno.EAGAIN:
+                raise GmsConnectionLost(f"cannot connect to GMS at {path}: {exc}") from None
+            last = exc
+        time.sleep(min(_RETRY_CONNECT_S, max(0.0, deadline - time.monotonic())))
+
+
+class _Channel:
+    """One connection: a request, then its reply (and fd), bounded by a deadline."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._codec = m.reply_codec()
+        self.broken = False
+
+    def request(self, msg: m.Request, deadline: float | None) -> tuple[m.Reply, OwnedFd | None]:
+        if self.broken:
+            raise GmsConnectionLost("the GMS connection is no longer usable")
+        try:
+            self.sock.settimeout(
+                None if deadline is None else max(0.001, deadline - time.monotonic())
+            )
+            send_frame(self.sock, encode(m.REQUEST_ADAPTER.dump_json(msg), m.MAX_REQUEST_FRAME))
+            body, fd = recv_frame(self.sock, m.MAX_REPLY_FRAME)
+        except TimeoutError:
+            self.broken = True
+            raise GmsTimeoutError(f"no reply to {msg.type} in time") from None
+        except RemoteFrameError as exc:
+            self.broken = True
+            raise GmsConnectionLost(f"bad frame from GMS: {exc}") from None
+        except OSError as exc:  # reset, broken pipe, EOF
+            self.broken = True
+            raise GmsConnectionLost(f"GMS connection lost during {msg.type}: {exc}") from None
+        try:
+            reply = self._codec.parse(body)
+        except m.RemoteGmsError as exc:
+            if fd is not None:
+                fd.close()
+            self.broken = True
+            raise GmsConnectionLost(f"bad reply from GMS: {exc}") from None
+        if isinstance(reply, m.ErrorReply):
+            if fd is not None:
+                fd.close()
+            if reply.code is m.ErrorCode.TIMEOUT:
+                raise GmsTimeoutError(reply.message)
+            if reply.code is m.ErrorCode.PROTOCOL:
+                self.broken = True
+            raise GmsRefused(reply.code, reply.message)
+        return reply, fd
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+def _expect(reply: m.Reply, kind: type[R], fd: OwnedFd | None = None) -> R:
+    if not isinstance(reply, kind):
+        if fd is not None:
+            fd.close()
+        raise GmsConnectionLost(f"unexpected reply {reply.type!r}, wanted {kind.__name__}")
+    return reply
+
+
+class GmsClient:
+    """A session with one GMS server (one device). Use ``GmsClient.connect``."""
+
+    def __init__(self, path: Path, on_lost: LostCallback | None = None) -> None:
+        self.path = Path(path)
+        self.on_lost = on_lost
+        self.granted_mode: Granted | None = None
+        self.layout_hash: str | None = None
+        self.device: int | None = None
+        self.backend: str | None = None
+        self.granularity: int = 0
+        self._allocs: list[Allocation] = []
+        self._metadata: dict[str, dict[str, Any]] = {}
+        self._mapper: ClientMapper | None = None
+        self._chan: _Channel | None = None
+        self._watcher: _Watcher | None = None
+        self._mapped = False
+        self._lock = threading.RLock()
+
+    # --- session -----------------------------------------------------------
+
+    @classmethod
+    def connect(
+        cls,
+        path: str | os.PathLike[str],
+        mode: Mode,
+        timeout: float,
+        on_lost: LostCallback | None = None,
+        *,
+        name: str = "",
+    ) -> GmsClient:
+        """Connect and wait (at most ``timeout`` seconds) for ``mode`` to be granted."""
+        client = cls(Path(path), on_lost)
+        ok = client._open(Mode(mode), timeout, name)
+        client.layout_hash = ok.layout_hash
+        return client
+
+    def _open(self, mode: Mode, timeout: float, name: str = "") -> m.HelloOk:
+        if timeout <= 0:
+            raise ValueError("timeout must be positive (every wait is bounded)")
+        deadline = time.monotonic() + timeout
+        sock = _connect_socket(self.path, deadline)
+        chan = _Channel(sock)
+        remaining = max(0.0, deadline - time.monotonic())
+        hello = m.Hello(mode=mode, timeout_s=remaining, client=name or f"pid-{os.getpid()}")
+        try:
+            reply, fd = chan.request(hello, deadline + _REPLY_SLACK_S)
+            ok = _expect(reply, m.HelloOk, fd)
+        except BaseException:
+            chan.close()
+            raise
+        if self._mapper is None or self.backend != ok.backend:
+            self._mapper = make_mapper(ok.backend, ok.device)
+        self._chan = chan
+        self.granted_mode = ok.granted
+        self.device, self.backend, self.granularity = ok.device, ok.backend, ok.granularity
+        if self.on_lost is not None:
+            self._watcher = _Watcher(sock, self._lost)
+            self._watcher.start()
+        return ok
+
+    def _lost(self, exc: BaseException) -> None:
+        if self._mapped and self.on_lost is not None:
+            self.on_lost(exc)
+
+    def _request(self, msg: m.Request, kind: type[R], deadline: float | None = None) -> R:
+        if self._chan is None:
+            raise GmsConnectionLost("not connected (unmapped or closed)")
+        reply, fd = self._chan.request(msg, deadline)
+        return _expect(reply, kind, fd)
+
+    def _export(
+        self, alloc_id: int, deadline: float | None = None
+    ) -> tuple[m.AllocationInfo, OwnedFd]:
+        if self._chan is None:
+            raise GmsConnectionLost("not connected (unmapped or closed)")
+        reply, fd = self._chan.request(m.Export(id=alloc_id), deadline)
+        exported = _expect(reply, m.Exported, fd)
+        if fd is None:
+            raise GmsConnectionLost(f"export of {alloc_id} came without an fd")
+        return exported.allocation, fd
+
+    def _drop_session(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
+        if self._chan is not None:
+            self._chan.close()
+            self._chan = None
+
+    @property
+    def writable(self) -> bool:
+        return self.granted_mode is Granted.RW
+
+    @property
+    def mapped(self) -> bool:
+        return self._mapped
+
+    @property
+    def connected(self) -> bool:
+        return self._chan is not None
+
+    @property
+    def allocations(self) -> list[Allocation]:
+        return list(self._allocs)
+
+    def _check_view(self) -> None:
+        if not self._mapped:
+            raise GmsError("allocation is not mapped (sleeping or closed)")
+        if self.backend != "host":
+            raise GmsError(f"{self.backend} memory has no host view; use .address")
+
+    # --- writer ------------------------------------------------------------
+
+    def allocate(self, size: int, tag: str = "weights") -> Allocation:
+        """Allocate ``size`` bytes (RW session) and map them read-write."""
+        with self._lock:
+            if self.granted_mode is not Granted.RW:
+                raise GmsRefused(m.ErrorCode.REFUSED, "allocate needs an RW session")
+            got = self._request(m.Allocate(size=size, tag=tag), m.Allocated).allocation
+            info, fd = self._export(got.id)
+            assert self._mapper is not None
+            with fd:
+                address = self._mapper.reserve(info.size, self.granularity)
+                try:
+                    self._mapper.map(fd.fd, address, info.size, writable=True)
+                except BaseException:
+                    self._mapper.free(address, info.size)
+                    raise
+            alloc = Allocation(info.id, info.tag, info.size, info.requested, address, self)
+            self._allocs.append(alloc)
+            self._mapped = True
+            return alloc
+
+    def put_metadata(self, key: str, value: dict[str, Any]) -> None:
+        with self._lock:
+            if self.granted_mode is not Granted.RW:
+                raise GmsRefused(m.ErrorCode.REFUSED, "put_metadata needs an RW session")
+            self._request(m.PutMetadata(key=key, value=value), m.Ok)
+            self._metadata[key] = dict(value)
+
+    def commit(self) -> str:
+        """Commit the layout; returns its hash. The session continues as RO and
+        every mapping becomes read-only."""
+        with self._lock:
+            if self.granted_mode is not Granted.RW:
+                raise GmsRefused(m.ErrorCode.REFUSED, "commit needs an RW session")
+            digest = self._request(m.Commit(), m.Committed).layout_hash
+            assert self._mapper is not None
+            for a in self._allocs:
+                self._mapper.protect_readonly(a.address, a.size)
+            self.granted_mode = Granted.RO
+            self.layout_hash = digest
+            return digest
+
+    # --- reader ------------------------------------------------------------
+
+    def metadata(self) -> dict[str, dict[str, Any]]:
+        """All metadata records (fetched when connected, else the last copy)."""
+        with self._lock:
+            if self._chan is not None and self.granted_mode is not None:
+                items = self._request(m.ListMetadata(), m.MetadataList).items
+                self._metadata = {k: dict(v) for k, v in items.items()}
+            return dict(self._metadata)
+
+    def get_metadata(self, key: str) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._request(m.GetMetadata(key=key), m.MetadataValue).value)
+
+    def import_all(self) -> list[Allocation]:
+        """RO: map every allocation read-only and read the metadata."""
+        with self._lock:
+            if self.granted_mode is not Granted.RO:
+                raise GmsRefused(m.ErrorCode.REFUSED, "import_all needs an RO session")
+            if self._allocs:
+                raise GmsError("allocations are already mapped")
+            infos = self._request(m.ListAllocations(), m.Allocations).allocations
+            assert self._mapper is not None
+            try:
+                for info in infos:
+                    address = self._mapper.reserve(info.size, self.granularity)
+                    alloc = Allocation(info.id, info.tag, info.size, info.requested, address, self)
+                    self._allocs.append(alloc)
+                    _, fd = self._export(info.id)
+                    with fd:
+                        self._mapper.map(fd.fd, address, info.size, writable=False)
+                    self._mapped = True
+            except BaseException:
+                self._release_all()
+                raise
+            self._mapped = True
+            self.metadata()
+            return list(self._allocs)
+
+    def state(self) -> m.StateReport:
+        with self._lock:
+            return self._request(m.GetState(), m.StateReport)
+
+    # --- sleep and wake ----------------------------------------------------
+
+    def unmap(self) -> None:
+        """Sleep: drop every mapping and the session; keep the address
+        reservations, the allocation records and the layout hash."""
+        with self._lock:
+            if self.granted_mode is Granted.RW:
+                raise GmsError("commit before unmap: an uncommitted layout cannot be remapped")
+            assert self._mapper is not None or not self._allocs
+            self._mapped = False
+            self._drop_session()
+            for a in self._allocs:
+                assert self._mapper is not None
+                self._mapper.unmap(a.address, a.size)
+            self.granted_mode = None
+
+    def remap(self, timeout: float) -> None:
+        """Wake: reconnect RO within ``timeout`` and map the same layout at the
+        same addresses. ``GmsTimeoutError`` if it cannot be granted in time,
+        ``StaleMemoryLayoutError`` if the committed layout is not the one mapped
+        before, ``GmsConnectionLost`` if the server goes away meanwhile."""
+        with self._lock:
+            if self._mapped or self._chan is not None:
+                raise GmsError("remap needs an unmapped client (call unmap first)")
+            if self.layout_hash is None:
+                raise GmsError("nothing to remap: no committed layout was mapped")
+            deadline = time.monotonic() + timeout
+            ok = self._open(Mode.RO, timeout)
+            try:
+                if ok.layout_hash != self.layout_hash:
+                    raise StaleMemoryLayoutError(
+                        f"committed layout {str(ok.layout_hash)[:16]} is not the mapped "
+                        f"{self.layout_hash[:16]}"
+                    )
+                infos = self._request(
+                    m.ListAllocations(), m.Allocations, deadline + _REPLY_SLACK_S
+                ).allocations
+                self._check_same(infos)
+                assert self._mapper is not None
+                mapped: list[Allocation] = []
+                try:
+                    for a, info in zip(self._allocs, infos, strict=True):
+                        _, fd = self._export(info.id, deadline + _REPLY_SLACK_S)
+                        with fd:
+                            self._mapper.map(fd.fd, a.address, a.size, writable=False)
+                        mapped.append(a)
+                        a.id = info.id
+                except BaseException:
+                    for a in mapped:
+                        self._mapper.unmap(a.address, a.size)
+                    raise
+                self._mapped = True
+            except BaseException:
+                self._drop_session()
+                self.granted_mode = None
+                raise
+
+    def _check_same(self, infos: tuple[m.AllocationInfo, ...]) -> None:
+        if len(infos) != len(self._allocs):
+            raise StaleMemoryLayoutError(
+                f"{len(infos)} allocations committed, {len(self._allocs)} were mapped"
+            )
+        for a, info in zip(self._allocs, infos, strict=True):
+            if (info.size, info.tag) != (a.size, a.tag):
+                raise StaleMemoryLayoutError(
+                    f"allocation {a.id} was {a.size} bytes tag {a.tag}, "
+                    f"now {info.size} bytes tag {info.tag}"
+                )
+
+    # --- teardown ----------------------------------------------------------
+
+    def _release_all(self) -> None:
+        mapper = self._mapper
+        for a in self._allocs:
+            if mapper is not None:
+                with contextlib.suppress(Exception):
+                    if self._mapped:
+                        mapper.unmap(a.address, a.size)
+                    mapper.free(a.address, a.size)
+        self._allocs.clear()
+        self._mapped = False
+
+    def close(self) -> None:
+        """End the session (a writer that has not committed aborts) and give
+        the memory and the address space back."""
+        with self._lock:
+            was_mapped, self._mapped = self._mapped, False
+            self._drop_session()
+            self._mapped = was_mapped
+            self._release_all()
+            self.granted_mode = None
+
+    def __enter__(self) -> GmsClient:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def query_state(path: str | os.PathLike[str], timeout: float) -> m.StateReport:
+    """One ``get_state`` without a session (``understudy gms status``, probes)."""
+    deadline = time.monotonic() + timeout
+    sock = _connect_socket(Path(path), deadline)
+    chan = _Channel(sock)
+    try:
+        reply, fd = chan.request(m.GetState(), deadline)
+        return _expect(reply, m.StateReport, fd)
+    finally:
+        chan.close()

@@ -1,0 +1,567 @@
+"""The GMS allocation lock as a sans-IO state machine.
+
+Everything that changes GMS state lives here (as h11's ``_state.py``); the
+asyncio server only feeds events and carries out the returned actions.
+
+Two pieces of data drive it:
+
+* ``TRANSITIONS``, the one transition table: (session phase, event kind) →
+  handler. A connection is a session that moves NONE → PENDING (connected) →
+  WAITING (hello not yet grantable) → RW or RO; commit turns the RW session
+  into an RO one on the same connection (the writer keeps its mappings, now
+  read-only). A miss raises ``Refused`` if a peer's request caused it (the
+  shell answers with an error) and ``InvalidTransition`` otherwise (a bug in
+  the shell); either way the state is unchanged.
+* ``GRANT_RULES``: (lock state, requested mode) → decision. The lock state is
+  derived from the live sessions (``lock_state``): EMPTY, RW, COMMITTED, RO.
+
+Waiters are re-evaluated in arrival order after every event that changes the
+sessions or the committed flag. Every wait has a deadline (``now`` + the
+hello's timeout); the shell arms a timer and feeds ``Expire`` — an expiry is
+its own event, logged and counted. Time is a parameter; nothing here sleeps.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from understudy.gms import messages as m
+from understudy.gms.layout import (
+    AllocationRecord,
+    MetadataRecord,
+    align_up,
+    layout_hash,
+    metadata_dict,
+    put_metadata,
+)
+from understudy.gms.messages import (
+    ErrorCode,
+    Granted,
+    LocalGmsError,
+    LockState,
+    Mode,
+    RemoteGmsError,
+)
+
+
+class InvalidTransition(LocalGmsError):
+    """The shell fed an event the session's phase cannot take (a bug here)."""
+
+
+class Refused(RemoteGmsError):
+    """The peer asked for something it may not have; answered with an error."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Phase(enum.Enum):
+    NONE = "none"  # no such session (not connected yet, or gone)
+    PENDING = "pending"  # connected, no lock asked for (or its wait expired)
+    WAITING = "waiting"  # hello received, not grantable yet
+    RW = "rw"
+    RO = "ro"
+
+
+class Decision(enum.Enum):
+    GRANT_RW = "grant_rw"
+    GRANT_RO = "grant_ro"  # unless a writer (mode RW) is waiting
+    WAIT = "wait"
+
+
+# (lock state, requested mode) -> decision. RW: no writer and no readers.
+# RO: committed, no writer, no waiting writer. RW_OR_RO: RW only if free and
+# nothing committed, else wait for RO.
+GRANT_RULES: dict[tuple[LockState, Mode], Decision] = {
+    (LockState.EMPTY, Mode.RW): Decision.GRANT_RW,
+    (LockState.EMPTY, Mode.RO): Decision.WAIT,
+    (LockState.EMPTY, Mode.RW_OR_RO): Decision.GRANT_RW,
+    (LockState.RW, Mode.RW): Decision.WAIT,
+    (LockState.RW, Mode.RO): Decision.WAIT,
+    (LockState.RW, Mode.RW_OR_RO): Decision.WAIT,
+    (LockState.COMMITTED, Mode.RW): Decision.GRANT_RW,  # replaces the layout
+    (LockState.COMMITTED, Mode.RO): Decision.GRANT_RO,
+    (LockState.COMMITTED, Mode.RW_OR_RO): Decision.GRANT_RO,
+    (LockState.RO, Mode.RW): Decision.WAIT,
+    (LockState.RO, Mode.RO): Decision.GRANT_RO,
+    (LockState.RO, Mode.RW_OR_RO): Decision.GRANT_RO,
+}
+
+
+# --- state --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ServerInfo:
+    device: int
+    tag: str
+    backend: str
+    granularity: int
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    sid: int
+    phase: Phase
+    mode: Mode | None = None  # requested in hello
+    since: float = 0.0  # when the current wait started
+    deadline: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GmsState:
+    info: ServerInfo
+    sessions: tuple[Session, ...] = ()  # waiters are served in this order
+    allocations: tuple[AllocationRecord, ...] = ()
+    metadata: tuple[MetadataRecord, ...] = ()
+    committed: bool = False
+    layout_hash: str | None = None
+    next_id: int = 0
+
+    def session(self, sid: int) -> Session | None:
+        for s in self.sessions:
+            if s.sid == sid:
+                return s
+        return None
+
+    def phase(self, sid: int) -> Phase:
+        s = self.session(sid)
+        return Phase.NONE if s is None else s.phase
+
+    def count(self, phase: Phase) -> int:
+        return sum(1 for s in self.sessions if s.phase is phase)
+
+    @property
+    def waiting_writers(self) -> int:
+        return sum(1 for s in self.sessions if s.phase is Phase.WAITING and s.mode is Mode.RW)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(a.size for a in self.allocations)
+
+    def next_deadline(self) -> float | None:
+        deadlines = [s.deadline for s in self.sessions if s.deadline is not None]
+        return min(deadlines) if deadlines else None
+
+
+def initial_state(info: ServerInfo) -> GmsState:
+    return GmsState(info=info)
+
+
+def lock_state(state: GmsState) -> LockState:
+    if any(s.phase is Phase.RW for s in state.sessions):
+        return LockState.RW
+    if state.committed:
+        return (
+            LockState.RO
+            if any(s.phase is Phase.RO for s in state.sessions)
+            else LockState.COMMITTED
+        )
+    return LockState.EMPTY
+
+
+def decide(state: GmsState, mode: Mode) -> Decision:
+    decision = GRANT_RULES[(lock_state(state), mode)]
+    if decision is Decision.GRANT_RO and state.waiting_writers:
+        return Decision.WAIT
+    return decision
+
+
+def report(state: GmsState) -> m.StateReport:
+    return m.StateReport(
+        state=lock_state(state),
+        committed=state.committed,
+        sessions={Granted.RW: state.count(Phase.RW), Granted.RO: state.count(Phase.RO)},
+        waiting=state.count(Phase.WAITING),
+        waiting_writers=state.waiting_writers,
+        allocations=len(state.allocations),
+        bytes=state.total_bytes,
+        layout_hash=state.layout_hash,
+        device=state.info.device,
+        tag=state.info.tag,
+        backend=state.info.backend,
+    )
+
+
+def allocation_info(a: AllocationRecord) -> m.AllocationInfo:
+    return m.AllocationInfo(id=a.id, size=a.size, requested=a.requested, tag=a.tag)
+
+
+# --- events -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Connected:
+    sid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Disconnected:
+    sid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    sid: int
+    request: m.Request
+
+
+@dataclass(frozen=True, slots=True)
+class Expire:
+    """A wait's timer fired. Stale timers (the session was granted or left) are no-ops."""
+
+    sid: int
+
+
+@dataclass(frozen=True, slots=True)
+class CreateFailed:
+    """The backend could not create an allocation the core had recorded."""
+
+    sid: int
+    id: int
+    reason: str
+
+
+Event = Connected | Disconnected | Received | Expire | CreateFailed
+
+# --- actions ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    sid: int
+    message: (
+        m.HelloOk
+        | m.Allocations
+        | m.MetadataValue
+        | m.MetadataList
+        | m.Ok
+        | (m.Committed | m.LayoutHash | m.StateReport | m.ErrorReply)
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class CreateMemory:
+    """Create the allocation, then reply ``Allocated``; on failure feed ``CreateFailed``."""
+
+    sid: int
+    allocation: AllocationRecord
+
+
+@dataclass(frozen=True, slots=True)
+class SendExport:
+    """Export the allocation as an fd and send it with an ``Exported`` reply."""
+
+    sid: int
+    allocation: AllocationRecord
+    writable: bool  # only the writer's session gets a writable export
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseMemory:
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ArmTimer:
+    sid: int
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """A state change worth a log line and a metric."""
+
+    event: str  # connect disconnect wait grant expire abort commit replace allocate
+    sid: int
+    mode: str | None = None
+    waited_s: float | None = None
+    detail: str | None = None
+
+
+Action = Reply | CreateMemory | SendExport | ReleaseMemory | ArmTimer | Transition
+Result = tuple[GmsState, list[Action]]
+
+# --- handlers -----------------------------------------------------------------
+
+
+def _set(state: GmsState, session: Session) -> GmsState:
+    return replace(
+        state, sessions=tuple(session if s.sid == session.sid else s for s in state.sessions)
+    )
+
+
+def _drop(state: GmsState, sid: int) -> GmsState:
+    return replace(state, sessions=tuple(s for s in state.sessions if s.sid != sid))
+
+
+def _cleared(state: GmsState) -> GmsState:
+    return replace(state, allocations=(), metadata=(), committed=False, layout_hash=None)
+
+
+def _grant(state: GmsState, s: Session, decision: Decision, now: float) -> Result:
+    actions: list[Action] = []
+    granted = Granted.RW if decision is Decision.GRANT_RW else Granted.RO
+    if granted is Granted.RW and (state.committed or state.allocations):
+        # A writer over a committed layout starts a new one.
+        actions.append(ReleaseMemory(tuple(a.id for a in state.allocations)))
+        actions.append(Transition("replace", s.sid, detail=state.layout_hash))
+        state = _cleared(state)
+    phase = Phase.RW if granted is Granted.RW else Phase.RO
+    state = _set(state, replace(s, phase=phase, deadline=None))
+    actions.append(Transition("grant", s.sid, mode=granted.value, waited_s=max(0.0, now - s.since)))
+    actions.append(
+        Reply(
+            s.sid,
+            m.HelloOk(
+                granted=granted,
+                layout_hash=state.layout_hash if granted is Granted.RO else None,
+                granularity=state.info.granularity,
+                backend=state.info.backend,
+                device=state.info.device,
+            ),
+        )
+    )
+    return state, actions
+
+
+def _reevaluate(state: GmsState, now: float) -> Result:
+    """Grant every waiter that can be granted, in arrival order."""
+    actions: list[Action] = []
+    progress = True
+    while progress:
+        progress = False
+        for s in state.sessions:
+            if s.phase is not Phase.WAITING:
+                continue
+            assert s.mode is not None
+            decision = decide(state, s.mode)
+            if decision is not Decision.WAIT:
+                state, more = _grant(state, s, decision, now)
+                actions.extend(more)
+                progress = True
+                break
+    return state, actions
+
+
+def _connect(state: GmsState, ev: Event, now: float) -> Result:
+    assert isinstance(ev, Connected)
+    new = replace(state, sessions=(*state.sessions, Session(ev.sid, Phase.PENDING)))
+    return new, [Transition("connect", ev.sid)]
+
+
+def _disconnect(state: GmsState, ev: Event, now: float) -> Result:
+    s = state.session(ev.sid)
+    assert s is not None
+    actions: list[Action] = [Transition("disconnect", ev.sid, detail=s.phase.value)]
+    state = _drop(state, ev.sid)
+    if s.phase is Phase.RW:
+        # The writer left before committing: abort, nothing stays behind.
+        ids = tuple(a.id for a in state.allocations)
+        actions.append(ReleaseMemory(ids))
+        actions.append(Transition("abort", ev.sid, detail=f"released={len(ids)}"))
+        state = _cleared(state)
+    state, more = _reevaluate(state, now)
+    return state, actions + more
+
+
+def _hello(state: GmsState, ev: Event, now: float) -> Result:
+    assert isinstance(ev, Received) and isinstance(ev.request, m.Hello)
+    s = state.session(ev.sid)
+    assert s is not None
+    mode = ev.request.mode
+    decision = decide(state, mode)
+    if decision is not Decision.WAIT:
+        return _grant(state, replace(s, mode=mode, since=now), decision, now)
+    if ev.request.timeout_s <= 0:
+        raise Refused(ErrorCode.TIMEOUT, f"{mode} not grantable now ({lock_state(state)})")
+    deadline = now + ev.request.timeout_s
+    state = _set(state, replace(s, phase=Phase.WAITING, mode=mode, since=now, deadline=deadline))
+    return state, [
+        Transition("wait", ev.sid, mode=mode.value, detail=lock_state(state).value),
+        ArmTimer(ev.sid, deadline),
+    ]
+
+
+def _expire(state: GmsState, ev: Event, now: float) -> Result:
+    s = state.session(ev.sid)
+    assert s is not None
+    if s.phase is not Phase.WAITING or s.deadline is None or now < s.deadline:
+        if s.phase is Phase.WAITING and s.deadline is not None:
+            return state, [ArmTimer(s.sid, s.deadline)]  # fired early: re-arm
+        return state, []  # stale timer
+    state = _set(state, replace(s, phase=Phase.PENDING, mode=None, deadline=None))
+    waited = now - s.since
+    mode = s.mode.value if s.mode else None
+    return state, [
+        Transition("expire", s.sid, mode=mode, waited_s=waited, detail=lock_state(state).value),
+        Reply(
+            s.sid,
+            m.ErrorReply(
+                code=ErrorCode.TIMEOUT,
+                message=f"{mode} not granted within {waited:.3f}s (state {lock_state(state)})",
+            ),
+        ),
+    ]
+
+
+def _allocate(state: GmsState, ev: Event, now: float) -> Result:
+    assert isinstance(ev, Received) and isinstance(ev.request, m.Allocate)
+    size = align_up(ev.request.size, state.info.granularity)
+    record = AllocationRecord(state.next_id, size, ev.request.size, ev.request.tag)
+    state = replace(state, allocations=(*state.allocations, record), next_id=state.next_id + 1)
+    return state, [CreateMemory(ev.sid, record)]
+
+
+def _create_failed(state: GmsState, ev: Event, now: float) -> Result:
+    assert isinstance(ev, CreateFailed)
+    if not any(a.id == ev.id for a in state.allocations):
+        raise InvalidTransition(f"create failed for unknown allocation {ev.id}")
+    state = replace(state, allocations=tuple(a for a in state.allocations if a.id != ev.id))
+    return state, [
+        Transition("create_failed", ev.sid, detail=ev.reason),
+        Reply(ev.sid, m.ErrorReply(code=ErrorCode.NO_MEMORY, message=ev.reason)),
+    ]
+
+
+def _find(state: GmsState, alloc_id: int) -> AllocationRecord:
+    for a in state.allocations:
+        if a.id == alloc_id:
+            return a
+    raise Refused(ErrorCode.NOT_FOUND, f"no allocation with id {alloc_id}")
+
+
+def _export(state: GmsState, ev: Event, now: float) -> Result:
+    assert isinstance(ev, Received) and isinstance(ev.request, m.Export)
+    writable = state.phase(ev.sid) is Phase.RW
+    return state, [SendExport(ev.sid, _find(state, ev.request.id), writable)]
+
+
+def _list_allocations(state: GmsState, ev: Event, now: float) -> Result:
+    infos = tuple(allocation_info(a) for a in state.allocations)
+    return state, [Reply(ev.sid, m.Allocations(allocations=infos))]
+
+
+def _put_metadata(state: GmsState, ev: Event, now: float) -> Result:
+    assert isinstance(ev, Received) and isinstance(ev.request, m.PutMetadata)
+    req = ev.request
+    state = replace(state, metadata=put_metadata(state.metadata, req.key, req.value))
+    return state, [Reply(ev.sid, m.Ok())]
+
+
+def _get_metadata(state: GmsState, ev: Event, now: float) -> Result:
+    assert isinstance(ev, Received) and isinstance(ev.request, m.GetMetadata)
+    key = ev.request.key
+    for rec in state.metadata:
+        if rec.key == key:
+            value = metadata_dict((rec,))[key]
+            assert isinstance(value, dict)
+            return state, [Reply(ev.sid, m.MetadataValue(key=key, value=value))]
+    raise Refused(ErrorCode.NOT_FOUND, f"no metadata key {key!r}")
+
+
+def _list_metadata(state: GmsState, ev: Event, now: float) -> Result:
+    items = metadata_dict(state.metadata)
+    return state, [Reply(ev.sid, m.MetadataList.model_validate({"items": items}))]
+
+
+def _commit(state: GmsState, ev: Event, now: float) -> Result:
+    s = state.session(ev.sid)
+    assert s is not None
+    digest = layout_hash(state.allocations, state.metadata)
+    state = replace(state, committed=True, layout_hash=digest)
+    state = _set(state, replace(s, phase=Phase.RO))  # the RW session ends; reads go on
+    actions: list[Action] = [
+        Transition(
+            "commit", ev.sid, detail=f"hash={digest[:16]} allocations={len(state.allocations)}"
+        ),
+        Reply(ev.sid, m.Committed(layout_hash=digest)),
+    ]
+    state, more = _reevaluate(state, now)
+    return state, actions + more
+
+
+def _get_layout_hash(state: GmsState, ev: Event, now: float) -> Result:
+    return state, [
+        Reply(ev.sid, m.LayoutHash(committed=state.committed, layout_hash=state.layout_hash))
+    ]
+
+
+def _get_state(state: GmsState, ev: Event, now: float) -> Result:
+    return state, [Reply(ev.sid, report(state))]
+
+
+Handler = Callable[[GmsState, Event, float], Result]
+Kind = type
+
+_LIVE = (Phase.PENDING, Phase.WAITING, Phase.RW, Phase.RO)
+_GRANTED = (Phase.RW, Phase.RO)
+
+# The one transition table: (phase of the event's session, event kind) -> handler.
+# For ``Received`` events the kind is the request's message class.
+TRANSITIONS: dict[tuple[Phase, Kind], Handler] = {
+    (Phase.NONE, Connected): _connect,
+    **{(p, Disconnected): _disconnect for p in _LIVE},
+    **{(p, Expire): _expire for p in _LIVE},
+    (Phase.PENDING, m.Hello): _hello,
+    (Phase.PENDING, m.GetState): _get_state,
+    (Phase.PENDING, m.GetLayoutHash): _get_layout_hash,
+    (Phase.RW, m.Allocate): _allocate,
+    (Phase.RW, CreateFailed): _create_failed,
+    (Phase.RW, m.PutMetadata): _put_metadata,
+    (Phase.RW, m.Commit): _commit,
+    **{(p, m.Export): _export for p in _GRANTED},
+    **{(p, m.ListAllocations): _list_allocations for p in _GRANTED},
+    **{(p, m.GetMetadata): _get_metadata for p in _GRANTED},
+    **{(p, m.ListMetadata): _list_metadata for p in _GRANTED},
+    **{(p, m.GetLayoutHash): _get_layout_hash for p in _GRANTED},
+    **{(p, m.GetState): _get_state for p in _GRANTED},
+}
+
+EVENT_KINDS: tuple[Kind, ...] = (Connected, Disconnected, Expire, CreateFailed)
+REQUEST_KINDS: tuple[Kind, ...] = (
+    m.Hello,
+    m.Allocate,
+    m.Export,
+    m.ListAllocations,
+    m.PutMetadata,
+    m.GetMetadata,
+    m.ListMetadata,
+    m.Commit,
+    m.GetLayoutHash,
+    m.GetState,
+)
+
+
+def kind_of(event: Event) -> Kind:
+    return type(event.request) if isinstance(event, Received) else type(event)
+
+
+def step(state: GmsState, event: Event, now: float) -> Result:
+    """Apply one event. Raises ``Refused`` or ``InvalidTransition``; state then unchanged."""
+    phase = state.phase(event.sid)
+    kind = kind_of(event)
+    handler = TRANSITIONS.get((phase, kind))
+    if handler is None:
+        if isinstance(event, Received):
+            raise Refused(
+                ErrorCode.REFUSED,
+                f"{event.request.type} is not allowed in a {phase.value} session"
+                + (" (RW-only operation)" if phase is Phase.RO else ""),
+            )
+        raise InvalidTransition(f"{kind.__name__} in phase {phase.value} (session {event.sid})")
+    return handler(state, event, now)
+
+
+@dataclass(slots=True)
+class Machine:
+    """A mutable holder for shells: ``feed`` steps and keeps the new state."""
+
+    state: GmsState
+
+    def feed(self, event: Event, now: float) -> list[Action]:
+        self.state, actions = step(self.state, event, now)
+        return actions

@@ -1,0 +1,262 @@
+"""Every GMS wire shape (STYLE.md b6): the only module that defines one.
+
+Client → server requests and server → client replies are pydantic v2 frozen
+models, ``extra="forbid"``, discriminated on ``type``. Frames are the 4-byte
+length prefix of ``understudy.wire.framing``; an exported allocation travels
+as one fd (SCM_RIGHTS) in the same ``sendmsg`` as its ``exported`` reply.
+
+One request, one reply, in order, per connection. A ``hello`` is answered
+only when the lock is granted or its timeout expires.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Literal
+
+import pydantic
+
+from understudy.wire.messages import FROZEN, MessageCodec
+
+# Requests are small (the largest is one metadata record). Replies can list
+# thousands of allocations and metadata records, so the client accepts more.
+MAX_REQUEST_FRAME = 1024 * 1024
+MAX_REPLY_FRAME = 64 * 1024 * 1024
+MAX_TIMEOUT_S = 24 * 3600.0
+
+
+class GmsError(Exception):
+    """Base of every GMS error, protocol and client alike."""
+
+
+class LocalGmsError(GmsError):
+    """We broke the protocol's rules (a bug on this side)."""
+
+
+class RemoteGmsError(GmsError):
+    """The peer sent something that breaks the protocol: reply, then close."""
+
+
+class Mode(enum.StrEnum):
+    """What a client asks for in ``hello``."""
+
+    RW = "RW"
+    RO = "RO"
+    RW_OR_RO = "RW_OR_RO"
+
+
+class Granted(enum.StrEnum):
+    """What a session holds."""
+
+    RW = "RW"
+    RO = "RO"
+
+
+class LockState(enum.StrEnum):
+    """The lock state, derived from live sessions."""
+
+    EMPTY = "EMPTY"  # nothing committed, no writer
+    RW = "RW"  # a writer holds the lock
+    COMMITTED = "COMMITTED"  # committed, no sessions
+    RO = "RO"  # committed, one or more readers
+
+
+class ErrorCode(enum.StrEnum):
+    TIMEOUT = "timeout"  # the lock was not granted within the hello's timeout
+    REFUSED = "refused"  # not allowed in this session (e.g. allocate while RO)
+    NOT_FOUND = "not_found"  # unknown allocation id or metadata key
+    INVALID = "invalid"  # a well-formed request with a bad argument
+    NO_MEMORY = "no_memory"  # the backend could not create the allocation
+    PROTOCOL = "protocol"  # undecodable input; the server closes the connection
+
+
+Tag = Annotated[str, pydantic.StringConstraints(min_length=1, max_length=64, pattern=r"^[\w.-]+$")]
+MetaKey = Annotated[str, pydantic.StringConstraints(min_length=1, max_length=512)]
+AllocId = Annotated[int, pydantic.Field(ge=0)]
+
+
+class _Msg(pydantic.BaseModel):
+    model_config = FROZEN
+
+
+# --- requests -----------------------------------------------------------------
+
+
+class Hello(_Msg):
+    type: Literal["hello"] = "hello"
+    mode: Mode
+    timeout_s: Annotated[float, pydantic.Field(ge=0, le=MAX_TIMEOUT_S)]
+    client: Annotated[str, pydantic.StringConstraints(max_length=128)] = ""
+
+
+class Allocate(_Msg):
+    type: Literal["allocate"] = "allocate"
+    size: Annotated[int, pydantic.Field(gt=0, le=1 << 48)]
+    tag: Tag = "weights"
+
+
+class Export(_Msg):
+    type: Literal["export"] = "export"
+    id: AllocId
+
+
+class ListAllocations(_Msg):
+    type: Literal["list_allocations"] = "list_allocations"
+
+
+class PutMetadata(_Msg):
+    type: Literal["put_metadata"] = "put_metadata"
+    key: MetaKey
+    value: dict[str, pydantic.JsonValue]
+
+
+class GetMetadata(_Msg):
+    type: Literal["get_metadata"] = "get_metadata"
+    key: MetaKey
+
+
+class ListMetadata(_Msg):
+    type: Literal["list_metadata"] = "list_metadata"
+
+
+class Commit(_Msg):
+    type: Literal["commit"] = "commit"
+
+
+class GetLayoutHash(_Msg):
+    type: Literal["get_layout_hash"] = "get_layout_hash"
+
+
+class GetState(_Msg):
+    type: Literal["get_state"] = "get_state"
+
+
+Request = Annotated[
+    Hello
+    | Allocate
+    | Export
+    | ListAllocations
+    | PutMetadata
+    | GetMetadata
+    | ListMetadata
+    | Commit
+    | GetLayoutHash
+    | GetState,
+    pydantic.Field(discriminator="type"),
+]
+
+# --- replies ------------------------------------------------------------------
+
+
+class AllocationInfo(_Msg):
+    id: AllocId
+    size: int  # aligned to the backend's granularity
+    requested: int
+    tag: str
+
+
+class HelloOk(_Msg):
+    type: Literal["hello_ok"] = "hello_ok"
+    granted: Granted
+    layout_hash: str | None  # the committed layout when granted RO
+    granularity: int
+    backend: str
+    device: int
+
+
+class Allocated(_Msg):
+    type: Literal["allocated"] = "allocated"
+    allocation: AllocationInfo
+
+
+class Exported(_Msg):
+    """Carries exactly one fd (SCM_RIGHTS) in the same sendmsg."""
+
+    type: Literal["exported"] = "exported"
+    allocation: AllocationInfo
+
+
+class Allocations(_Msg):
+    type: Literal["allocations"] = "allocations"
+    allocations: tuple[AllocationInfo, ...]
+
+
+class MetadataValue(_Msg):
+    type: Literal["metadata"] = "metadata"
+    key: str
+    value: dict[str, pydantic.JsonValue]
+
+
+class MetadataList(_Msg):
+    type: Literal["metadata_list"] = "metadata_list"
+    items: dict[str, dict[str, pydantic.JsonValue]]
+
+
+class Ok(_Msg):
+    type: Literal["ok"] = "ok"
+
+
+class Committed(_Msg):
+    type: Literal["committed"] = "committed"
+    layout_hash: str
+
+
+class LayoutHash(_Msg):
+    type: Literal["layout_hash"] = "layout_hash"
+    committed: bool
+    layout_hash: str | None
+
+
+class StateReport(_Msg):
+    type: Literal["state"] = "state"
+    state: LockState
+    committed: bool
+    sessions: dict[Granted, int]
+    waiting: int
+    waiting_writers: int
+    allocations: int
+    bytes: int
+    layout_hash: str | None
+    device: int
+    tag: str
+    backend: str
+
+
+class ErrorReply(_Msg):
+    type: Literal["error"] = "error"
+    code: ErrorCode
+    message: str
+
+
+Reply = Annotated[
+    HelloOk
+    | Allocated
+    | Exported
+    | Allocations
+    | MetadataValue
+    | MetadataList
+    | Ok
+    | Committed
+    | LayoutHash
+    | StateReport
+    | ErrorReply,
+    pydantic.Field(discriminator="type"),
+]
+
+REQUEST_ADAPTER: pydantic.TypeAdapter[Request] = pydantic.TypeAdapter(Request)
+REPLY_ADAPTER: pydantic.TypeAdapter[Reply] = pydantic.TypeAdapter(Reply)
+
+
+def request_codec() -> MessageCodec[Request]:
+    """What the server feeds received bytes into."""
+    return MessageCodec(REQUEST_ADAPTER, RemoteGmsError, MAX_REQUEST_FRAME)
+
+
+def reply_codec() -> MessageCodec[Reply]:
+    """What the client parses reply bodies with."""
+    return MessageCodec(REPLY_ADAPTER, RemoteGmsError, MAX_REPLY_FRAME)
+
+
+def socket_name(device: int, tag: str = "weights") -> str:
+    """``gms_<device>_<tag>.sock`` (docs/pod.md)."""
+    return f"gms_{device}_{tag}.sock"

@@ -1,0 +1,331 @@
+"""The GMS server: an asyncio shell around ``fsm`` for one (device, tag).
+
+One loop per connection (STYLE.md b8): read with a plain ``recv`` — so the
+kernel discards any SCM_RIGHTS a client sends; the server never accepts fds —
+feed the codec, step the core, carry out the actions. EOF or a reset becomes
+``Disconnected``, which is how a writer's death aborts its allocations.
+
+Errors: bytes that do not decode (garbage, a length over the cap, an unknown
+message) get a ``protocol`` error reply and the connection is closed. A
+well-formed request the session may not make (``allocate`` while RO, an
+unknown id) gets an error reply (``refused``, ``not_found``) and the session
+goes on: a refusal is an answer, not a broken stream. Either way the server
+and the other sessions carry on.
+
+Outgoing frames go through one queue and one writer task per connection, so
+executing actions never awaits and frames to one peer never interleave. An
+exported fd travels in the same ``sendmsg`` as its frame and is closed here
+once sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import signal
+import socket
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, assert_never
+
+from understudy.gms import fsm, metrics
+from understudy.gms import messages as m
+from understudy.gms.backends import ServerBackend, make_server_backend
+from understudy.gms.config import ServerConfig
+from understudy.wire.framing import encode
+from understudy.wire.obs import log_event, start_metrics_server
+from understudy.wire.uds import bind_unix, peer_credentials, sock_send_frame
+
+log = logging.getLogger("understudy.gms.server")
+
+_RECV_SIZE = 256 * 1024
+
+Outgoing = tuple[bytes, int | None] | None  # None: close after what is queued
+
+
+@dataclass(slots=True)
+class _Conn:
+    sid: int
+    sock: socket.socket
+    outbox: asyncio.Queue[Outgoing] = field(default_factory=asyncio.Queue)
+    timer: asyncio.TimerHandle | None = None
+    closing: bool = False
+
+
+class GmsServer:
+    """``async with GmsServer(config) as server: await server.wait_closed()``."""
+
+    def __init__(self, config: ServerConfig, backend: ServerBackend | None = None) -> None:
+        self.config = config
+        self.backend = backend or make_server_backend(
+            config.backend, config.device, config.granularity
+        )
+        info = fsm.ServerInfo(
+            device=config.device,
+            tag=config.tag,
+            backend=self.backend.name,
+            granularity=self.backend.granularity,
+        )
+        self.machine = fsm.Machine(fsm.initial_state(info))
+        self._conns: dict[int, _Conn] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._ids = itertools.count(1)
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._closed = asyncio.Event()
+        self._labels = {"device": str(config.device), "tag": config.tag}
+        self._update_metrics()
+
+    # --- lifecycle ---------------------------------------------------------
+
+    async def start(self) -> None:
+        self._listener = bind_unix(self.config.socket)
+        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
+        log_event(
+            log,
+            "listening",
+            socket=self.config.socket,
+            device=self.config.device,
+            tag=self.config.tag,
+            backend=self.backend.name,
+            granularity=self.backend.granularity,
+            pid=os.getpid(),
+        )
+
+    async def close(self) -> None:
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accept_task
+        if self._listener is not None:
+            self._listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                self.config.socket.unlink()
+            self._listener = None
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self.backend.close()
+        self._closed.set()
+        log_event(log, "closed", socket=self.config.socket)
+
+    async def __aenter__(self) -> GmsServer:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+    # --- connections -------------------------------------------------------
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._listener is not None
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(self._listener)
+            except OSError as exc:  # EMFILE and friends: log, back off, go on
+                log_event(log, "accept_failed", logging.WARNING, error=exc)
+                await asyncio.sleep(0.1)
+                continue
+            sock.setblocking(False)
+            sid = next(self._ids)
+            cred = peer_credentials(sock)
+            log_event(
+                log,
+                "accept",
+                sid=sid,
+                pid=cred.pid if cred else None,
+                uid=cred.uid if cred else None,
+                gid=cred.gid if cred else None,
+            )
+            conn = _Conn(sid, sock)
+            self._conns[sid] = conn
+            self._feed(fsm.Connected(sid))
+            self._spawn(self._writer(conn))
+            self._spawn(self._reader(conn))
+
+    async def _reader(self, conn: _Conn) -> None:
+        loop = asyncio.get_running_loop()
+        codec = m.request_codec()
+        try:
+            while not conn.closing:
+                try:
+                    # Plain recv: ancillary data (fds) a client sends is dropped
+                    # by the kernel and never installed in this process.
+                    data = await loop.sock_recv(conn.sock, _RECV_SIZE)
+                except (ConnectionError, OSError):
+                    break
+                if not data:
+                    break
+                try:
+                    requests = codec.feed(data)
+                except m.RemoteGmsError as exc:
+                    log_event(log, "protocol_error", logging.WARNING, sid=conn.sid, error=exc)
+                    self._send(conn, m.ErrorReply(code=m.ErrorCode.PROTOCOL, message=str(exc)))
+                    break
+                for request in requests:
+                    self._feed(fsm.Received(conn.sid, request))
+        finally:
+            conn.closing = True
+            if self._conns.pop(conn.sid, None) is not None:
+                if conn.timer is not None:
+                    conn.timer.cancel()
+                self._feed(fsm.Disconnected(conn.sid))
+            conn.outbox.put_nowait(None)
+
+    async def _writer(self, conn: _Conn) -> None:
+        try:
+            while True:
+                item = await conn.outbox.get()
+                if item is None:
+                    break
+                frame, fd = item
+                try:
+                    await sock_send_frame(conn.sock, frame, fd)
+                except OSError as exc:
+                    log_event(log, "send_failed", logging.INFO, sid=conn.sid, error=exc)
+                    break
+                finally:
+                    if fd is not None:
+                        os.close(fd)
+        finally:
+            # Close fds still queued (the peer went away before they were sent).
+            while not conn.outbox.empty():
+                left = conn.outbox.get_nowait()
+                if left is not None and left[1] is not None:
+                    os.close(left[1])
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            conn.sock.close()
+            conn.closing = True
+
+    def _send(self, conn: _Conn, message: m.Reply, fd: int | None = None) -> None:
+        frame = encode(m.REPLY_ADAPTER.dump_json(message), m.MAX_REPLY_FRAME)
+        conn.outbox.put_nowait((frame, fd))
+
+    # --- core --------------------------------------------------------------
+
+    def _feed(self, event: fsm.Event) -> None:
+        now = asyncio.get_running_loop().time()
+        try:
+            actions = self.machine.feed(event, now)
+        except fsm.Refused as exc:
+            actions = [fsm.Reply(event.sid, m.ErrorReply(code=exc.code, message=str(exc)))]
+            log_event(log, "refused", sid=event.sid, code=exc.code.value, reason=exc)
+        except fsm.InvalidTransition as exc:  # a bug here: drop that connection
+            log_event(log, "invalid_transition", logging.ERROR, sid=event.sid, error=exc)
+            conn = self._conns.get(event.sid)
+            if conn is not None:
+                conn.closing = True
+                with contextlib.suppress(OSError):
+                    conn.sock.shutdown(socket.SHUT_RDWR)
+            return
+        self._execute(actions)
+        self._update_metrics()
+
+    def _execute(self, actions: list[fsm.Action]) -> None:
+        for action in actions:
+            match action:
+                case fsm.Reply(sid, message):
+                    conn = self._conns.get(sid)
+                    if conn is not None:
+                        self._send(conn, message)
+                case fsm.CreateMemory(sid, record):
+                    try:
+                        self.backend.create(record.id, record.size)
+                    except Exception as exc:
+                        reason = f"{self.backend.name} could not allocate {record.size}: {exc}"
+                        self._feed(fsm.CreateFailed(sid, record.id, reason))
+                        continue
+                    log_event(
+                        log, "allocate", logging.DEBUG, sid=sid, id=record.id, size=record.size
+                    )
+                    conn = self._conns.get(sid)
+                    if conn is not None:
+                        self._send(conn, m.Allocated(allocation=fsm.allocation_info(record)))
+                case fsm.SendExport(sid, record, writable):
+                    conn = self._conns.get(sid)
+                    if conn is None:
+                        continue
+                    try:
+                        fd = self.backend.export(record.id, writable)
+                    except Exception as exc:
+                        self._send(conn, m.ErrorReply(code=m.ErrorCode.NO_MEMORY, message=str(exc)))
+                        continue
+                    self._send(conn, m.Exported(allocation=fsm.allocation_info(record)), fd)
+                case fsm.ReleaseMemory(ids):
+                    for alloc_id in ids:
+                        self.backend.release(alloc_id)
+                case fsm.ArmTimer(sid, deadline):
+                    conn = self._conns.get(sid)
+                    if conn is not None:
+                        if conn.timer is not None:
+                            conn.timer.cancel()
+                        conn.timer = asyncio.get_running_loop().call_at(deadline, self._expire, sid)
+                case fsm.Transition():
+                    self._observe(action)
+                case _:
+                    assert_never(action)
+
+    def _expire(self, sid: int) -> None:
+        if sid in self._conns:
+            self._feed(fsm.Expire(sid))
+
+    def _observe(self, t: fsm.Transition) -> None:
+        level = logging.DEBUG if t.event in ("connect", "disconnect") else logging.INFO
+        log_event(
+            log,
+            t.event,
+            level,
+            sid=t.sid,
+            mode=t.mode,
+            waited_s=None if t.waited_s is None else round(t.waited_s, 6),
+            detail=t.detail,
+            state=fsm.lock_state(self.machine.state).value,
+        )
+        metrics.TRANSITIONS.labels(**self._labels, event=t.event).inc()
+        if t.event in ("grant", "expire") and t.waited_s is not None:
+            outcome = "granted" if t.event == "grant" else "expired"
+            metrics.LOCK_WAIT.labels(**self._labels, mode=t.mode or "", outcome=outcome).observe(
+                t.waited_s
+            )
+
+    def _update_metrics(self) -> None:
+        st = self.machine.state
+        metrics.ALLOCATED_BYTES.labels(**self._labels).set(st.total_bytes)
+        metrics.ALLOCATIONS.labels(**self._labels).set(len(st.allocations))
+        metrics.SESSIONS.labels(**self._labels, mode="RW").set(st.count(fsm.Phase.RW))
+        metrics.SESSIONS.labels(**self._labels, mode="RO").set(st.count(fsm.Phase.RO))
+        metrics.WAITING.labels(**self._labels).set(st.count(fsm.Phase.WAITING))
+        metrics.WAITING_WRITERS.labels(**self._labels).set(st.waiting_writers)
+        metrics.COMMITTED.labels(**self._labels).set(1 if st.committed else 0)
+
+
+async def run(config: ServerConfig) -> int:
+    """Serve until SIGTERM or SIGINT; the CLI's ``server`` command."""
+    if config.metrics_port is not None and not metrics.multiprocess_enabled():
+        start_metrics_server(config.metrics_port)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with GmsServer(config):
+        await stop.wait()
+    return 0
