@@ -84,7 +84,9 @@ class Restored:
     now: float
     window_s: float
     # Epoch to restart from when the file is corrupt: the shell passes wall
-    # time in milliseconds, which exceeds any counter-based epoch ever written.
+    # time in microseconds (about 1.8e15, still exact in a JSON double), which
+    # exceeds any counter-based epoch and any epoch granted after an earlier
+    # corruption unless grants outpaced one per microsecond.
     epoch_floor: int = 0
 
 

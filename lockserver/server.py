@@ -56,6 +56,9 @@ REJECTS = prom.Counter("understudy_lock_rejects_total", "Requests refused", ["co
 CONNECTIONS = prom.Gauge("understudy_lock_connections", "Open client connections")
 
 _READ_CHUNK = 64 * 1024
+# asyncio re-listens with its own backlog (100 by default); a burst of clients
+# (every engine and probe of a pod restarting at once) must not see EAGAIN.
+_BACKLOG = 4096
 
 
 class LockServer:
@@ -77,10 +80,12 @@ class LockServer:
     async def __aenter__(self) -> Self:
         self._loop = asyncio.get_running_loop()
         self._restore()
-        sock = bind_unix(self.config.socket_path, mode=0o660)
+        sock = bind_unix(self.config.socket_path, mode=0o660, backlog=_BACKLOG)
         self._servers.append(
             await asyncio.start_unix_server(
-                lambda r, w: self._spawn(self._connection(r, w, is_tcp=False)), sock=sock
+                lambda r, w: self._spawn(self._connection(r, w, is_tcp=False)),
+                sock=sock,
+                backlog=_BACKLOG,
             )
         )
         log_event(log, "listening", transport="unix", path=str(self.config.socket_path))
@@ -88,7 +93,10 @@ class LockServer:
             host, port = self.config.tcp
             self._servers.append(
                 await asyncio.start_server(
-                    lambda r, w: self._spawn(self._connection(r, w, is_tcp=True)), host, port
+                    lambda r, w: self._spawn(self._connection(r, w, is_tcp=True)),
+                    host,
+                    port,
+                    backlog=_BACKLOG,
                 )
             )
             log_event(log, "listening", transport="tcp", address=f"{host}:{port}")
@@ -144,7 +152,7 @@ class LockServer:
                 corrupt=result.corrupt,
                 now=self._now(),
                 window_s=self.config.reconnect_window_s,
-                epoch_floor=int(wall * 1000),
+                epoch_floor=int(wall * 1_000_000),
             )
         )
         log_event(

@@ -1,0 +1,342 @@
+"""The lock server as real processes: kill -9, SIGSTOP, restarts, bad input.
+
+Each row of Decision 8's failure table is a test here. Holders and waiters are
+``understudy lock acquire`` processes (the same client library the engine
+shim uses), so the reconnect/resume path is exercised for real.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import struct
+import time
+from pathlib import Path
+
+import pytest
+from procs import Proc, understudy, wait_for
+
+from understudy.lockserver import client
+
+pytestmark = pytest.mark.process
+
+
+class Pod:
+    """A lock server and its state file in one directory, restartable."""
+
+    def __init__(self, tmp: Path, window: float = 1.0, extra: tuple[str, ...] = ()) -> None:
+        self.dir = tmp
+        self.sock = tmp / "lock.sock"
+        self.state = tmp / "lock.state"
+        self.window = window
+        self.extra = extra
+        self.server: Proc | None = None
+        self.procs: list[Proc] = []
+        self.log = tmp / "lockserver.log"
+
+    def start_server(self) -> Proc:
+        self.server = Proc(
+            understudy("lockserver", "serve", "--socket", str(self.sock), "--state-file",
+                       str(self.state), "--reconnect-window", str(self.window), *self.extra),
+            log=self.log,
+        )
+        wait_for(self._answers, 15, what="lock server socket")
+        return self.server
+
+    def _answers(self) -> bool:
+        try:
+            client.status(self.sock, timeout=0.5)
+            return True
+        except client.LockError:
+            return False
+
+    def acquire(self, engine_id: str, *more: str) -> Proc:
+        p = Proc(understudy("lock", "acquire", "--socket", str(self.sock), "--id", engine_id,
+                            "--reconnect-timeout", str(self.window + 4), *more),
+                 log=self.dir / f"{engine_id}.log")
+        self.procs.append(p)
+        return p
+
+    def status(self) -> client.StatusReply:
+        return client.status(self.sock, timeout=2)
+
+    def wait_waiting(self, *ids: str) -> None:
+        wait_for(lambda: set(ids) <= set(self.status().waiters), 10, what=f"waiters {ids}")
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.stop()
+        if self.server:
+            self.server.stop()
+
+
+@pytest.fixture
+def pod(tmp_path):
+    p = Pod(tmp_path)
+    p.start_server()
+    yield p
+    p.close()
+
+
+def granted(p: Proc, timeout: float = 10.0) -> int:
+    line = p.json_line(timeout)
+    assert line["event"] == "granted", line
+    return line["epoch"]
+
+
+def test_holder_kill9_grants_waiter_without_heartbeat(pod):
+    a = pod.acquire("a")
+    ea = granted(a)
+    b = pod.acquire("b")
+    pod.wait_waiting("b")
+    assert b.no_line(0.3)  # really blocked
+    a.kill9()
+    eb = granted(b, timeout=5)
+    assert eb > ea
+    assert pod.status().holder == "b"
+    assert json.loads(pod.state.read_text())["holder"] == "b"
+
+
+def test_lockserver_crash_healthy_holder_keeps_lock_and_epoch(pod):
+    """Decision 8 row 1: A reconnects and continues; no failover."""
+    a = pod.acquire("a")
+    ea = granted(a)
+    b = pod.acquire("b")
+    pod.wait_waiting("b")
+    pod.server.kill9()
+    pod.start_server()
+    wait_for(lambda: pod.status().holder == "a", 10, what="a resumes")
+    st = pod.status()
+    assert st.epoch == ea and not st.window_open  # window closed by the reclaim
+    time.sleep(pod.window + 0.5)  # well past the window
+    assert a.alive() and a.no_line(0.1)  # A never heard it lost anything
+    assert pod.status().holder == "a"
+    assert b.no_line(0.1)  # B still waiting: no failover
+    assert "b" in pod.status().waiters
+    a.kill9()  # and the lock still works afterwards
+    assert granted(b) == ea + 1
+
+
+def test_lockserver_crash_dead_holder_window_expires_then_waiter_wins(pod):
+    """Decision 8 row 2."""
+    a = pod.acquire("a")
+    ea = granted(a)
+    b = pod.acquire("b")
+    pod.wait_waiting("b")
+    pod.server.kill9()
+    a.kill9()
+    t0 = time.monotonic()
+    pod.start_server()
+    assert pod.status().window_open and pod.status().window_holder == "a"
+    eb = granted(b, timeout=10)  # b's acquire reconnected to the new server by itself
+    assert time.monotonic() - t0 >= pod.window * 0.9  # not before the window
+    assert eb == ea + 1
+
+
+def test_lockserver_crash_hung_holder_loses_and_learns_it(pod):
+    """Decision 8 row 3: A is SIGSTOPped; B wins after the window; A, resumed, is told."""
+    a = pod.acquire("a")
+    ea = granted(a)
+    b = pod.acquire("b")
+    pod.wait_waiting("b")
+    a.signal(signal.SIGSTOP)
+    pod.server.kill9()
+    pod.start_server()
+    eb = granted(b, timeout=10)
+    assert eb > ea
+    a.signal(signal.SIGCONT)
+    line = a.json_line(10)
+    assert line["event"] == "lost" and "superseded" in line["reason"]
+    assert a.wait(5) == 3  # the lost-lock callback ends the holder
+    assert pod.status().holder == "b"
+
+
+def test_both_crash_first_to_acquire_after_window_wins(tmp_path):
+    """Decision 8 row 4: server, holder and waiter all die; fresh engines race."""
+    pod = Pod(tmp_path, window=4.0)  # long enough to see both restarted engines queue
+    pod.start_server()
+    try:
+        _both_crash(pod)
+    finally:
+        pod.close()
+
+
+def _both_crash(pod):
+    a = pod.acquire("a")
+    ea = granted(a)
+    b = pod.acquire("b")
+    pod.wait_waiting("b")
+    for p in (pod.server, a, b):
+        p.kill9()
+    pod.start_server()
+    a2 = pod.acquire("a2")  # the restarted engines: new ids
+    pod.wait_waiting("a2")
+    b2 = pod.acquire("b2")
+    pod.wait_waiting("a2", "b2")
+    assert granted(a2, timeout=10) == ea + 1
+    assert b2.no_line(0.3)
+    assert pod.status().waiters == ("b2",)
+
+
+def test_corrupt_state_file_waits_a_window_and_says_so(tmp_path):
+    pod = Pod(tmp_path)
+    pod.state.write_text('{"holder": "a", "epo')  # torn by hand: never by us
+    pod.start_server()
+    try:
+        st = pod.status()
+        assert st.window_open and st.window_holder is None
+        b = pod.acquire("b")
+        pod.wait_waiting("b")
+        assert b.no_line(0.5 * pod.window)
+        epoch = granted(b, timeout=10)
+        assert epoch > 10**15  # restarted above any counter epoch
+        log = pod.log.read_text()
+        assert "state_file_corrupt" in log and "ERROR" in log
+        assert list(tmp_path.glob("lock.state.corrupt-*"))
+    finally:
+        pod.close()
+
+
+def test_lost_lock_when_server_never_comes_back(tmp_path):
+    pod = Pod(tmp_path)
+    pod.start_server()
+    try:
+        a = pod.acquire("a")
+        granted(a)
+        pod.server.kill9()
+        line = a.json_line(pod.window + 10)
+        assert line["event"] == "lost" and "did not come back" in line["reason"]
+        assert a.wait(5) == 3
+    finally:
+        pod.close()
+
+
+# ------------------------------------------------------------ bad input --
+
+
+def raw(sock_path: Path) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(str(sock_path))  # blocking: waits if the backlog is momentarily full
+    s.settimeout(5)
+    return s
+
+
+def read_error(s: socket.socket) -> dict:
+    header = s.recv(4)
+    (n,) = struct.unpack(">I", header)
+    body = b""
+    while len(body) < n:
+        body += s.recv(n - len(body))
+    return json.loads(body)
+
+
+def test_bad_input_never_costs_the_holder_its_lock(pod):
+    a = pod.acquire("a")
+    ea = granted(a)
+    b = pod.acquire("b")
+    pod.wait_waiting("b")
+
+    garbage = raw(pod.sock)
+    garbage.sendall(b"GET / HTTP/1.1\r\n\r\n")
+    err = read_error(garbage)
+    assert err["type"] == "error" and err["code"] == "bad_request"
+    assert garbage.recv(10) == b""  # and the server closed that connection
+
+    huge = raw(pod.sock)
+    huge.sendall(struct.pack(">I", 4 * 1024**3 - 1))
+    assert "exceeds the maximum" in read_error(huge)["message"]
+
+    half = raw(pod.sock)
+    frame = b'{"type":"acquire","engine_id":"h"}'
+    half.sendall(struct.pack(">I", len(frame)) + frame[:10])
+    half.shutdown(socket.SHUT_WR)  # half-closed mid-frame
+
+    silent = [raw(pod.sock) for _ in range(3)]  # connect and never speak
+
+    bad_json = raw(pod.sock)
+    body = b'{"type":"acquire","engine_id":5}'
+    bad_json.sendall(struct.pack(">I", len(body)) + body)
+    assert "engine_id" in read_error(bad_json)["message"]
+
+    many = []
+    for _ in range(1000):
+        many.append(raw(pod.sock))
+    st = pod.status()  # still answering with 1000 idle connections open
+    assert st.holder == "a" and st.epoch == ea and st.waiters == ("b",)
+    for s in [garbage, huge, half, bad_json, *silent, *many]:
+        s.close()
+
+    assert pod.server.alive() and a.alive()
+    wait_for(lambda: pod.status().waiters == ("b",), 5, what="idle connections gone")
+    assert pod.status().holder == "a"
+    a.kill9()
+    assert granted(b) == ea + 1
+
+
+def test_second_acquire_on_holder_connection_is_refused_without_release(pod):
+    s = raw(pod.sock)
+    body = b'{"type":"acquire","engine_id":"x"}'
+    frame = struct.pack(">I", len(body)) + body
+    s.sendall(frame)
+    assert read_error(s)["type"] == "granted"
+    s.sendall(frame)
+    err = read_error(s)
+    assert err["code"] == "bad_request" and "holds the lock" in err["message"]
+    assert pod.status().holder == "x"
+    s.close()
+    wait_for(lambda: pod.status().holder is None, 5, what="release on close")
+
+
+# ------------------------------------------------------------------ TCP --
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tcp_needs_the_token_and_releases_on_death(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    port = free_port()
+    pod = Pod(tmp_path, extra=("--tcp", f"127.0.0.1:{port}", "--token-file", str(token)))
+    pod.start_server()
+    addr = f"tcp:127.0.0.1:{port}"
+    try:
+        with pytest.raises(client.LockRefused, match="unauthorized"):
+            client.status(addr, timeout=2)
+        wrong = tmp_path / "wrong"
+        wrong.write_text("nope")
+        bad = Proc(understudy("lock", "acquire", "--socket", addr, "--id", "m",
+                              "--token-file", str(wrong)))
+        assert bad.json_line()["event"] == "error"
+        assert bad.wait() == 1
+        a = Proc(understudy("lock", "acquire", "--socket", addr, "--id", "a",
+                            "--token-file", str(token)))
+        b = Proc(understudy("lock", "acquire", "--socket", str(pod.sock), "--id", "b"))
+        pod.procs += [a, b]
+        ea = granted(a)
+        pod.wait_waiting("b")
+        a.kill9()  # a RST/FIN on loopback: seen at once, keepalive is the backstop
+        assert granted(b) == ea + 1
+        assert client.status(addr, timeout=2, token="s3cret").holder == "b"
+    finally:
+        pod.close()
+
+
+def test_tcp_without_token_is_refused_at_start(tmp_path):
+    p = Proc(understudy("lockserver", "serve", "--socket", str(tmp_path / "s"), "--state-file",
+                        str(tmp_path / "st"), "--tcp", "127.0.0.1:0"))
+    assert p.wait(15) == 2
+
+
+def test_status_cli_prints_one_json_line(pod):
+    p = Proc(understudy("lock", "status", "--socket", str(pod.sock)))
+    line = p.json_line()
+    assert p.wait() == 0
+    assert line == {"holder": None, "epoch": 0, "waiters": [], "window_open": False,
+                    "window_holder": None, "window_remaining_s": None}
+    gone = Proc(understudy("lock", "status", "--socket", str(pod.dir / "nope.sock")))
+    assert "error" in gone.json_line() and gone.wait() == 1

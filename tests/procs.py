@@ -1,0 +1,102 @@
+"""Real processes for tests: start ``understudy`` subcommands, read their JSON
+lines, wait for conditions, kill them for real. No mocks of our components."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+PYTHON = sys.executable
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0.01, what: str = "") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what or cond}")
+        time.sleep(interval)
+
+
+class Proc:
+    """A subprocess whose stdout lines are collected by a thread."""
+
+    def __init__(self, args: list[str], *, env: dict[str, str] | None = None,
+                 log: Path | None = None, cwd: Path | None = None) -> None:
+        self.args = args
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.all_lines: list[str] = []
+        self._log = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.popen = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=self._log, env=full_env, cwd=cwd,
+            start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for raw in self.popen.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            self.all_lines.append(line)
+            self.lines.put(line)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def json_line(self, timeout: float = 10.0) -> dict[str, Any]:
+        try:
+            return json.loads(self.lines.get(timeout=timeout))
+        except queue.Empty:
+            raise TimeoutError(f"no output from {self.args} within {timeout}s") from None
+
+    def no_line(self, within: float) -> bool:
+        try:
+            line = self.lines.get(timeout=within)
+        except queue.Empty:
+            return True
+        self.lines.put(line)
+        return False
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, sig)
+
+    def kill9(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.popen.wait(10)
+
+    def wait(self, timeout: float = 10.0) -> int:
+        return self.popen.wait(timeout)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self) -> None:
+        if self.alive():
+            self.signal(signal.SIGCONT)
+            self.signal(signal.SIGTERM)
+            try:
+                self.popen.wait(5)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()
+
+
+def understudy(*args: str) -> list[str]:
+    return [PYTHON, "-m", "understudy", *args]

@@ -1,0 +1,276 @@
+"""The GMS lock core: every (phase, event) pair, the grant rules, scenarios."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from understudy.gms import fsm
+from understudy.gms import messages as m
+from understudy.gms.fsm import Phase
+from understudy.gms.messages import ErrorCode, LockState, Mode
+
+INFO = fsm.ServerInfo(device=0, tag="weights", backend="host", granularity=4096)
+S = 1  # the session under test
+OTHER = 9
+
+
+def run(state: fsm.GmsState, *events: fsm.Event, now: float = 0.0) -> tuple[fsm.GmsState, list[fsm.Action]]:
+    actions: list[fsm.Action] = []
+    for ev in events:
+        state, more = fsm.step(state, ev, now)
+        actions.extend(more)
+    return state, actions
+
+
+def req(sid: int, request: m.Request) -> fsm.Received:
+    return fsm.Received(sid, request)
+
+
+def hello(sid: int, mode: Mode, timeout: float = 5.0) -> fsm.Received:
+    return req(sid, m.Hello(mode=mode, timeout_s=timeout))
+
+
+def replies(actions: list[fsm.Action], sid: int | None = None) -> list[object]:
+    return [a.message for a in actions if isinstance(a, fsm.Reply) and (sid is None or a.sid == sid)]
+
+
+def committed_state() -> fsm.GmsState:
+    """OTHER wrote one allocation and a metadata key, committed, and left."""
+    st, _ = run(
+        fsm.initial_state(INFO),
+        fsm.Connected(OTHER),
+        hello(OTHER, Mode.RW),
+        req(OTHER, m.Allocate(size=100)),
+        req(OTHER, m.PutMetadata(key="k", value={"offset": 0})),
+        req(OTHER, m.Commit()),
+        fsm.Disconnected(OTHER),
+    )
+    return st
+
+
+def state_in(phase: Phase) -> fsm.GmsState:
+    """A state where session S is in ``phase``, with allocation 0 and key "k"
+    present whenever S could see them."""
+    base = fsm.initial_state(INFO)
+    if phase is Phase.NONE:
+        return base
+    if phase is Phase.PENDING:
+        return run(base, fsm.Connected(S))[0]
+    if phase is Phase.WAITING:
+        return run(base, fsm.Connected(S), hello(S, Mode.RO))[0]
+    if phase is Phase.RW:
+        return run(
+            base,
+            fsm.Connected(S),
+            hello(S, Mode.RW),
+            req(S, m.Allocate(size=100)),
+            req(S, m.PutMetadata(key="k", value={"offset": 0})),
+        )[0]
+    return run(committed_state(), fsm.Connected(S), hello(S, Mode.RO))[0]
+
+
+EVENTS: dict[type, Callable[[], fsm.Event]] = {
+    fsm.Connected: lambda: fsm.Connected(S),
+    fsm.Disconnected: lambda: fsm.Disconnected(S),
+    fsm.Expire: lambda: fsm.Expire(S),
+    fsm.CreateFailed: lambda: fsm.CreateFailed(S, 0, "no memory"),
+    m.Hello: lambda: hello(S, Mode.RW_OR_RO),
+    m.Allocate: lambda: req(S, m.Allocate(size=1)),
+    m.Export: lambda: req(S, m.Export(id=0)),
+    m.ListAllocations: lambda: req(S, m.ListAllocations()),
+    m.PutMetadata: lambda: req(S, m.PutMetadata(key="x", value={})),
+    m.GetMetadata: lambda: req(S, m.GetMetadata(key="k")),
+    m.ListMetadata: lambda: req(S, m.ListMetadata()),
+    m.Commit: lambda: req(S, m.Commit()),
+    m.GetLayoutHash: lambda: req(S, m.GetLayoutHash()),
+    m.GetState: lambda: req(S, m.GetState()),
+}
+
+# Where session S lands for every legal pair (the table drives the test).
+LANDS: dict[tuple[Phase, type], Phase] = {
+    (Phase.NONE, fsm.Connected): Phase.PENDING,
+    (Phase.PENDING, m.Hello): Phase.RW,  # nothing committed: RW_OR_RO takes RW
+    (Phase.RW, m.Commit): Phase.RO,  # commit ends RW; the connection reads on
+    **{(p, fsm.Disconnected): Phase.NONE for p in fsm._LIVE},
+}
+
+
+def test_event_builders_cover_every_kind() -> None:
+    assert set(EVENTS) == set(fsm.EVENT_KINDS) | set(fsm.REQUEST_KINDS) | {fsm.Connected}
+    assert {k for _, k in fsm.TRANSITIONS} <= set(EVENTS)
+
+
+@pytest.mark.parametrize("phase", list(Phase), ids=lambda p: p.value)
+@pytest.mark.parametrize("kind", list(EVENTS), ids=lambda k: k.__name__)
+def test_every_phase_event_pair(phase: Phase, kind: type) -> None:
+    state = state_in(phase)
+    assert state.phase(S) is phase
+    event = EVENTS[kind]()
+    if (phase, kind) in fsm.TRANSITIONS:
+        new, _ = fsm.step(state, event, 0.0)
+        assert new.phase(S) is LANDS.get((phase, kind), phase)
+        return
+    expected = fsm.Refused if isinstance(event, fsm.Received) else fsm.InvalidTransition
+    with pytest.raises(expected) as info:
+        fsm.step(state, event, 0.0)
+    if isinstance(info.value, fsm.Refused):
+        assert info.value.code is ErrorCode.REFUSED
+    assert state == state_in(phase)  # nothing changed
+
+
+def test_rw_only_operations_are_refused_to_ro_with_a_clear_message() -> None:
+    state = state_in(Phase.RO)
+    for request in (m.Allocate(size=1), m.Commit(), m.PutMetadata(key="a", value={})):
+        with pytest.raises(fsm.Refused, match="RW-only"):
+            fsm.step(state, req(S, request), 0.0)
+
+
+def lock_state_fixture(ls: LockState) -> fsm.GmsState:
+    base = fsm.initial_state(INFO)
+    if ls is LockState.EMPTY:
+        return base
+    if ls is LockState.RW:
+        return run(base, fsm.Connected(OTHER), hello(OTHER, Mode.RW))[0]
+    if ls is LockState.COMMITTED:
+        return committed_state()
+    return run(committed_state(), fsm.Connected(OTHER), hello(OTHER, Mode.RO))[0]
+
+
+@pytest.mark.parametrize("rule", list(fsm.GRANT_RULES), ids=lambda r: f"{r[0]}-{r[1]}")
+def test_grant_rules(rule: tuple[LockState, Mode]) -> None:
+    ls, mode = rule
+    state = lock_state_fixture(ls)
+    assert fsm.lock_state(state) is ls
+    new, actions = run(state, fsm.Connected(S), hello(S, mode))
+    expected = {
+        fsm.Decision.GRANT_RW: Phase.RW,
+        fsm.Decision.GRANT_RO: Phase.RO,
+        fsm.Decision.WAIT: Phase.WAITING,
+    }[fsm.GRANT_RULES[rule]]
+    assert new.phase(S) is expected
+    if expected is Phase.WAITING:
+        assert fsm.ArmTimer(S, 5.0) in actions
+
+
+def test_grant_rules_cover_every_state_and_mode() -> None:
+    assert set(fsm.GRANT_RULES) == {(s, md) for s in LockState for md in Mode}
+
+
+def test_ro_waits_behind_a_waiting_writer() -> None:
+    st = lock_state_fixture(LockState.RO)  # OTHER reads
+    st, _ = run(st, fsm.Connected(2), hello(2, Mode.RW), fsm.Connected(S), hello(S, Mode.RO))
+    assert st.phase(2) is Phase.WAITING and st.phase(S) is Phase.WAITING
+    assert st.waiting_writers == 1
+    st, actions = run(st, fsm.Disconnected(OTHER))  # last reader leaves: writer first
+    assert st.phase(2) is Phase.RW and st.phase(S) is Phase.WAITING
+    assert any(isinstance(a, fsm.ReleaseMemory) for a in actions)  # layout replaced
+    assert st.allocations == () and not st.committed
+
+
+def test_abort_releases_everything_and_wakes_rw_or_ro() -> None:
+    st, _ = run(
+        fsm.initial_state(INFO),
+        fsm.Connected(OTHER),
+        hello(OTHER, Mode.RW_OR_RO),
+        req(OTHER, m.Allocate(size=10)),
+        req(OTHER, m.Allocate(size=5000)),
+        req(OTHER, m.PutMetadata(key="a", value={"x": 1})),
+        fsm.Connected(S),
+        hello(S, Mode.RW_OR_RO),
+        fsm.Connected(2),
+        hello(2, Mode.RO),
+    )
+    assert [a.size for a in st.allocations] == [4096, 8192]
+    assert st.phase(S) is Phase.WAITING
+    st, actions = run(st, fsm.Disconnected(OTHER), now=1.5)
+    assert fsm.ReleaseMemory((0, 1)) in actions
+    assert st.allocations == () and st.metadata == () and st.layout_hash is None
+    assert st.phase(S) is Phase.RW  # the next RW_OR_RO loads
+    assert st.phase(2) is Phase.WAITING  # RO keeps waiting for a commit
+    grant = [a for a in actions if isinstance(a, fsm.Transition) and a.event == "grant"]
+    assert grant[0].waited_s == 1.5
+
+
+def test_commit_hashes_downgrades_and_grants_readers() -> None:
+    st, _ = run(
+        fsm.initial_state(INFO),
+        fsm.Connected(OTHER),
+        hello(OTHER, Mode.RW_OR_RO),
+        req(OTHER, m.Allocate(size=10)),
+        fsm.Connected(S),
+        hello(S, Mode.RW_OR_RO),
+    )
+    st, actions = run(st, req(OTHER, m.Commit()))
+    assert st.committed and st.layout_hash is not None
+    assert st.phase(OTHER) is Phase.RO and st.phase(S) is Phase.RO
+    assert m.Committed(layout_hash=st.layout_hash) in replies(actions, OTHER)
+    ok = replies(actions, S)[0]
+    assert isinstance(ok, m.HelloOk) and ok.layout_hash == st.layout_hash
+    assert fsm.lock_state(st) is LockState.RO
+    st, _ = run(st, fsm.Disconnected(OTHER), fsm.Disconnected(S))
+    assert fsm.lock_state(st) is LockState.COMMITTED and len(st.allocations) == 1
+
+
+def test_wait_expires_at_its_deadline_only() -> None:
+    st, actions = run(fsm.initial_state(INFO), fsm.Connected(S), hello(S, Mode.RO, 2.0), now=10.0)
+    assert fsm.ArmTimer(S, 12.0) in actions
+    assert st.next_deadline() == 12.0
+    early, actions = fsm.step(st, fsm.Expire(S), 11.0)
+    assert early.phase(S) is Phase.WAITING and actions == [fsm.ArmTimer(S, 12.0)]
+    late, actions = fsm.step(st, fsm.Expire(S), 12.0)
+    assert late.phase(S) is Phase.PENDING and late.next_deadline() is None
+    (err,) = replies(actions, S)
+    assert isinstance(err, m.ErrorReply) and err.code is ErrorCode.TIMEOUT
+    # A stale timer after a grant is a no-op.
+    granted, _ = run(committed_state(), fsm.Connected(S), hello(S, Mode.RO))
+    assert fsm.step(granted, fsm.Expire(S), 99.0) == (granted, [])
+
+
+def test_zero_timeout_fails_at_once() -> None:
+    st, _ = run(fsm.initial_state(INFO), fsm.Connected(S))
+    with pytest.raises(fsm.Refused) as info:
+        fsm.step(st, hello(S, Mode.RO, 0.0), 0.0)
+    assert info.value.code is ErrorCode.TIMEOUT
+
+
+def test_export_and_metadata_lookups() -> None:
+    st = state_in(Phase.RO)
+    _, actions = fsm.step(st, req(S, m.Export(id=0)), 0.0)
+    assert actions == [fsm.SendExport(S, st.allocations[0], writable=False)]
+    rw = state_in(Phase.RW)
+    _, actions = fsm.step(rw, req(S, m.Export(id=0)), 0.0)
+    assert actions == [fsm.SendExport(S, rw.allocations[0], writable=True)]
+    with pytest.raises(fsm.Refused) as info:
+        fsm.step(st, req(S, m.Export(id=12345)), 0.0)
+    assert info.value.code is ErrorCode.NOT_FOUND
+    with pytest.raises(fsm.Refused) as info:
+        fsm.step(st, req(S, m.GetMetadata(key="nope")), 0.0)
+    assert info.value.code is ErrorCode.NOT_FOUND
+    _, actions = fsm.step(st, req(S, m.GetMetadata(key="k")), 0.0)
+    assert replies(actions) == [m.MetadataValue(key="k", value={"offset": 0})]
+
+
+def test_create_failed_forgets_the_allocation() -> None:
+    st = state_in(Phase.RW)
+    st, actions = fsm.step(st, req(S, m.Allocate(size=1)), 0.0)
+    (create,) = actions
+    assert isinstance(create, fsm.CreateMemory)
+    st, actions = fsm.step(st, fsm.CreateFailed(S, create.allocation.id, "ENOMEM"), 0.0)
+    assert [a.id for a in st.allocations] == [0]
+    (err,) = replies(actions)
+    assert isinstance(err, m.ErrorReply) and err.code is ErrorCode.NO_MEMORY
+
+
+def test_ids_are_never_reused_across_layouts() -> None:
+    st = committed_state()
+    st, _ = run(st, fsm.Connected(S), hello(S, Mode.RW), req(S, m.Allocate(size=1)))
+    assert [a.id for a in st.allocations] == [1]
+
+
+def test_report() -> None:
+    st = lock_state_fixture(LockState.RO)
+    rep = fsm.report(st)
+    assert rep.state is LockState.RO and rep.committed and rep.allocations == 1
+    assert rep.sessions[m.Granted.RO] == 1 and rep.bytes == 4096

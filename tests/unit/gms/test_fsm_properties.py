@@ -1,0 +1,123 @@
+"""Invariants of the GMS lock under random event sequences (hypothesis)."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from understudy.gms import fsm
+from understudy.gms import messages as m
+from understudy.gms.fsm import Phase
+from understudy.gms.messages import LockState, Mode
+
+INFO = fsm.ServerInfo(device=0, tag="weights", backend="host", granularity=4096)
+SIDS = st.integers(min_value=1, max_value=6)
+
+
+class GmsLock(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = fsm.initial_state(INFO)
+        self.now = 0.0
+        self.live_memory: set[int] = set()  # created and not released (the backend's view)
+        self.committed_hashes: list[str] = []
+
+    def feed(self, event: fsm.Event) -> list[fsm.Action] | None:
+        before = self.state
+        try:
+            self.state, actions = fsm.step(self.state, event, self.now)
+        except (fsm.Refused, fsm.InvalidTransition):
+            assert self.state is before
+            return None
+        for a in actions:
+            if isinstance(a, fsm.CreateMemory):
+                assert a.allocation.id not in self.live_memory
+                self.live_memory.add(a.allocation.id)
+            elif isinstance(a, fsm.ReleaseMemory):
+                assert set(a.ids) <= self.live_memory
+                self.live_memory -= set(a.ids)
+        return actions
+
+    @rule(sid=SIDS)
+    def connect(self, sid: int) -> None:
+        self.feed(fsm.Connected(sid))
+
+    @rule(sid=SIDS)
+    def disconnect(self, sid: int) -> None:
+        was_writer = self.state.phase(sid) is Phase.RW
+        actions = self.feed(fsm.Disconnected(sid))
+        if was_writer and actions is not None:
+            # an abort leaves nothing behind
+            assert self.state.allocations == () and self.state.metadata == ()
+            assert not self.state.committed and self.live_memory == set()
+
+    @rule(sid=SIDS, mode=st.sampled_from(list(Mode)), timeout=st.sampled_from([0.0, 0.5, 3.0]))
+    def hello(self, sid: int, mode: Mode, timeout: float) -> None:
+        self.feed(fsm.Received(sid, m.Hello(mode=mode, timeout_s=timeout)))
+
+    @rule(sid=SIDS, size=st.integers(min_value=1, max_value=20000))
+    def allocate(self, sid: int, size: int) -> None:
+        self.feed(fsm.Received(sid, m.Allocate(size=size)))
+
+    @rule(sid=SIDS, key=st.sampled_from(["a", "b"]), x=st.integers(0, 3))
+    def put_metadata(self, sid: int, key: str, x: int) -> None:
+        self.feed(fsm.Received(sid, m.PutMetadata(key=key, value={"x": x})))
+
+    @rule(sid=SIDS)
+    def commit(self, sid: int) -> None:
+        if self.feed(fsm.Received(sid, m.Commit())) is not None:
+            assert self.state.layout_hash is not None
+            self.committed_hashes.append(self.state.layout_hash)
+
+    @rule(sid=SIDS, alloc_id=st.integers(0, 8))
+    def export(self, sid: int, alloc_id: int) -> None:
+        actions = self.feed(fsm.Received(sid, m.Export(id=alloc_id)))
+        if actions is not None:
+            (send,) = actions
+            assert isinstance(send, fsm.SendExport) and send.allocation.id in self.live_memory
+            assert send.writable == (self.state.phase(sid) is Phase.RW)
+
+    @rule(dt=st.sampled_from([0.1, 0.5, 1.0, 5.0]))
+    def time_passes(self, dt: float) -> None:
+        self.now += dt
+        for s in self.state.sessions:
+            if s.deadline is not None and s.deadline <= self.now:
+                self.feed(fsm.Expire(s.sid))
+
+    @invariant()
+    def never_rw_beside_another_session(self) -> None:
+        writers = self.state.count(Phase.RW)
+        assert writers <= 1
+        if writers:
+            assert self.state.count(Phase.RO) == 0
+            assert not self.state.committed
+
+    @invariant()
+    def ro_only_after_commit(self) -> None:
+        if self.state.count(Phase.RO):
+            assert self.state.committed and self.state.layout_hash is not None
+
+    @invariant()
+    def backend_matches_the_records(self) -> None:
+        assert {a.id for a in self.state.allocations} == self.live_memory
+
+    @invariant()
+    def no_waiter_could_be_granted(self) -> None:
+        for s in self.state.sessions:
+            if s.phase is Phase.WAITING:
+                assert s.mode is not None and s.deadline is not None
+                assert s.deadline > self.now
+                assert fsm.decide(self.state, s.mode) is fsm.Decision.WAIT
+
+    @invariant()
+    def derived_state_is_consistent(self) -> None:
+        ls = fsm.lock_state(self.state)
+        if ls is LockState.EMPTY:
+            assert not self.state.committed and self.state.count(Phase.RW) == 0
+        if ls is LockState.COMMITTED:
+            assert self.state.count(Phase.RO) == 0
+
+
+GmsLock.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestGmsLock = GmsLock.TestCase
