@@ -16,7 +16,6 @@ address after a wake. RO mappings are ``PROT_READ``: a write faults (SIGSEGV).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import fcntl
@@ -130,7 +129,3 @@ class HostMapper:
         if _munmap(address, size) != 0:
             raise _oserror("munmap")
 
-
-def close_quietly(fd: int) -> None:
-    with contextlib.suppress(OSError):
-        os.close(fd)
