@@ -320,19 +320,37 @@ def reset(replica: Replica, now: float) -> Replica:
     return replica
 
 
-def append_history(
-    history: Sequence[HistoryEntry], entries: Sequence[HistoryEntry], limit: int = HISTORY_LIMIT
-) -> tuple[HistoryEntry, ...]:
-    """Bounded history; a repeat of the same replica's last identical verdict is not stored."""
-    out = list(history)
+def accepted(
+    history: Sequence[HistoryEntry], entries: Sequence[HistoryEntry]
+) -> list[HistoryEntry]:
+    """The entries worth storing.
+
+    A success that changes nothing (a check that passed) is not news; a verdict
+    without an event that repeats the same handler's last entry for the replica
+    (a replica waiting, pass after pass) is dropped, so the history and its
+    Events record changes, not polling.
+    """
+    out: list[HistoryEntry] = []
+    last: dict[tuple[int, Handler], HistoryEntry] = {}
+    for h in history:
+        last[(h.replica, h.handler)] = h
     for e in entries:
-        last = next((h for h in reversed(out) if h.replica == e.replica), None)
+        if e.event is None and e.verdict is Verdict.SUCCESS:
+            continue
+        prev = last.get((e.replica, e.handler))
         if (
-            last is not None
+            prev is not None
             and e.event is None
-            and (last.handler, last.verdict, last.attempt, last.message, last.phase)
-            == (e.handler, e.verdict, e.attempt, e.message, e.phase)
+            and (prev.verdict, prev.attempt, prev.message) == (e.verdict, e.attempt, e.message)
         ):
             continue
         out.append(e)
-    return tuple(out[-limit:])
+        last[(e.replica, e.handler)] = e
+    return out
+
+
+def append_history(
+    history: Sequence[HistoryEntry], entries: Sequence[HistoryEntry], limit: int = HISTORY_LIMIT
+) -> tuple[HistoryEntry, ...]:
+    """Bounded history: the last ``limit`` accepted entries."""
+    return tuple([*history, *accepted(history, entries)][-limit:])

@@ -1,0 +1,177 @@
+"""Carry out a :class:`~understudy.operator.plan.Plan` with ``kubernetes.aio``.
+
+Shell module, the only place that writes to the API (kopf's own annotation
+and finalizer writes aside). Every step is idempotent: ensured objects are
+server-side applied (field manager ``understudy-operator``), a pod that
+already exists (409) or is already gone (404) is fine, and the status is a
+merge patch **preconditioned on the resourceVersion** that was observed, so a
+concurrent writer makes it fail with :class:`Conflict` instead of being
+overwritten; the handler then retries the whole level-based pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from understudy.operator import api
+from understudy.operator.api import GpuInstance
+from understudy.operator.metrics import ACTIONS
+from understudy.operator.plan import Delete, EventSpec, LabelPatch, Plan
+from understudy.wire.obs import log_event
+
+log = logging.getLogger("understudy.operator.apply")
+
+FIELD_MANAGER = "understudy-operator"
+MERGE = "application/merge-patch+json"
+
+
+class Conflict(Exception):
+    """The status changed since it was observed (HTTP 409)."""
+
+
+def _status_code(exc: BaseException) -> int | None:
+    code = getattr(exc, "status", None)
+    return code if isinstance(code, int) else None
+
+
+async def _resource(dyn: Any, api_version: str, kind: str) -> Any:
+    return await dyn.resources.get(api_version=api_version, kind=kind)
+
+
+async def ensure(dyn: Any, obj: dict[str, Any]) -> None:
+    res = await _resource(dyn, obj["apiVersion"], obj["kind"])
+    meta = obj["metadata"]
+    try:
+        await dyn.server_side_apply(
+            res,
+            body=obj,
+            name=meta["name"],
+            namespace=meta.get("namespace"),
+            field_manager=FIELD_MANAGER,
+            force_conflicts=True,
+        )
+    except Exception as exc:
+        # An immutable spec that differs (a claim template): the plan deletes it.
+        if _status_code(exc) != 422:
+            raise
+        log_event(log, "ensure_rejected", logging.WARNING, kind=obj["kind"], name=meta["name"])
+        return
+    ACTIONS.labels("ensure").inc()
+
+
+async def create_pod(dyn: Any, pod: dict[str, Any]) -> None:
+    res = await _resource(dyn, "v1", "Pod")
+    try:
+        await dyn.create(res, body=pod, namespace=pod["metadata"]["namespace"])
+    except Exception as exc:
+        if _status_code(exc) != 409:
+            raise
+        return
+    ACTIONS.labels("create_pod").inc()
+    log_event(log, "pod_created", name=pod["metadata"]["name"])
+
+
+async def delete(dyn: Any, namespace: str, d: Delete) -> None:
+    version = "v1" if d.kind == "Pod" else "resource.k8s.io/v1"
+    res = await _resource(dyn, version, d.kind)
+    body: dict[str, Any] = {"propagationPolicy": "Background"}
+    if d.grace_seconds is not None:
+        body["gracePeriodSeconds"] = d.grace_seconds
+    try:
+        await dyn.delete(res, name=d.name, namespace=namespace, body=body)
+    except Exception as exc:
+        if _status_code(exc) != 404:
+            raise
+        return
+    ACTIONS.labels("delete").inc()
+    log_event(log, "deleted", kind=d.kind, name=d.name, reason=d.reason, grace=d.grace_seconds)
+
+
+async def label(dyn: Any, namespace: str, patch: LabelPatch) -> None:
+    res = await _resource(dyn, "v1", "Pod")
+    body = {"metadata": {"labels": {patch.key: patch.value}}}
+    try:
+        await dyn.patch(res, body=body, name=patch.pod, namespace=namespace, content_type=MERGE)
+    except Exception as exc:
+        if _status_code(exc) != 404:
+            raise
+        return
+    ACTIONS.labels("label").inc()
+
+
+async def patch_status(
+    dyn: Any, inst: GpuInstance, status: dict[str, Any], resource_version: str | None
+) -> None:
+    path = (
+        f"/apis/{api.GROUP}/{api.VERSION}/namespaces/{inst.metadata.namespace}"
+        f"/{api.PLURAL}/{inst.metadata.name}/status"
+    )
+    body: dict[str, Any] = {"status": status}
+    if resource_version:
+        body["metadata"] = {"resourceVersion": resource_version}
+    try:
+        await dyn.request("patch", path, body=body, content_type=MERGE)
+    except Exception as exc:
+        if _status_code(exc) == 409:
+            raise Conflict(str(exc)) from exc
+        raise
+    ACTIONS.labels("status").inc()
+
+
+async def post_event(dyn: Any, inst: GpuInstance, ev: EventSpec) -> None:
+    """A core/v1 Event about the GpuInstance (best effort: never fails the pass)."""
+    now = datetime.now(tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    body = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {
+            "name": f"{inst.metadata.name}.{uuid.uuid4().hex[:12]}",
+            "namespace": inst.metadata.namespace,
+        },
+        "involvedObject": {
+            "apiVersion": api.API_VERSION,
+            "kind": api.KIND,
+            "name": inst.metadata.name,
+            "namespace": inst.metadata.namespace,
+            "uid": inst.metadata.uid,
+        },
+        "type": ev.type,
+        "reason": str(ev.reason)[:128],
+        "message": ev.message[:1024],
+        "source": {"component": FIELD_MANAGER},
+        "reportingComponent": FIELD_MANAGER,
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+    }
+    try:
+        res = await _resource(dyn, "v1", "Event")
+        await dyn.create(res, body=body, namespace=inst.metadata.namespace)
+    except Exception as exc:  # Events are advisory
+        log_event(log, "event_failed", logging.WARNING, reason=ev.reason, error=exc)
+
+
+async def apply(dyn: Any, inst: GpuInstance, plan: Plan, resource_version: str | None) -> None:
+    ns = inst.metadata.namespace
+    for d in plan.deletes:
+        await delete(dyn, ns, d)
+    for obj in plan.ensure:
+        if any(d.kind == obj["kind"] and d.name == obj["metadata"]["name"] for d in plan.deletes):
+            continue  # recreated on the next pass, once the old one is gone
+        await ensure(dyn, obj)
+    # Status first: it records the attempt of every pod created below, so a
+    # conflict here creates nothing that the next pass would see as stale.
+    if plan.status is not None:
+        await patch_status(dyn, inst, plan.status, resource_version)
+    for pod in plan.create_pods:
+        await create_pod(dyn, pod)
+    for patch in plan.labels:
+        await label(dyn, ns, patch)
+    for ev in plan.events:
+        log_event(
+            log, "transition", instance=inst.metadata.name, reason=ev.reason, message=ev.message
+        )
+        await post_event(dyn, inst, ev)

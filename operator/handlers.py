@@ -1,0 +1,194 @@
+"""The kopf handlers: thin, level-based, all feeding one reconcile pass.
+
+create / update / resume / the timer on a GpuInstance, and every event of a
+pod the operator owns, run the same pass: observe -> ``plan`` -> apply
+(STYLE.md b12). Passes of one instance never overlap: a :class:`Coalescer`
+runs at most one at a time per instance and, if anything asked for another
+meanwhile, runs exactly one more with the newest body from the index. No
+pass re-triggers itself: a pass that writes nothing generates no event, so
+there is no hot loop; the timer is the slow safety net and the deadline clock
+of the lifecycle (expiry is judged when a pass runs).
+
+Failures map to kopf's vocabulary: a status conflict or an API error is a
+``TemporaryError`` (retried with a delay), an invalid spec a
+``PermanentError``. Deletion needs no cleanup outside the cluster: owner
+references let the garbage collector remove pods, claims and the Service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Hashable
+from typing import Any
+
+import aiohttp
+import kopf
+import pydantic
+
+from understudy.operator import api
+from understudy.operator.api import GpuInstance
+from understudy.operator.apply import Conflict, apply
+from understudy.operator.metrics import RECONCILE_DURATION, RECONCILE_ERRORS, TRANSITIONS
+from understudy.operator.observe import observe
+from understudy.operator.plan import plan
+from understudy.operator.render import MANAGED_BY
+from understudy.operator.settings import RESYNC_S, OperatorConfig, configure
+from understudy.wire.obs import log_event
+
+log = logging.getLogger("understudy.operator")
+
+Key = tuple[str, str]
+
+
+class Coalescer:
+    """At most one pass per key at a time; requests meanwhile collapse into one rerun."""
+
+    def __init__(self) -> None:
+        self._running: set[Hashable] = set()
+        self._dirty: set[Hashable] = set()
+
+    async def run(self, key: Hashable, fn: Callable[[], Awaitable[None]]) -> bool:
+        """Run ``fn`` (and reruns); False when another pass took the request over."""
+        if key in self._running:
+            self._dirty.add(key)
+            return False
+        self._running.add(key)
+        try:
+            while True:
+                self._dirty.discard(key)
+                await fn()
+                if key not in self._dirty:
+                    return True
+        finally:
+            self._running.discard(key)
+            self._dirty.discard(key)
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+    from kubernetes.aio import config as kconfig
+    from kubernetes.aio.client import ApiClient
+    from kubernetes.aio.dynamic import DynamicClient
+
+    cfg: OperatorConfig = memo.get("config") or OperatorConfig()
+    memo["config"] = cfg
+    configure(settings, cfg)
+    try:
+        kconfig.load_incluster_config()  # type: ignore[no-untyped-call]
+    except kconfig.ConfigException:
+        await kconfig.load_kube_config()  # type: ignore[no-untyped-call]
+    memo["api_client"] = ApiClient()
+    memo["dyn"] = await DynamicClient(memo["api_client"])  # type: ignore[no-untyped-call]
+    memo["http"] = aiohttp.ClientSession()
+    memo["coalescer"] = Coalescer()
+    log_event(log, "operator_started", resync_s=RESYNC_S, image=cfg.render.image)
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: Any, **_: Any) -> None:
+    if "http" in memo:
+        await memo["http"].close()
+    if "api_client" in memo:
+        await memo["api_client"].close()
+
+
+@kopf.index(api.GROUP, api.VERSION, api.PLURAL)
+def gpuinstances(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[Key, Any]:
+    """The newest body of every GpuInstance, for passes started by pod events."""
+    return {(namespace or "", name): dict(body)}
+
+
+async def _pass(body: Any, memo: Any, trigger: str) -> None:
+    cfg: OperatorConfig = memo["config"]
+    try:
+        inst = GpuInstance.from_body(body)
+    except pydantic.ValidationError as exc:
+        RECONCILE_ERRORS.labels("invalid").inc()
+        raise kopf.PermanentError(f"invalid GpuInstance: {exc}") from exc
+    started = asyncio.get_running_loop().time()
+    try:
+        observed = await observe(memo["dyn"], memo["http"], inst, state_timeout=cfg.state_timeout_s)
+        # Wall-clock: the lifecycle's deadlines are persisted in status.
+        the_plan = plan(inst, observed, time.time(), cfg.render)
+        await apply(
+            memo["dyn"], inst, the_plan, (body.get("metadata") or {}).get("resourceVersion")
+        )
+        for ev in the_plan.events:
+            TRANSITIONS.labels(trigger, str(ev.reason)).inc()
+    except Conflict as exc:
+        RECONCILE_ERRORS.labels("conflict").inc()
+        raise kopf.TemporaryError("status changed meanwhile; re-planning", delay=1) from exc
+    except kopf.PermanentError:
+        raise
+    except Exception as exc:
+        cause = "api" if hasattr(exc, "status") else "unexpected"
+        RECONCILE_ERRORS.labels(cause).inc()
+        raise kopf.TemporaryError(f"reconcile failed: {exc!r}", delay=5) from exc
+    finally:
+        RECONCILE_DURATION.labels(trigger).observe(asyncio.get_running_loop().time() - started)
+
+
+async def reconcile(key: Key, body: Any, memo: Any, trigger: str, index: Any = None) -> None:
+    latest: list[Any] = [body]
+
+    async def once() -> None:
+        await _pass(latest[0], memo, trigger)
+        if index is not None and key in index:
+            latest[0] = next(iter(index[key]), latest[0])
+
+    await memo["coalescer"].run(key, once)
+
+
+@kopf.on.resume(api.GROUP, api.VERSION, api.PLURAL)
+@kopf.on.create(api.GROUP, api.VERSION, api.PLURAL)
+@kopf.on.update(api.GROUP, api.VERSION, api.PLURAL)
+async def on_change(
+    namespace: str | None, name: str, body: kopf.Body, memo: Any, reason: str, **kwargs: Any
+) -> None:
+    key = (namespace or "", name)
+    await reconcile(key, dict(body), memo, str(reason), kwargs.get("gpuinstances"))
+
+
+@kopf.timer(api.GROUP, api.VERSION, api.PLURAL, interval=RESYNC_S, initial_delay=RESYNC_S)
+async def on_timer(
+    namespace: str | None, name: str, body: kopf.Body, memo: Any, **kwargs: Any
+) -> None:
+    key = (namespace or "", name)
+    await reconcile(key, dict(body), memo, "timer", kwargs.get("gpuinstances"))
+
+
+@kopf.on.delete(api.GROUP, api.VERSION, api.PLURAL, optional=True)
+async def on_delete(namespace: str | None, name: str, **_: Any) -> None:
+    # Nothing outside the cluster to clean: owner references collect the children.
+    log_event(log, "instance_deleted", namespace=namespace, name=name)
+
+
+@kopf.on.event("", "v1", "pods", labels={"app.kubernetes.io/managed-by": MANAGED_BY})
+async def on_pod_event(namespace: str | None, body: kopf.Body, memo: Any, **kwargs: Any) -> None:
+    """A pod changed: re-run its owner's pass (the routable label, status, lifecycle)."""
+    index = kwargs.get("gpuinstances")
+    if "coalescer" not in memo or index is None:
+        return
+    owner = next(
+        (
+            str(o.get("name"))
+            for o in body.get("metadata", {}).get("ownerReferences") or []
+            if o.get("kind") == api.KIND and o.get("apiVersion") == api.API_VERSION
+        ),
+        None,
+    )
+    if owner is None:
+        return
+    key = (namespace or "", owner)
+    if key not in index:
+        return
+    current = next(iter(index[key]), None)
+    if current is None or (current.get("metadata") or {}).get("deletionTimestamp"):
+        return
+    try:
+        await reconcile(key, current, memo, "pod", index)
+    except kopf.TemporaryError as exc:
+        # The timer (or the next pod event) runs the pass again.
+        log_event(log, "pod_pass_deferred", logging.DEBUG, instance=owner, error=exc)
