@@ -1,0 +1,40 @@
+# One image for every component: `understudy operator run`, `understudy
+# lockserver serve`, `understudy gms serve`, `understudy engine run`.
+#
+# Builds from any Debian bookworm rootfs with python3 (3.11), python3-venv and
+# ca-certificates; the only network it needs is PyPI. hack/cluster builds it
+# with buildah on a local debootstrap base image:
+#   buildah bud --build-arg BASE_IMAGE=localhost/understudy-base:bookworm -t localhost/understudy:dev .
+ARG BASE_IMAGE=debian:bookworm-slim
+FROM ${BASE_IMAGE}
+
+# Install extras: the operator's kopf + kubernetes client, and the GPU bindings
+# (imported lazily; harmless on CPU nodes). Override for a slimmer image.
+ARG EXTRAS=operator,gpu
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/understudy \
+    PATH=/opt/understudy/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    HOME=/tmp
+
+# The venv first, so the dependency layer is reused while only sources change.
+RUN python3 -m venv /opt/understudy
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY understudy ./understudy
+COPY wire ./wire
+COPY lockserver ./lockserver
+COPY gms ./gms
+COPY engine_shim ./engine_shim
+COPY operator ./operator
+RUN /opt/understudy/bin/pip install ".[${EXTRAS}]" \
+ && rm -rf /src/build /src/*.egg-info \
+ && /opt/understudy/bin/understudy --help >/dev/null
+
+# Non-root, matching the pods' runAsUser (docs/operator.md).
+USER 65532:65532
+WORKDIR /tmp
+ENTRYPOINT ["understudy"]
+CMD ["--help"]
