@@ -1,0 +1,155 @@
+"""A GMS client in its own process, driven by JSON lines on stdin.
+
+Each command line gets one JSON reply line on stdout; a lost connection is
+reported asynchronously as {"event": "lost"}. Run: python agent.py
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from understudy.gms.client import GmsClient
+from understudy.gms.messages import Mode
+
+_out = threading.Lock()
+MULT = np.uint64(0x9E3779B97F4A7C15)
+CHUNK = 8 << 20  # uint64 elements per chunk (64 MiB)
+
+
+def emit(doc: dict[str, Any]) -> None:
+    with _out:
+        sys.stdout.write(json.dumps(doc) + "\n")
+        sys.stdout.flush()
+
+
+def pattern(start: int, n: int, seed: int) -> np.ndarray:
+    return (np.arange(start, start + n, dtype=np.uint64) * MULT) ^ np.uint64(seed)
+
+
+def fill(arr: np.ndarray, seed: int) -> None:
+    for i in range(0, arr.size, CHUNK):
+        n = min(CHUNK, arr.size - i)
+        arr[i : i + n] = pattern(i, n, seed)
+
+
+def verify(arr: np.ndarray, seed: int) -> bool:
+    return all(
+        np.array_equal(arr[i : i + min(CHUNK, arr.size - i)], pattern(i, min(CHUNK, arr.size - i), seed))
+        for i in range(0, arr.size, CHUNK)
+    )
+
+
+def smaps() -> dict[str, int]:
+    out = {}
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:]:
+        key, _, rest = line.partition(":")
+        out[key.strip()] = int(rest.split()[0]) * 1024
+    return out
+
+
+class Agent:
+    def __init__(self) -> None:
+        self.client: GmsClient | None = None
+        self.kept: list[np.ndarray] = []  # views built from raw addresses
+
+    def c(self) -> GmsClient:
+        assert self.client is not None
+        return self.client
+
+    def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        op = cmd["op"]
+        if op == "connect":
+            self.client = GmsClient.connect(
+                cmd["path"], Mode(cmd["mode"]), cmd["timeout"],
+                on_lost=lambda exc: emit({"event": "lost", "error": str(exc)}),
+            )
+            return {"granted": self.c().granted_mode, "layout_hash": self.c().layout_hash}
+        if op == "allocate":
+            a = self.c().allocate(cmd["size"], cmd.get("tag", "weights"))
+            return {"id": a.id, "address": a.address, "size": a.size}
+        if op == "fill":
+            a = self.c().allocations[cmd["index"]]
+            fill(a.array("uint64"), cmd["seed"])
+            return {}
+        if op == "put_metadata":
+            self.c().put_metadata(cmd["key"], cmd["value"])
+            return {}
+        if op == "commit":
+            return {"layout_hash": self.c().commit()}
+        if op == "import":
+            allocs = self.c().import_all()
+            return {
+                "allocations": [{"id": a.id, "address": a.address, "size": a.size} for a in allocs],
+                "metadata": self.c().metadata(),
+            }
+        if op == "verify":
+            a = self.c().allocations[cmd["index"]]
+            return {"equal": verify(a.array("uint64"), cmd["seed"])}
+        if op == "keep_view":
+            # A numpy array built from the raw address, as an engine keeps tensors.
+            a = self.c().allocations[cmd["index"]]
+            raw = (ctypes.c_uint64 * (a.size // 8)).from_address(a.address)
+            self.kept.append(np.ctypeslib.as_array(raw))
+            return {"kept": len(self.kept) - 1}
+        if op == "verify_kept":
+            return {"equal": verify(self.kept[cmd["kept"]], cmd["seed"])}
+        if op == "write":
+            a = self.c().allocations[cmd["index"]]
+            raw = (ctypes.c_char * a.size).from_address(a.address)
+            raw[0] = b"x"  # faults (SIGSEGV) if the mapping is read-only
+            return {"wrote": True}
+        if op == "addresses":
+            return {"addresses": [a.address for a in self.c().allocations]}
+        if op == "unmap":
+            self.c().unmap()
+            return {}
+        if op == "remap":
+            t0 = time.monotonic()
+            try:
+                self.c().remap(cmd["timeout"])
+            finally:
+                self.last_elapsed = time.monotonic() - t0
+            return {"elapsed": self.last_elapsed}
+        if op == "state":
+            return self.c().state().model_dump(mode="json")
+        if op == "smaps":
+            return smaps()
+        if op == "close":
+            self.c().close()
+            return {}
+        raise ValueError(f"unknown op {op}")
+
+
+def main() -> None:
+    agent = Agent()
+    emit({"ready": True})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "exit":
+            emit({"ok": True})
+            return
+        t0 = time.monotonic()
+        try:
+            result = agent.handle(cmd)
+            emit({"ok": True, **result})
+        except Exception as exc:
+            emit({
+                "ok": False,
+                "error": type(exc).__name__,
+                "message": str(exc),
+                "elapsed": time.monotonic() - t0,
+                "trace": traceback.format_exc(limit=3),
+            })
+
+
+if __name__ == "__main__":
+    main()
