@@ -1,0 +1,67 @@
+"""Shared by the benchmarks: percentiles, a printed table, JSON results.
+
+Benchmarks run on demand (never from the test suite), measure a baseline in
+the same run, and write their results to ``bench/results/<name>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of a non-empty sample."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("no samples")
+    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
+    return ordered[rank - 1]
+
+
+def summary(values: Sequence[float]) -> dict[str, float]:
+    return {
+        "n": len(values),
+        "min": min(values),
+        "p50": percentile(values, 50),
+        "p95": percentile(values, 95),
+        "p99": percentile(values, 99),
+        "max": max(values),
+        "mean": statistics.fmean(values),
+    }
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "kernel": platform.release(),
+        "load1": os.getloadavg()[0],
+    }
+
+
+def print_table(title: str, rows: dict[str, dict[str, float]], unit: str = "ms",
+                scale: float = 1000.0) -> None:
+    print(f"\n{title}")
+    print(f"{'':28} {'n':>5} {'p50':>9} {'p95':>9} {'p99':>9} {'max':>9}  ({unit})")
+    for name, s in rows.items():
+        print(f"{name:28} {s['n']:>5} {s['p50'] * scale:>9.3f} {s['p95'] * scale:>9.3f} "
+              f"{s['p99'] * scale:>9.3f} {s['max'] * scale:>9.3f}")
+
+
+def write_results(name: str, payload: dict[str, Any], out: Path | None = None) -> Path:
+    path = out or RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": name, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "machine": machine(), **payload}
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"\nresults: {path}")
+    return path
