@@ -43,7 +43,9 @@ def fill(arr: np.ndarray, seed: int) -> None:
 
 def verify(arr: np.ndarray, seed: int) -> bool:
     return all(
-        np.array_equal(arr[i : i + min(CHUNK, arr.size - i)], pattern(i, min(CHUNK, arr.size - i), seed))
+        np.array_equal(
+            arr[i : i + min(CHUNK, arr.size - i)], pattern(i, min(CHUNK, arr.size - i), seed)
+        )
         for i in range(0, arr.size, CHUNK)
     )
 
@@ -69,7 +71,9 @@ class Agent:
         op = cmd["op"]
         if op == "connect":
             self.client = GmsClient.connect(
-                cmd["path"], Mode(cmd["mode"]), cmd["timeout"],
+                cmd["path"],
+                Mode(cmd["mode"]),
+                cmd["timeout"],
                 on_lost=lambda exc: emit({"event": "lost", "error": str(exc)}),
             )
             return {"granted": self.c().granted_mode, "layout_hash": self.c().layout_hash}
@@ -142,13 +146,15 @@ def main() -> None:
             result = agent.handle(cmd)
             emit({"ok": True, **result})
         except Exception as exc:
-            emit({
-                "ok": False,
-                "error": type(exc).__name__,
-                "message": str(exc),
-                "elapsed": time.monotonic() - t0,
-                "trace": traceback.format_exc(limit=3),
-            })
+            emit(
+                {
+                    "ok": False,
+                    "error": type(exc).__name__,
+                    "message": str(exc),
+                    "elapsed": time.monotonic() - t0,
+                    "trace": traceback.format_exc(limit=3),
+                }
+            )
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from gmsprocs import Gms  # noqa: E402
+from gmsprocs import Gms
 
 
 @pytest.fixture

@@ -40,8 +40,12 @@ class Agent(Proc):
         self.all_lines = []
         self._log = open(log, "ab")  # noqa: SIM115
         self.popen = subprocess.Popen(
-            self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+            self.args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -84,7 +88,10 @@ class Gms:
 
     def server(self, device: int = 0, *extra: str) -> Proc:
         log = self.tmp / f"server{device}.log"
-        proc = Proc(gms_cli("server", "--socket", str(self.path(device)), "--device", str(device), *extra), log=log)
+        proc = Proc(
+            gms_cli("server", "--socket", str(self.path(device)), "--device", str(device), *extra),
+            log=log,
+        )
         self.procs.append(proc)
         wait_for(lambda: answers(self.path(device)) or not proc.alive(), 20, what="server socket")
         assert proc.alive(), log.read_text()

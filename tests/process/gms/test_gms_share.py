@@ -27,7 +27,9 @@ def test_one_gib_written_once_read_by_two_processes_shared_not_copied(gms: Gms) 
     server = gms.server()
     prefix = f"understudy-gms-{server.pid}-"
     writer = gms.agent("writer")
-    assert writer.ok("connect", path=str(gms.path()), mode="RW_OR_RO", timeout=10)["granted"] == "RW"
+    assert (
+        writer.ok("connect", path=str(gms.path()), mode="RW_OR_RO", timeout=10)["granted"] == "RW"
+    )
     writer.ok("allocate", size=GiB)
     writer.ok("fill", index=0, seed=7, wait=120)
     writer.ok("put_metadata", key="w", value={"offset": 0, "dtype": "uint64", "shape": [GiB // 8]})
