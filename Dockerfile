@@ -22,7 +22,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # The venv first, so the dependency layer is reused while only sources change.
 RUN python3 -m venv /opt/understudy
 WORKDIR /src
-COPY pyproject.toml README.md ./
+# README.m[d]: copied when present (pyproject names it as the readme).
+COPY pyproject.toml README.m[d] ./
 COPY understudy ./understudy
 COPY wire ./wire
 COPY lockserver ./lockserver

@@ -1,0 +1,205 @@
+"""Rendering follows docs/pod.md, and every rendered object validates (Kubernetes 1.34+)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from understudy.operator import render
+from understudy.operator.api import GpuInstance
+
+ROOT = Path(__file__).resolve().parents[3]
+CFG = render.RenderConfig(image="localhost/understudy:dev")
+VERSIONS = ["1.34.0", "1.35.0", "1.36.0", "1.37.0"]
+
+
+def make(**spec: Any) -> GpuInstance:
+    body = {
+        "apiVersion": "understudy.dev/v1alpha1",
+        "kind": "GpuInstance",
+        "metadata": {"name": "demo", "namespace": "ns", "uid": "u-1", "generation": 1},
+        "spec": {"model": {"source": "builtin:all-MiniLM-L6-v2"}, "gms": {"backend": "host"}, **spec},
+    }
+    return GpuInstance.from_body(body)
+
+
+SHAPES = {
+    "default": {},
+    "no-failover": {"failover": {"enabled": False}},
+    "three-shadows-4gpu": {"failover": {"shadows": 3}, "gpus": {"count": 4}},
+    "shared-indices": {"gpus": {"count": 2, "exclusive": False, "indices": [2, 3]}},
+    "vllm-path": {"engine": {"adapter": "vllm", "args": ["--x", "1"]}, "model": {"source": "/m/a", "path": "/m"}},
+    "selectors": {"gpus": {"selectors": [{"cel": 'device.attributes["gpu.understudy.dev"].index == 0'}]}},
+    "placement": {"placement": {"nodeSelector": {"gpu": "yes"}, "targetNode": "n1"}, "replicas": {"min": 2}},
+}
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_rendered_object_validates(shape: str, version: str) -> None:
+    inst = make(**SHAPES[shape])
+    for obj in render.render_all(inst, CFG):
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def _pod(inst: GpuInstance, node: str | None = None) -> dict[str, Any]:
+    return render.render_pod(inst, 0, 3, node, CFG)
+
+
+def _env(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e.get("value", "<ref>") for e in container["env"]}
+
+
+def test_pod_layout_matches_the_contract() -> None:
+    pod = _pod(make())
+    spec = pod["spec"]
+    init = spec["initContainers"]
+    assert [c["name"] for c in init] == ["lockserver", "gms"]
+    assert all(c["restartPolicy"] == "Always" for c in init)  # native sidecars
+    assert [c["name"] for c in spec["containers"]] == ["engine-primary", "engine-shadow-1"]
+    assert pod["metadata"]["name"] == "demo-0"
+    assert pod["metadata"]["annotations"]["understudy.dev/attempt"] == "3"
+    assert pod["metadata"]["labels"]["understudy.dev/routable"] == "false"
+    assert pod["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    assert spec["volumes"][0] == {"name": "run", "emptyDir": {"sizeLimit": "64Mi"}}
+    for c in init + spec["containers"]:
+        assert {"name": "run", "mountPath": "/run/understudy"} in c["volumeMounts"]
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+        assert sc["runAsNonRoot"] is True
+    assert spec["securityContext"]["runAsUser"] == 65532
+
+
+def test_lockserver_sidecar() -> None:
+    ls = _pod(make(failover={"lockReconnectWindowSeconds": 7}))["spec"]["initContainers"][0]
+    assert ls["command"] + ls["args"] == [
+        "understudy", "lockserver", "serve",
+        "--socket", "/run/understudy/lock.sock",
+        "--state-file", "/run/understudy/lock.state",
+        "--reconnect-window", "7", "--metrics-port", "9101",
+    ]  # fmt: skip
+    assert ls["startupProbe"]["exec"]["command"] == [
+        "understudy", "lock", "status", "--socket", "/run/understudy/lock.sock", "--timeout", "1",
+    ]  # fmt: skip
+    rp = ls["readinessProbe"]
+    assert rp["httpGet"] == {"path": "/health", "port": 8000, "scheme": "HTTP"}
+    assert (rp["periodSeconds"], rp["failureThreshold"]) == (1, 3)
+    assert "claims" not in ls["resources"]
+
+
+def test_gms_sidecar() -> None:
+    gms = _pod(make(gpus={"count": 3}))["spec"]["initContainers"][1]
+    assert gms["args"] == [
+        "gms", "serve", "--socket-dir", "/run/understudy/gms", "--devices", "0,1,2",
+        "--backend", "host", "--metrics-port", "9102",
+    ]  # fmt: skip
+    assert gms["startupProbe"]["exec"]["command"] == [
+        "understudy", "gms", "wait-ready", "--socket-dir", "/run/understudy/gms",
+        "--devices", "0,1,2", "--timeout", "1",
+    ]  # fmt: skip
+    assert gms["resources"]["claims"] == [{"name": "gpus"}]
+
+
+def test_engine_containers_env_and_probes() -> None:
+    inst = make(failover={"shadows": 2, "startupBudgetSeconds": 600, "lockReconnectWindowSeconds": 10})
+    engines = _pod(inst)["spec"]["containers"]
+    assert [c["name"] for c in engines] == ["engine-primary", "engine-shadow-1", "engine-shadow-2"]
+    for i, c in enumerate(engines):
+        env = _env(c)
+        assert env["ENGINE_ROLE"] == ("primary" if i == 0 else "shadow")
+        assert env["UNDERSTUDY_ENGINE_NAME"] == c["name"]
+        assert env["UNDERSTUDY_STATUS_PORT"] == str(8100 + i)
+        assert env["UNDERSTUDY_SERVE_PORT"] == "8000"
+        assert env["UNDERSTUDY_LOCK_SOCKET"] == "/run/understudy/lock.sock"
+        assert env["UNDERSTUDY_GMS_SOCKET_DIR"] == "/run/understudy/gms"
+        assert env["UNDERSTUDY_GMS_BACKEND"] == "host"
+        assert env["UNDERSTUDY_DEVICES"] == "0"
+        assert env["UNDERSTUDY_ENGINE_ADAPTER"] == "reference"
+        assert env["UNDERSTUDY_MODEL"] == "builtin:all-MiniLM-L6-v2"
+        assert json.loads(env["UNDERSTUDY_ENGINE_ARGS"]) == []
+        assert env["UNDERSTUDY_STARTUP_BUDGET_S"] == "600"
+        assert env["UNDERSTUDY_LOCK_RECONNECT_S"] == "15"
+        assert env["POD_NAME"] == env["POD_NAMESPACE"] == "<ref>"
+        port = 8100 + i
+        sp = c["startupProbe"]
+        assert sp["httpGet"]["path"] == "/startup" and sp["httpGet"]["port"] == port
+        assert sp["failureThreshold"] * sp["periodSeconds"] == 600
+        assert c["livenessProbe"]["httpGet"]["path"] == "/live"
+        assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+        assert c["resources"]["claims"] == [{"name": "gpus"}]
+        # Nobody declares the serving port: only the Active engine binds it.
+        assert [p["containerPort"] for p in c["ports"]] == [port]
+
+
+def test_failover_disabled_renders_only_the_primary() -> None:
+    assert [c["name"] for c in _pod(make(failover={"enabled": False}))["spec"]["containers"]] == [
+        "engine-primary"
+    ]
+
+
+def test_claim_template_shared_by_gms_and_engines() -> None:
+    inst = make(gpus={"count": 2, "selectors": [{"cel": "true"}]})
+    claim = render.render_claim(inst)
+    assert claim["kind"] == "ResourceClaimTemplate" and claim["apiVersion"] == "resource.k8s.io/v1"
+    exactly = claim["spec"]["spec"]["devices"]["requests"][0]["exactly"]
+    assert exactly["deviceClassName"] == "gpu.understudy.dev" and exactly["count"] == 2
+    assert exactly["selectors"] == [{"cel": {"expression": "true"}}]
+    pod = _pod(inst)
+    assert pod["spec"]["resourceClaims"] == [{"name": "gpus", "resourceClaimTemplateName": "demo-gpus"}]
+
+
+def test_shared_gpus_use_one_claim_and_indices_become_a_selector() -> None:
+    inst = make(gpus={"count": 2, "exclusive": False, "indices": [1, 3]})
+    claim = render.render_claim(inst)
+    assert claim["kind"] == "ResourceClaim"
+    sel = claim["spec"]["devices"]["requests"][0]["exactly"]["selectors"]
+    assert sel == [{"cel": {"expression": 'device.attributes["gpu.understudy.dev"].index in [1, 3]'}}]
+    assert _pod(inst)["spec"]["resourceClaims"] == [{"name": "gpus", "resourceClaimName": "demo-gpus"}]
+
+
+def test_service_is_the_readiness_trap_service() -> None:
+    svc = render.render_service(make(servingPort=8080))
+    assert svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"] == {"understudy.dev/instance": "demo", "understudy.dev/routable": "true"}
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 8080, "targetPort": 8080, "protocol": "TCP"}]
+
+
+def test_placement_is_node_affinity_never_node_name() -> None:
+    pod = _pod(make(placement={"nodeSelector": {"a": "b"}}), node="n7")
+    assert "nodeName" not in pod["spec"]
+    term = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["nodeSelectorTerms"][0]["matchFields"][0]["values"] == ["n7"]
+    assert pod["spec"]["nodeSelector"] == {"a": "b"}
+
+
+def test_spec_hash_ignores_placement_and_follows_the_spec() -> None:
+    a = _pod(make(), node="n1")["metadata"]["annotations"]["understudy.dev/spec-hash"]
+    b = _pod(make(), node=None)["metadata"]["annotations"]["understudy.dev/spec-hash"]
+    c = _pod(make(gpus={"count": 2}))["metadata"]["annotations"]["understudy.dev/spec-hash"]
+    assert a == b != c
+
+
+def test_read_only_root_except_vllm() -> None:
+    ro = [c["securityContext"]["readOnlyRootFilesystem"] for c in _pod(make())["spec"]["containers"]]
+    assert all(ro)
+    vllm = _pod(make(engine={"adapter": "vllm"}))["spec"]["containers"]
+    assert not any(c["securityContext"]["readOnlyRootFilesystem"] for c in vllm)
+
+
+def test_render_cli_prints_a_yaml_stream() -> None:
+    sample = ROOT / "manifests" / "samples" / "gpuinstance-reference.yaml"
+    out = subprocess.run(
+        [sys.executable, "-m", "understudy.operator.cli", "render", "-f", str(sample)],
+        capture_output=True, text=True, check=True, timeout=60,
+    )  # fmt: skip
+    docs = list(yaml.safe_load_all(out.stdout))
+    assert [d["kind"] for d in docs] == ["ResourceClaimTemplate", "Service", "Pod"]
+    for d in docs:
+        kubernetes_validate.validate(d, "1.34.0", strict=True)
