@@ -8,6 +8,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,8 @@ def answers(path: Path) -> bool:
 class Agent(Proc):
     """A client process (agent.py) speaking JSON lines on its stdin/stdout."""
 
-    def __init__(self, log: Path) -> None:
-        self.args = [PYTHON, str(HERE / "agent.py")]
+    def __init__(self, log: Path, script: str = "agent.py", *argv: str) -> None:
+        self.args = [PYTHON, str(HERE / script), *argv]
         self.lines = queue.Queue()
         self.all_lines = []
         self._log = open(log, "ab")  # noqa: SIM115
@@ -49,12 +50,16 @@ class Agent(Proc):
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        assert self.json_line(30)["ready"]
+        first = self.json_line(30)
+        assert first.get("ready") or first.get("event") == "ready", first
+
+    def send(self, **doc: Any) -> None:
+        assert self.popen.stdin is not None
+        self.popen.stdin.write((json.dumps(doc) + "\n").encode())
+        self.popen.stdin.flush()
 
     def __call__(self, op: str, wait: float = 60.0, **kw: Any) -> dict[str, Any]:
-        assert self.popen.stdin is not None
-        self.popen.stdin.write((json.dumps({"op": op, **kw}) + "\n").encode())
-        self.popen.stdin.flush()
+        self.send(op=op, **kw)
         while True:
             doc = self.json_line(wait)
             if "event" in doc:
@@ -74,13 +79,42 @@ class Agent(Proc):
         return doc
 
 
+class Engine(Agent):
+    """engine.py: worker threads per device; collects its JSON events."""
+
+    def __init__(self, log: Path) -> None:
+        super().__init__(log, "engine.py")
+
+    def next_event(self, timeout: float = 30.0) -> dict[str, Any]:
+        doc = self.json_line(timeout)
+        self.events.append(doc)
+        return doc
+
+    def wait_event(self, timeout: float = 30.0, **match: Any) -> dict[str, Any]:
+        """The first event (already seen or new) whose fields match ``match``."""
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while True:
+            for doc in self.events[seen:]:
+                if all(doc.get(k) == v for k, v in match.items()):
+                    return doc
+            seen = len(self.events)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no event {match} in {timeout}s; saw {self.events}")
+            try:
+                self.next_event(remaining)
+            except TimeoutError:
+                continue
+
+
 class Gms:
     """Start/stop GMS server processes and client agents inside ``tmp_path``."""
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.dir = tmp / "gms"
-        self.dir.mkdir(mode=0o700)
+        self.dir.mkdir(mode=0o700, parents=True)
         self.procs: list[Proc] = []
 
     def path(self, device: int = 0) -> Path:
@@ -102,6 +136,11 @@ class Gms:
         self.procs.append(a)
         return a
 
+    def engine(self, name: str = "engine") -> Engine:
+        e = Engine(self.tmp / f"{name}{len(self.procs)}.log")
+        self.procs.append(e)
+        return e
+
     def state(self, device: int = 0) -> dict[str, Any]:
         return query_state(self.path(device), 5).model_dump(mode="json")
 
@@ -119,7 +158,7 @@ def memfd_holders(prefix: str) -> list[str]:
         try:
             for fd in (pid_dir / "fd").iterdir():
                 try:
-                    if prefix in os.readlink(fd):
+                    if prefix in str(fd.readlink()):
                         found.append(f"{pid_dir.name} fd {fd.name}")
                 except OSError:
                     pass
@@ -131,7 +170,9 @@ def memfd_holders(prefix: str) -> list[str]:
 
 
 def run_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(gms_cli(*args), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        gms_cli(*args), capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 __all__ = ["Agent", "Gms", "answers", "gms_cli", "memfd_holders", "run_cli", "sys"]

@@ -132,7 +132,7 @@ def test_fds_sent_by_a_client_are_never_accepted(committed: tuple[Gms, int, str]
     name = "understudy-test-client-sent-fd"
     fd = os.memfd_create(name)
     try:
-        fds_before = len(os.listdir(f"/proc/{server_pid}/fd"))
+        fds_before = len(list(Path(f"/proc/{server_pid}/fd").iterdir()))
         with raw(gms.path()) as s:
             for _ in range(5):
                 reply = ask(s, {"type": "get_state"}, fd=fd)
@@ -140,7 +140,9 @@ def test_fds_sent_by_a_client_are_never_accepted(committed: tuple[Gms, int, str]
             assert ask(s, {"type": "get_state"})["type"] == "state"
             holders = [h for h in memfd_holders(name) if h.startswith(f"{server_pid} ")]
             assert holders == []  # the kernel dropped them: never installed in the server
-            assert len(os.listdir(f"/proc/{server_pid}/fd")) <= fds_before + 1  # + this socket
+            assert (
+                len(list(Path(f"/proc/{server_pid}/fd").iterdir())) <= fds_before + 1
+            )  # + this socket
     finally:
         os.close(fd)
 
