@@ -306,6 +306,10 @@ def _engine_summary(pod: PodView | None) -> tuple[str | None, EngineView | None]
     return None, None
 
 
+def _engines_known(pod: PodView) -> bool:
+    return any(v.state is not None for v in pod.engines.values())
+
+
 def _engines_ready(inst: GpuInstance, pod: PodView | None) -> bool:
     if pod is None:
         return False
@@ -504,8 +508,8 @@ def plan(
                     )
                 )
             epoch = view.epoch
-        elif prev is not None and (pod is None or not pod.engines or not current):
-            active = prev.active_engine if current else None
+        elif prev is not None and current and pod is not None and not _engines_known(pod):
+            active = prev.active_engine  # unreachable /state: unknown, keep the last known
         standby_ready = bool(current and _engines_ready(inst, pod))
         serving += routable
         armed += standby_ready and i < target

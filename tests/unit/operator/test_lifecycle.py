@@ -16,7 +16,7 @@ from understudy.operator.api import ReplicaPhase as P
 PAIRS = list(itertools.product(P, lc.Event))
 
 
-@pytest.mark.parametrize(("phase", "event"), PAIRS, ids=lambda x: str(x))
+@pytest.mark.parametrize(("phase", "event"), PAIRS, ids=str)
 def test_every_phase_event_pair(phase: P, event: lc.Event) -> None:
     rec = lc.Replica(index=0, phase=phase, attempt=2, retries=3, since=1.0)
     expected = lc.TRANSITIONS.get((phase, event))
@@ -54,15 +54,25 @@ def test_deletion_is_possible_from_every_non_terminal_phase() -> None:
 POLICY = lc.Policy(bind_timeout=10, start_timeout=10, unknown_timeout=10, failed_backoff=10)
 
 
-def _judge(rec: lc.Replica, handler: lc.Handler, outcome: lc.Outcome, now: float = 1.0, attempt: int | None = None):
-    rep = lc.Report(handler, rec.index, rec.attempt if attempt is None else attempt, outcome, "m", "n1")
+def _judge(
+    rec: lc.Replica,
+    handler: lc.Handler,
+    outcome: lc.Outcome,
+    now: float = 1.0,
+    attempt: int | None = None,
+):
+    rep = lc.Report(
+        handler, rec.index, rec.attempt if attempt is None else attempt, outcome, "m", "n1"
+    )
     return lc.judge(rec, rep, POLICY, now)
 
 
 def test_success_applies_the_declared_event() -> None:
     rec, entry = _judge(lc.Replica(0), lc.Handler.SCHEDULE, lc.Outcome.SUCCESS)
     assert (rec.phase, rec.attempt, rec.node) == (P.SCHEDULED, 1, "n1")
-    assert entry is not None and entry.verdict is lc.Verdict.SUCCESS and entry.event is lc.Event.PLACED
+    assert (
+        entry is not None and entry.verdict is lc.Verdict.SUCCESS and entry.event is lc.Event.PLACED
+    )
 
 
 def test_failures_retry_then_give_up() -> None:
@@ -99,7 +109,9 @@ def test_stale_attempt_and_foreign_phase_reports_are_ignored() -> None:
 
 
 def test_history_drops_repeats_and_quiet_successes() -> None:
-    e = lc.HistoryEntry(1.0, 0, 1, lc.Handler.BIND, lc.Verdict.SKIPPED, None, P.SCHEDULED, "waiting")
+    e = lc.HistoryEntry(
+        1.0, 0, 1, lc.Handler.BIND, lc.Verdict.SKIPPED, None, P.SCHEDULED, "waiting"
+    )
     ok = replace(e, handler=lc.Handler.PRESENCE, verdict=lc.Verdict.SUCCESS)
     assert lc.accepted([], [e, e, ok]) == [e]
     assert lc.accepted([e], [replace(e, time=2.0)]) == []

@@ -25,7 +25,11 @@ def make(**spec: Any) -> GpuInstance:
         "apiVersion": "understudy.dev/v1alpha1",
         "kind": "GpuInstance",
         "metadata": {"name": "demo", "namespace": "ns", "uid": "u-1", "generation": 1},
-        "spec": {"model": {"source": "builtin:all-MiniLM-L6-v2"}, "gms": {"backend": "host"}, **spec},
+        "spec": {
+            "model": {"source": "builtin:all-MiniLM-L6-v2"},
+            "gms": {"backend": "host"},
+            **spec,
+        },
     }
     return GpuInstance.from_body(body)
 
@@ -35,9 +39,17 @@ SHAPES = {
     "no-failover": {"failover": {"enabled": False}},
     "three-shadows-4gpu": {"failover": {"shadows": 3}, "gpus": {"count": 4}},
     "shared-indices": {"gpus": {"count": 2, "exclusive": False, "indices": [2, 3]}},
-    "vllm-path": {"engine": {"adapter": "vllm", "args": ["--x", "1"]}, "model": {"source": "/m/a", "path": "/m"}},
-    "selectors": {"gpus": {"selectors": [{"cel": 'device.attributes["gpu.understudy.dev"].index == 0'}]}},
-    "placement": {"placement": {"nodeSelector": {"gpu": "yes"}, "targetNode": "n1"}, "replicas": {"min": 2}},
+    "vllm-path": {
+        "engine": {"adapter": "vllm", "args": ["--x", "1"]},
+        "model": {"source": "/m/a", "path": "/m"},
+    },
+    "selectors": {
+        "gpus": {"selectors": [{"cel": 'device.attributes["gpu.understudy.dev"].index == 0'}]}
+    },
+    "placement": {
+        "placement": {"nodeSelector": {"gpu": "yes"}, "targetNode": "n1"},
+        "replicas": {"min": 2},
+    },
 }
 
 
@@ -80,14 +92,27 @@ def test_pod_layout_matches_the_contract() -> None:
 def test_lockserver_sidecar() -> None:
     ls = _pod(make(failover={"lockReconnectWindowSeconds": 7}))["spec"]["initContainers"][0]
     assert ls["command"] + ls["args"] == [
-        "understudy", "lockserver", "serve",
-        "--socket", "/run/understudy/lock.sock",
-        "--state-file", "/run/understudy/lock.state",
-        "--reconnect-window", "7", "--metrics-port", "9101",
-    ]  # fmt: skip
+        "understudy",
+        "lockserver",
+        "serve",
+        "--socket",
+        "/run/understudy/lock.sock",
+        "--state-file",
+        "/run/understudy/lock.state",
+        "--reconnect-window",
+        "7",
+        "--metrics-port",
+        "9101",
+    ]
     assert ls["startupProbe"]["exec"]["command"] == [
-        "understudy", "lock", "status", "--socket", "/run/understudy/lock.sock", "--timeout", "1",
-    ]  # fmt: skip
+        "understudy",
+        "lock",
+        "status",
+        "--socket",
+        "/run/understudy/lock.sock",
+        "--timeout",
+        "1",
+    ]
     rp = ls["readinessProbe"]
     assert rp["httpGet"] == {"path": "/health", "port": 8000, "scheme": "HTTP"}
     assert (rp["periodSeconds"], rp["failureThreshold"]) == (1, 3)
@@ -97,18 +122,35 @@ def test_lockserver_sidecar() -> None:
 def test_gms_sidecar() -> None:
     gms = _pod(make(gpus={"count": 3}))["spec"]["initContainers"][1]
     assert gms["args"] == [
-        "gms", "serve", "--socket-dir", "/run/understudy/gms", "--devices", "0,1,2",
-        "--backend", "host", "--metrics-port", "9102",
-    ]  # fmt: skip
+        "gms",
+        "serve",
+        "--socket-dir",
+        "/run/understudy/gms",
+        "--devices",
+        "0,1,2",
+        "--backend",
+        "host",
+        "--metrics-port",
+        "9102",
+    ]
     assert gms["startupProbe"]["exec"]["command"] == [
-        "understudy", "gms", "wait-ready", "--socket-dir", "/run/understudy/gms",
-        "--devices", "0,1,2", "--timeout", "1",
-    ]  # fmt: skip
+        "understudy",
+        "gms",
+        "wait-ready",
+        "--socket-dir",
+        "/run/understudy/gms",
+        "--devices",
+        "0,1,2",
+        "--timeout",
+        "1",
+    ]
     assert gms["resources"]["claims"] == [{"name": "gpus"}]
 
 
 def test_engine_containers_env_and_probes() -> None:
-    inst = make(failover={"shadows": 2, "startupBudgetSeconds": 600, "lockReconnectWindowSeconds": 10})
+    inst = make(
+        failover={"shadows": 2, "startupBudgetSeconds": 600, "lockReconnectWindowSeconds": 10}
+    )
     engines = _pod(inst)["spec"]["containers"]
     assert [c["name"] for c in engines] == ["engine-primary", "engine-shadow-1", "engine-shadow-2"]
     for i, c in enumerate(engines):
@@ -152,7 +194,9 @@ def test_claim_template_shared_by_gms_and_engines() -> None:
     assert exactly["deviceClassName"] == "gpu.understudy.dev" and exactly["count"] == 2
     assert exactly["selectors"] == [{"cel": {"expression": "true"}}]
     pod = _pod(inst)
-    assert pod["spec"]["resourceClaims"] == [{"name": "gpus", "resourceClaimTemplateName": "demo-gpus"}]
+    assert pod["spec"]["resourceClaims"] == [
+        {"name": "gpus", "resourceClaimTemplateName": "demo-gpus"}
+    ]
 
 
 def test_shared_gpus_use_one_claim_and_indices_become_a_selector() -> None:
@@ -160,15 +204,24 @@ def test_shared_gpus_use_one_claim_and_indices_become_a_selector() -> None:
     claim = render.render_claim(inst)
     assert claim["kind"] == "ResourceClaim"
     sel = claim["spec"]["devices"]["requests"][0]["exactly"]["selectors"]
-    assert sel == [{"cel": {"expression": 'device.attributes["gpu.understudy.dev"].index in [1, 3]'}}]
-    assert _pod(inst)["spec"]["resourceClaims"] == [{"name": "gpus", "resourceClaimName": "demo-gpus"}]
+    assert sel == [
+        {"cel": {"expression": 'device.attributes["gpu.understudy.dev"].index in [1, 3]'}}
+    ]
+    assert _pod(inst)["spec"]["resourceClaims"] == [
+        {"name": "gpus", "resourceClaimName": "demo-gpus"}
+    ]
 
 
 def test_service_is_the_readiness_trap_service() -> None:
     svc = render.render_service(make(servingPort=8080))
     assert svc["spec"]["publishNotReadyAddresses"] is True
-    assert svc["spec"]["selector"] == {"understudy.dev/instance": "demo", "understudy.dev/routable": "true"}
-    assert svc["spec"]["ports"] == [{"name": "http", "port": 8080, "targetPort": 8080, "protocol": "TCP"}]
+    assert svc["spec"]["selector"] == {
+        "understudy.dev/instance": "demo",
+        "understudy.dev/routable": "true",
+    }
+    assert svc["spec"]["ports"] == [
+        {"name": "http", "port": 8080, "targetPort": 8080, "protocol": "TCP"}
+    ]
 
 
 def test_placement_is_node_affinity_never_node_name() -> None:
@@ -187,7 +240,9 @@ def test_spec_hash_ignores_placement_and_follows_the_spec() -> None:
 
 
 def test_read_only_root_except_vllm() -> None:
-    ro = [c["securityContext"]["readOnlyRootFilesystem"] for c in _pod(make())["spec"]["containers"]]
+    ro = [
+        c["securityContext"]["readOnlyRootFilesystem"] for c in _pod(make())["spec"]["containers"]
+    ]
     assert all(ro)
     vllm = _pod(make(engine={"adapter": "vllm"}))["spec"]["containers"]
     assert not any(c["securityContext"]["readOnlyRootFilesystem"] for c in vllm)
@@ -197,8 +252,11 @@ def test_render_cli_prints_a_yaml_stream() -> None:
     sample = ROOT / "manifests" / "samples" / "gpuinstance-reference.yaml"
     out = subprocess.run(
         [sys.executable, "-m", "understudy.operator.cli", "render", "-f", str(sample)],
-        capture_output=True, text=True, check=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     docs = list(yaml.safe_load_all(out.stdout))
     assert [d["kind"] for d in docs] == ["ResourceClaimTemplate", "Service", "Pod"]
     for d in docs:
