@@ -76,7 +76,7 @@ def _bert_mean_pool(model_dir: Path, texts: list[str], max_len: int) -> np.ndarr
     with torch.inference_mode():
         for text in texts:  # one at a time: no padding at all
             enc = tok(
-                [text.strip()],
+                [text],
                 padding=False,
                 truncation=True,
                 max_length=max_len,
@@ -112,7 +112,7 @@ def main() -> None:
     max_len = st.max_seq_length
     golden = st.encode(SENTENCES, batch_size=4, convert_to_numpy=True)
     assert golden.dtype == np.float32, golden.dtype
-    features = st.tokenize(SENTENCES)  # padded to the longest; mask gives lengths
+    features = st.preprocess(SENTENCES)  # padded to the longest; mask gives lengths
     ids_batch = features["input_ids"].numpy()
     lengths = features["attention_mask"].numpy().sum(axis=1)
 

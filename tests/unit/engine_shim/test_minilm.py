@@ -34,6 +34,10 @@ from understudy.engine_shim.adapters.minilm import (
 REPO = Path(__file__).resolve().parents[3]
 REFERENCE = REPO / "tests/data/minilm_reference.json"
 TOLERANCE = 1e-4  # max abs difference per component, as agreed for the engine
+# What this implementation actually achieves is ~2e-7 (float32 rounding). A
+# real mistake (tanh GELU, a wrong eps, a masking slip) costs more than 1e-5,
+# so hold the line there too; BLAS differences across CPUs are ~1e-7.
+ACHIEVED = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +225,7 @@ def test_embed_matches_reference(model: MiniLM, reference: dict[str, Any]) -> No
     diffs = _max_diffs(vectors, reference)
     print(f"max abs diff vs {reference['versions']}: {max(diffs):.3g} (per case {diffs})")
     assert max(diffs) < TOLERANCE
+    assert max(diffs) < ACHIEVED
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-6)
 
 

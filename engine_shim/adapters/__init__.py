@@ -1,0 +1,1 @@
+"""Engine adapters: the Engine Protocol and its implementations (see DESIGN.md)."""
