@@ -1,0 +1,207 @@
+"""The operator against a real Kubernetes API server (hack/cluster).
+
+* The CRD's schema and CEL rules are enforced by a real kube-apiserver: the
+  invalid GpuInstances of tests/unit/operator/test_crd.py are rejected with
+  their messages, and immutable fields cannot change.
+* kopf runs out of cluster (a subprocess: `python -m understudy.operator.cli
+  operator run`) with the cluster's kubeconfig: creating a GpuInstance yields
+  the claim template, the Service and the pod, each owned by the instance,
+  and status conditions reflecting what the API server and kubelet show;
+  deleting it lets the garbage collector remove everything.
+
+Engines need the image and the engine shim; until they exist, pods may not
+become Ready, so these tests assert what the scheduler, DRA and kubelet show.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from understudy.operator import crd
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _wait(what: str, fn: Callable[[], Any], timeout: float = 90, every: float = 1) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        with contextlib.suppress(AssertionError, KeyError, IndexError, StopIteration, TypeError):
+            last = fn()
+            if last:
+                return last
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
+
+
+@pytest.fixture(scope="module")
+def crd_installed(cluster: Any) -> Any:
+    cluster.apply(crd.crd_yaml())
+    cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd.CRD_NAME}", "--timeout=60s")
+    return cluster
+
+
+def _instance(name: str, **spec: Any) -> dict[str, Any]:
+    doc = yaml.safe_load((ROOT / "manifests/samples/gpuinstance-reference.yaml").read_text())
+    doc["metadata"] = {"name": name}
+    doc["spec"].update(spec)
+    return doc
+
+
+def _dry_run(cluster: Any, ns: str, doc: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    return cluster.kubectl(
+        "create", "-n", ns, "--dry-run=server", "-f", "-", input=json.dumps(doc), check=False
+    )
+
+
+INVALID = {
+    "indices count": ({"gpus": {"count": 2, "indices": [0]}}, "exactly gpus.count"),
+    "indices repeat": ({"gpus": {"count": 2, "indices": [1, 1]}}, "must not repeat"),
+    "max below min": ({"replicas": {"min": 3, "max": 2}}, "at least replicas.min"),
+    "desired above max": ({"replicas": {"min": 1, "desired": 5, "max": 4}}, "at most replicas.max"),
+    "port on status port": ({"servingPort": 8101}, "engine status port"),
+    "bad adapter": ({"engine": {"adapter": "tgi"}}, "Unsupported value"),
+    "zero gpus": ({"gpus": {"count": 0}}, "should be greater than or equal to 1"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INVALID))
+def test_apiserver_rejects_invalid_instances(crd_installed: Any, namespace: str, case: str) -> None:
+    change, message = INVALID[case]
+    proc = _dry_run(crd_installed, namespace, _instance("bad", **change))
+    assert proc.returncode != 0, f"{case} admitted"
+    assert message in proc.stderr, proc.stderr
+
+
+def test_apiserver_admits_the_samples(crd_installed: Any, namespace: str) -> None:
+    for path in sorted((ROOT / "manifests/samples").glob("*.yaml")):
+        doc = yaml.safe_load(path.read_text())
+        doc["metadata"].pop("namespace", None)
+        proc = _dry_run(crd_installed, namespace, doc)
+        assert proc.returncode == 0, proc.stderr
+
+
+def test_apiserver_enforces_immutable_fields(crd_installed: Any, namespace: str) -> None:
+    c = crd_installed
+    c.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(_instance("imm")))
+    proc = c.kubectl(
+        "patch",
+        "-n",
+        namespace,
+        "gpuinstance/imm",
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"gpus": {"deviceClassName": "other"}}}),
+        check=False,
+    )
+    assert proc.returncode != 0 and "gpus.deviceClassName is immutable" in proc.stderr
+    c.kubectl("delete", "-n", namespace, "gpuinstance/imm", "--wait=false")
+
+
+@pytest.fixture
+def operator(crd_installed: Any, namespace: str) -> Iterator[subprocess.Popen[str]]:
+    env = {**crd_installed.env, "UNDERSTUDY_OPERATOR_RESYNC_S": "3", "PYTHONUNBUFFERED": "1"}
+    log = (crd_installed.cluster_dir / "logs" / f"operator-{namespace}.log").open("w")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "understudy.operator.cli",
+            "operator",
+            "run",
+            "--namespace",
+            namespace,
+            "--metrics-port",
+            "0",
+            "--health-port",
+            "0",
+            "--image",
+            os.environ.get("UNDERSTUDY_IMAGE", "localhost/understudy:dev"),
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    yield proc
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+def _owned_by(obj: dict[str, Any], uid: str) -> bool:
+    return any(o["uid"] == uid and o.get("controller") for o in obj["metadata"]["ownerReferences"])
+
+
+def test_create_then_delete(crd_installed: Any, namespace: str, operator: Any) -> None:
+    c = crd_installed
+    c.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(_instance("demo")))
+    inst = c.get_json("-n", namespace, "gpuinstance/demo")
+    uid = inst["metadata"]["uid"]
+
+    pod = _wait("pod demo-0", lambda: c.get_json("-n", namespace, "pod/demo-0"))
+    svc = c.get_json("-n", namespace, "service/demo")
+    rct = c.get_json("-n", namespace, "resourceclaimtemplate/demo-gpus")
+    for obj in (pod, svc, rct):
+        assert _owned_by(obj, uid), obj["metadata"]
+    assert pod["metadata"]["annotations"]["understudy.dev/attempt"] == "1"
+    assert svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"]["understudy.dev/routable"] == "true"
+
+    def scheduled() -> bool:
+        st = c.get_json("-n", namespace, "gpuinstance/demo")["status"]
+        conds = {x["type"]: x for x in st["conditions"]}
+        assert set(conds) == {"Ready", "Scheduled", "StandbyReady", "Degraded"}
+        assert all(x["observedGeneration"] == 1 for x in conds.values())
+        return conds["Scheduled"]["status"] == "True"
+
+    # kube-scheduler binds the pod once DRA allocates a fake GPU for its claim.
+    _wait("Scheduled=True", scheduled, timeout=120)
+    pod = c.get_json("-n", namespace, "pod/demo-0")
+    assert pod["spec"]["nodeName"] == c.node_name
+    claims = c.get_json("-n", namespace, "resourceclaims")["items"]
+    assert any(cl["status"].get("allocation") for cl in claims)
+    st = c.get_json("-n", namespace, "gpuinstance/demo")["status"]
+    # The routable label mirrors the lock server sidecar's readiness.
+    ls_ready = any(
+        s["name"] == "lockserver" and s.get("ready")
+        for s in pod["status"].get("initContainerStatuses", [])
+    )
+    assert pod["metadata"]["labels"]["understudy.dev/routable"] == str(ls_ready).lower()
+    ready = next(x for x in st["conditions"] if x["type"] == "Ready")
+    assert (ready["status"] == "True") == ls_ready
+    events = c.get_json("-n", namespace, "events")["items"]
+    assert any(e["reason"] == "Placed" and e["involvedObject"]["name"] == "demo" for e in events)
+
+    c.kubectl("delete", "-n", namespace, "gpuinstance/demo", "--timeout=60s")
+
+    def collected() -> bool:
+        left = c.kubectl(
+            "get",
+            "-n",
+            namespace,
+            "pods,services,resourceclaimtemplates",
+            "-l",
+            "understudy.dev/instance=demo",
+            "-o",
+            "name",
+        ).stdout.strip()
+        return left == ""
+
+    _wait("garbage collection", collected, timeout=120)
