@@ -18,6 +18,9 @@ from collections.abc import Sequence
 COMPONENTS: tuple[tuple[str, str], ...] = (
     # (the commands it adds, the module that adds them)
     ("lockserver, lock", "understudy.lockserver.cli"),
+    ("gms", "understudy.gms.cli"),
+    ("engine, local, drill", "understudy.engine_shim.cli"),
+    ("operator, render", "understudy.operator.cli"),
 )
 
 

@@ -1,0 +1,49 @@
+"""The Engine Protocol: what an engine must do for the shim.
+
+The shim owns the GMS sessions (one per device), the lock and the state
+machine; an engine only moves weights and serves:
+
+- ``load(device, session)``: as the writer, allocate GMS memory, write the
+  weights, describe them in metadata (the shim commits);
+- ``attach(sessions)``: build the model over the mapped weights — the same
+  call for the writer and for readers that imported them;
+- ``sleep()``: drop working memory (KV cache); the shim then unmaps the weights;
+- ``wake()``: the shim has remapped the weights at the same addresses;
+  allocate working memory again and get ready to serve;
+- ``routes()``: the serving endpoint's handlers (bound only when Active);
+- ``health()``: whether the serving side works.
+
+Working memory is allocated by the engine itself, never through GMS
+(Decision 7 B), so the process's death frees it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+from aiohttp import web
+
+from understudy.gms.client import GmsClient
+
+
+class Engine(Protocol):
+    name: str
+
+    def load(self, device: int, session: GmsClient) -> None: ...
+
+    def attach(self, sessions: Mapping[int, GmsClient]) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...
+
+    def routes(self) -> list[web.RouteDef]: ...
+
+    def health(self) -> tuple[bool, str]: ...
+
+    def close(self) -> None: ...
+
+
+class AdapterError(RuntimeError):
+    """The engine cannot do what it was asked (bad model, bad weights)."""

@@ -1,0 +1,310 @@
+"""The engine's main loop (seed 002, Decision 2), the same for both roles:
+
+    init_weights() → sleep() → acquire() [blocks] → wake_up() → serve_endpoint()
+
+A linear sequence on the main thread, driving the state machine in ``fsm``;
+monitors (the lock client's watcher, the GMS watchers, deadline timers) feed
+events from their own threads. Any ``Exit`` action ends the process at once
+with one log line naming the reason and the state (fail fast: never sit
+until a probe notices).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any, assert_never
+
+import prometheus_client as prom
+
+from understudy.engine_shim import fsm
+from understudy.engine_shim.adapters.base import Engine
+from understudy.engine_shim.config import EngineConfig
+from understudy.engine_shim.fsm import Budgets, State
+from understudy.engine_shim.http import HttpHost
+from understudy.engine_shim.probes import Probe, Verdict, verdict
+from understudy.engine_shim.weights import Weights
+from understudy.lockserver import client as lock_client
+from understudy.wire.obs import log_event
+
+log = logging.getLogger("understudy.engine_shim")
+
+
+class Metrics:
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.registry = prom.CollectorRegistry()
+        labels = {"engine": cfg.name, "role": cfg.role}
+        self.labels = labels
+        self.state = prom.Gauge(
+            "understudy_engine_state",
+            "1 for the engine's current state, 0 for the others",
+            ["engine", "role", "state"],
+            registry=self.registry,
+        )
+        self.transitions = prom.Counter(
+            "understudy_engine_transitions_total",
+            "Engine state transitions",
+            ["engine", "role", "from_state", "to_state"],
+            registry=self.registry,
+        )
+        self.init_s = prom.Gauge(
+            "understudy_engine_init_duration_seconds",
+            "Init: start to Standby",
+            ["engine", "role"],
+            registry=self.registry,
+        )
+        self.failover = prom.Histogram(
+            "understudy_failover_duration_seconds",
+            "In-pod failover phases seen by the new active engine",
+            ["engine", "role", "phase"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=self.registry,
+        )
+        self.epoch = prom.Gauge(
+            "understudy_engine_lock_epoch",
+            "Lock epoch this engine was granted",
+            ["engine", "role"],
+            registry=self.registry,
+        )
+
+    def set_state(self, state: State) -> None:
+        for s in State:
+            self.state.labels(**self.labels, state=s.value).set(1 if s is state else 0)
+
+
+class Shim:
+    def __init__(self, cfg: EngineConfig, engine: Engine, host: HttpHost | None = None) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.budgets = Budgets(cfg.startup_budget_s, cfg.wake_timeout_s)
+        self.s = fsm.initial(time.monotonic())
+        self.metrics = Metrics(cfg)
+        self.metrics.set_state(self.s.state)
+        self.host = host or HttpHost()
+        self.weights = Weights(cfg, lambda why: self.report(fsm.GmsLost(why)))
+        self.held: lock_client.HeldLock | None = None
+        self._mutex = threading.RLock()
+        self._timer: threading.Timer | None = None
+        self._serving = False
+        self.last_transition: dict[str, Any] | None = None
+        self.walls: dict[str, float] = {"started_at": time.time()}
+        self.durations: dict[str, float] = {}
+
+    # --------------------------------------------------------- the core --
+
+    def feed(self, event: fsm.Event) -> list[fsm.Action]:
+        """Step the machine; carry out Exit at once (from any thread)."""
+        with self._mutex:
+            if self.s.state is State.DEAD:
+                return []  # already on the way out
+            now = time.monotonic()
+            old = self.s
+            self.s, actions = fsm.step(self.s, event, now, self.budgets)
+            if self.s.state is not old.state:
+                self._transitioned(old, event, now)
+        rest: list[fsm.Action] = []
+        for action in actions:
+            if isinstance(action, fsm.Exit):
+                self._exit(action)
+            rest.append(action)
+        return rest
+
+    def report(self, event: fsm.Event) -> None:
+        """For monitors: feed an event whose actions can only be Exit."""
+        self.feed(event)
+
+    def _transitioned(self, old: fsm.EngineState, event: fsm.Event, now: float) -> None:
+        new = self.s.state
+        wall = time.time()
+        self.last_transition = {
+            "from": old.state.value,
+            "to": new.value,
+            "event": type(event).__name__,
+            "at": wall,
+        }
+        self.walls[f"{new.value.lower()}_at"] = wall
+        self.metrics.set_state(new)
+        self.metrics.transitions.labels(
+            **self.metrics.labels, from_state=old.state.value, to_state=new.value
+        ).inc()
+        log_event(
+            log,
+            "transition",
+            engine=self.cfg.engine_id,
+            role=self.cfg.role,
+            from_state=old.state.value,
+            to_state=new.value,
+            by=type(event).__name__,
+            after_s=round(now - old.since, 4),
+            epoch=self.s.epoch,
+        )
+        self._arm_deadline()
+
+    def _arm_deadline(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        when = fsm.deadline(self.s, self.budgets)
+        if when is None:
+            return
+        armed_for = self.s.state
+        event: fsm.Event = fsm.InitTimeout() if armed_for is State.INIT else fsm.WakeTimeout()
+
+        def fire() -> None:
+            with self._mutex:
+                if self.s.state is not armed_for:
+                    return  # moved on in time
+            self.feed(event)
+
+        self._timer = threading.Timer(max(0.0, when - time.monotonic()), fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _exit(self, action: fsm.Exit) -> None:
+        log_event(
+            log,
+            "exit",
+            logging.ERROR if action.code else logging.INFO,
+            engine=self.cfg.engine_id,
+            role=self.cfg.role,
+            state=action.state.value,
+            code=int(action.code),
+            reason=action.reason,
+        )
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(int(action.code))
+
+    # ------------------------------------------------------- the surface --
+
+    def verdict(self, probe: Probe) -> Verdict:
+        with self._mutex:
+            s = self.s
+        healthy, why = self.serving_health() if s.state is State.ACTIVE else (False, "")
+        return verdict(
+            probe, s.state, s.time_in_state(time.monotonic()), healthy, self.budgets, why
+        )
+
+    def serving_health(self) -> tuple[bool, str]:
+        if not self._serving:
+            return False, "serving endpoint not bound"
+        return self.engine.health()
+
+    def state_view(self) -> dict[str, Any]:
+        with self._mutex:
+            s = self.s
+        return {
+            "role": self.cfg.role,
+            "name": self.cfg.name,
+            "engine_id": self.cfg.engine_id,
+            "pid": os.getpid(),
+            "adapter": self.engine.name,
+            "state": s.state.value,
+            "time_in_state_s": round(s.time_in_state(time.monotonic()), 4),
+            "epoch": s.epoch,
+            "last_transition": self.last_transition,
+            "serving_port": self.cfg.serve_port,
+            "weights": {"loaded": self.weights.loaded, "imported": self.weights.imported},
+            **{k: v for k, v in self.walls.items()},
+            **{f"{k}_s": round(v, 4) for k, v in self.durations.items()},
+        }
+
+    # --------------------------------------------------------- the loop --
+
+    def run(self) -> None:
+        cfg = self.cfg
+        self.host.start()
+        self.host.serve_status(
+            "0.0.0.0", cfg.status_port, self.verdict, self.state_view, self.metrics.registry
+        )
+        log_event(
+            log,
+            "starting",
+            engine=cfg.engine_id,
+            role=cfg.role,
+            adapter=self.engine.name,
+            devices=",".join(map(str, cfg.devices)),
+            status_port=cfg.status_port,
+        )
+        self._arm_deadline()
+        t0 = time.monotonic()
+        try:
+            _fault(cfg, "INIT")
+            self.weights.init(self.engine, deadline=self.s.started + cfg.startup_budget_s)
+            self.engine.sleep()
+            self.weights.sleep()
+        except Exception as exc:  # any init error ends the process now
+            self.feed(fsm.Fatal(f"init failed: {type(exc).__name__}: {exc}"))
+        self.durations["init"] = time.monotonic() - t0
+        self.metrics.init_s.labels(**self.metrics.labels).set(self.durations["init"])
+        pending = self.feed(fsm.InitDone())
+        while pending:
+            pending += self._do(pending.pop(0))
+        threading.Event().wait()  # Active: serve until the process ends
+
+    def _do(self, action: fsm.Action) -> list[fsm.Action]:
+        cfg = self.cfg
+        match action:
+            case fsm.Acquire():
+                try:
+                    self.held = lock_client.acquire(
+                        str(cfg.lock_socket),
+                        cfg.engine_id,
+                        None,
+                        on_lost=lambda why: self.report(fsm.LockLost(why)),
+                        reconnect_timeout=cfg.lock_reconnect_s,
+                        connect_timeout=cfg.lock_reconnect_s,
+                    )
+                except lock_client.LockError as exc:
+                    return self.feed(fsm.Fatal(f"lock: {exc}"))
+                self._granted = time.monotonic()
+                self.metrics.epoch.labels(**self.metrics.labels).set(self.held.epoch)
+                return self.feed(fsm.LockGranted(self.held.epoch))
+            case fsm.Wake():
+                t0 = time.monotonic()
+                try:
+                    _fault(cfg, "WAKE")
+                    self.weights.wake(cfg.remap_timeout_s)
+                    self.engine.wake()
+                except Exception as exc:  # a failed remap is fatal (Decision 6)
+                    return self.feed(fsm.Fatal(f"wake failed: {type(exc).__name__}: {exc}"))
+                self.durations["wake"] = time.monotonic() - t0
+                self.metrics.failover.labels(**self.metrics.labels, phase="wake").observe(
+                    self.durations["wake"]
+                )
+                return self.feed(fsm.WakeDone())
+            case fsm.BindServing():
+                t0 = time.monotonic()
+                try:
+                    self.host.bind_serving(
+                        cfg.serve_host, cfg.serve_port, self.engine.routes(), self.serving_health
+                    )
+                except OSError as exc:
+                    return self.feed(fsm.Fatal(f"cannot bind serving port {cfg.serve_port}: {exc}"))
+                self._serving = True
+                self.durations["serve"] = time.monotonic() - t0
+                self.durations["grant_to_active"] = time.monotonic() - self._granted
+                self.metrics.failover.labels(**self.metrics.labels, phase="serve").observe(
+                    self.durations["serve"]
+                )
+                self.metrics.failover.labels(
+                    **self.metrics.labels, phase="grant_to_active"
+                ).observe(self.durations["grant_to_active"])
+                return self.feed(fsm.ServingReady())
+            case fsm.Exit():
+                return []  # carried out in feed()
+            case _:
+                assert_never(action)
+
+
+def _fault(cfg: EngineConfig, where: str) -> None:
+    """Test hooks (UNDERSTUDY_FAULT_INIT=raise, UNDERSTUDY_FAULT_WAKE=hang): the
+    real code path with a failure injected, for the process-level tests."""
+    what = cfg.extra.get(f"UNDERSTUDY_FAULT_{where}")
+    if what == "raise":
+        raise RuntimeError(f"fault injected in {where.lower()} (UNDERSTUDY_FAULT_{where}=raise)")
+    if what == "hang":
+        threading.Event().wait()

@@ -1,0 +1,125 @@
+"""The engine's GMS sessions, one per device (a shell around ``gms.client``).
+
+Roles decide modes (Decision 5): the primary asks RW_OR_RO on every device
+(RW where nothing is committed yet, RO where it is), a shadow only RO, so two
+engines can never cross-acquire writers and deadlock. Devices are connected
+in index order, all of them before any loading starts, as vLLM's workers do.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from understudy.engine_shim.adapters.base import Engine
+from understudy.engine_shim.config import EngineConfig
+from understudy.gms.client import GmsClient, GmsError, query_state
+from understudy.gms.messages import Granted, Mode
+from understudy.wire.obs import log_event
+
+log = logging.getLogger("understudy.engine_shim.weights")
+
+
+class WakeError(RuntimeError):
+    """The weights could not be remapped: the engine must exit (Decision 6)."""
+
+
+class Weights:
+    def __init__(self, cfg: EngineConfig, on_lost: Callable[[str], None]) -> None:
+        self.cfg = cfg
+        self._on_lost = on_lost
+        self.sessions: dict[int, GmsClient] = {}
+        self.loaded: list[int] = []  # devices this engine wrote
+        self.imported: list[int] = []  # devices it imported read-only
+
+    def _lost(self, device: int) -> Callable[[BaseException], None]:
+        def report(exc: BaseException) -> None:
+            self._on_lost(f"GMS connection for device {device} lost: {exc}")
+
+        return report
+
+    def init(self, engine: Engine, deadline: float) -> None:
+        mode = Mode.RW_OR_RO if self.cfg.role == "primary" else Mode.RO
+        for device in self.cfg.devices:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("startup budget spent waiting for GMS")
+            t0 = time.monotonic()
+            session = GmsClient.connect(
+                self.cfg.gms_socket(device),
+                mode,
+                timeout=remaining,
+                on_lost=self._lost(device),
+                name=self.cfg.engine_id,
+            )
+            self.sessions[device] = session
+            log_event(
+                log,
+                "gms_session",
+                device=device,
+                asked=mode.value,
+                granted=session.granted_mode,
+                waited_s=round(time.monotonic() - t0, 3),
+            )
+        for device, session in self.sessions.items():
+            t0 = time.monotonic()
+            if session.granted_mode is Granted.RW:
+                engine.load(device, session)
+                digest = session.commit()
+                self.loaded.append(device)
+                log_event(
+                    log,
+                    "weights_loaded",
+                    device=device,
+                    layout=digest[:16],
+                    seconds=round(time.monotonic() - t0, 3),
+                )
+            else:
+                session.import_all()
+                self.imported.append(device)
+                log_event(
+                    log,
+                    "weights_imported",
+                    device=device,
+                    layout=(session.layout_hash or "")[:16],
+                    seconds=round(time.monotonic() - t0, 3),
+                )
+        engine.attach(self.sessions)
+
+    def sleep(self) -> None:
+        for session in self.sessions.values():
+            session.unmap()
+
+    def wake(self, timeout: float) -> None:
+        """Remap every device within ``timeout`` or raise WakeError."""
+        deadline = time.monotonic() + timeout
+        for device, session in self.sessions.items():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WakeError(f"remap timeout of {timeout:g}s spent before device {device}")
+            self._fail_fast(device, min(remaining, 2.0))
+            try:
+                session.remap(remaining)
+            except GmsError as exc:
+                raise WakeError(
+                    f"remap of device {device} failed: {type(exc).__name__}: {exc}"
+                ) from exc
+
+    def _fail_fast(self, device: int, timeout: float) -> None:
+        """A GMS that restarted while we slept has nothing committed and, with
+        nobody loading, never will (Decision 6): say so now instead of after
+        the whole remap timeout. With a writer at work, wait for it in remap."""
+        try:
+            state = query_state(self.cfg.gms_socket(device), timeout)
+        except GmsError as exc:
+            raise WakeError(f"GMS for device {device} unreachable: {exc}") from exc
+        if not state.committed and state.sessions.get(Granted.RW, 0) == 0:
+            raise WakeError(
+                f"GMS for device {device} has no committed weights and no writer: "
+                "it restarted while this engine slept"
+            )
+
+    def close(self) -> None:
+        for session in self.sessions.values():
+            session.close()
