@@ -141,9 +141,9 @@ async def reconcile(key: Key, body: Any, memo: Any, trigger: str, index: Any = N
     await memo["coalescer"].run(key, once)
 
 
-@kopf.on.resume(api.GROUP, api.VERSION, api.PLURAL)
-@kopf.on.create(api.GROUP, api.VERSION, api.PLURAL)
-@kopf.on.update(api.GROUP, api.VERSION, api.PLURAL)
+@kopf.on.resume(api.GROUP, api.VERSION, api.PLURAL, id="reconcile-resume")
+@kopf.on.create(api.GROUP, api.VERSION, api.PLURAL, id="reconcile-create")
+@kopf.on.update(api.GROUP, api.VERSION, api.PLURAL, id="reconcile-update")
 async def on_change(
     namespace: str | None, name: str, body: kopf.Body, memo: Any, reason: str, **kwargs: Any
 ) -> None:
@@ -151,7 +151,9 @@ async def on_change(
     await reconcile(key, dict(body), memo, str(reason), kwargs.get("gpuinstances"))
 
 
-@kopf.timer(api.GROUP, api.VERSION, api.PLURAL, interval=RESYNC_S, initial_delay=RESYNC_S)
+@kopf.timer(
+    api.GROUP, api.VERSION, api.PLURAL, id="resync", interval=RESYNC_S, initial_delay=RESYNC_S
+)
 async def on_timer(
     namespace: str | None, name: str, body: kopf.Body, memo: Any, **kwargs: Any
 ) -> None:
