@@ -48,20 +48,27 @@ def machine() -> dict[str, Any]:
     }
 
 
-def print_table(title: str, rows: dict[str, dict[str, float]], unit: str = "ms",
-                scale: float = 1000.0) -> None:
+def print_table(
+    title: str, rows: dict[str, dict[str, float]], unit: str = "ms", scale: float = 1000.0
+) -> None:
     print(f"\n{title}")
     print(f"{'':28} {'n':>5} {'p50':>9} {'p95':>9} {'p99':>9} {'max':>9}  ({unit})")
     for name, s in rows.items():
-        print(f"{name:28} {s['n']:>5} {s['p50'] * scale:>9.3f} {s['p95'] * scale:>9.3f} "
-              f"{s['p99'] * scale:>9.3f} {s['max'] * scale:>9.3f}")
+        print(
+            f"{name:28} {s['n']:>5} {s['p50'] * scale:>9.3f} {s['p95'] * scale:>9.3f} "
+            f"{s['p99'] * scale:>9.3f} {s['max'] * scale:>9.3f}"
+        )
 
 
 def write_results(name: str, payload: dict[str, Any], out: Path | None = None) -> Path:
     path = out or RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"benchmark": name, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               "machine": machine(), **payload}
+    payload = {
+        "benchmark": name,
+        "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine(),
+        **payload,
+    }
     path.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"\nresults: {path}")
     return path

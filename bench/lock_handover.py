@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import print_table, summary, write_results  # noqa: E402
+from _common import print_table, summary, write_results
 
-from understudy.lockserver import client  # noqa: E402
+from understudy.lockserver import client
 
 # A holder/waiter: acquire, print the monotonic time of the grant, hold.
 ENGINE = r"""
@@ -55,8 +55,12 @@ import threading; threading.Event().wait()
 
 
 def spawn(code: str, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def kill(p: subprocess.Popen[str]) -> None:
@@ -67,9 +71,19 @@ def kill(p: subprocess.Popen[str]) -> None:
 def bench_lockserver(rounds: int, workdir: Path) -> tuple[list[float], list[int]]:
     sock = workdir / "lock.sock"
     server = subprocess.Popen(
-        [sys.executable, "-m", "understudy", "lockserver", "serve", "--socket", str(sock),
-         "--state-file", str(workdir / "lock.state")],
-        stderr=subprocess.DEVNULL, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "understudy",
+            "lockserver",
+            "serve",
+            "--socket",
+            str(sock),
+            "--state-file",
+            str(workdir / "lock.state"),
+        ],
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 15
@@ -126,39 +140,52 @@ def bench_poll_baseline(rounds: int, workdir: Path, poll_s: float) -> list[float
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--baseline-rounds", type=int, default=50)
     ap.add_argument("--poll-ms", type=float, default=50.0)
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--dir", type=Path, default=Path("/dev/shm"),
-                    help="where socket and state file live; the pod's emptyDir is "
-                         "medium: Memory, i.e. tmpfs (default /dev/shm)")
+    ap.add_argument(
+        "--dir",
+        type=Path,
+        default=Path("/dev/shm"),
+        help="where socket and state file live; the pod's emptyDir is "
+        "medium: Memory, i.e. tmpfs (default /dev/shm)",
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="understudy-bench-", dir=args.dir) as tmp:
         gaps, epochs = bench_lockserver(args.rounds, Path(tmp))
         base = bench_poll_baseline(args.baseline_rounds, Path(tmp), args.poll_ms / 1000)
     assert epochs == sorted(epochs) and len(set(epochs)) == len(epochs), "epochs must rise"
     ours, theirs = summary(gaps), summary(base)
-    print_table("lock handover after kill -9 (kill -> waiter's acquire returns)", {
-        "understudy lock server": ours,
-        f"flock poll every {args.poll_ms:g} ms": theirs,
-    })
+    print_table(
+        "lock handover after kill -9 (kill -> waiter's acquire returns)",
+        {
+            "understudy lock server": ours,
+            f"flock poll every {args.poll_ms:g} ms": theirs,
+        },
+    )
     ratio_p50 = theirs["p50"] / ours["p50"]
     ratio_p99 = theirs["p99"] / ours["p99"]
     print(f"\nbaseline / understudy: p50 x{ratio_p50:.1f}, p99 x{ratio_p99:.1f}")
     target_ok = ours["p99"] < 0.005
     print(f"target p99 < 5 ms: {'met' if target_ok else 'NOT met'} ({ours['p99'] * 1000:.3f} ms)")
-    write_results("lock_handover", {
-        "unit": "seconds",
-        "understudy": ours,
-        "baseline_flock_poll": {**theirs, "poll_ms": args.poll_ms},
-        "ratio_baseline_over_understudy": {"p50": ratio_p50, "p99": ratio_p99},
-        "target_p99_s": 0.005,
-        "target_met": target_ok,
-        "state_dir": str(args.dir),
-        "samples_s": gaps,
-    }, args.json)
+    write_results(
+        "lock_handover",
+        {
+            "unit": "seconds",
+            "understudy": ours,
+            "baseline_flock_poll": {**theirs, "poll_ms": args.poll_ms},
+            "ratio_baseline_over_understudy": {"p50": ratio_p50, "p99": ratio_p99},
+            "target_p99_s": 0.005,
+            "target_met": target_ok,
+            "state_dir": str(args.dir),
+            "samples_s": gaps,
+        },
+        args.json,
+    )
     return 0
 
 

@@ -9,8 +9,16 @@ up|down`` (the whole pod as local processes) and ``understudy drill``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
+import signal
+import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
 
 
 def cmd_engine_run(args: argparse.Namespace) -> int:
@@ -42,8 +50,201 @@ def cmd_engine_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _local_config(args: argparse.Namespace) -> Any:
+    from understudy.engine_shim.local import LocalConfig
+
+    return LocalConfig(
+        dir=Path(args.dir).absolute(),
+        engine=args.engine,
+        model=args.model or "",
+        engine_args=tuple(args.engine_arg or ()),
+        shadows=args.shadows,
+        devices=tuple(int(d) for d in args.devices.split(",")),
+        serve_port=args.port,
+        status_port=args.status_port,
+        lock_metrics_port=args.metrics_port,
+        gms_metrics_port=args.metrics_port + 1,
+        reconnect_window_s=args.reconnect_window,
+        startup_budget_s=args.startup_budget,
+        wake_timeout_s=args.wake_timeout,
+        remap_timeout_s=args.remap_timeout,
+        backoff_s=args.backoff,
+    )
+
+
+def cmd_local_up(args: argparse.Namespace) -> int:
+    from understudy.engine_shim.local import Supervisor, read_state, wait_serving
+    from understudy.wire.obs import setup_logging
+
+    cfg = _local_config(args)
+    ports = [cfg.status_port + i for i in range(cfg.shadows + 1)]
+    with contextlib.suppress(FileNotFoundError):
+        state = read_state(cfg.dir)
+        if _alive(state["supervisor_pid"]):
+            print(
+                f"a local pod already runs in {cfg.dir} (pid {state['supervisor_pid']}); "
+                "`understudy local down` first",
+                file=sys.stderr,
+            )
+            return 1
+    if args.detach:
+        cfg.dir.mkdir(parents=True, exist_ok=True)
+        argv = [a for a in sys.argv[1:] if a != "--detach"]
+        with open(cfg.dir / "supervisor.log", "ab") as logf:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "understudy", *argv],
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        if not wait_serving(cfg.serve_port, ports, args.ready_timeout):
+            print(
+                f"local pod not serving within {args.ready_timeout}s; logs in {cfg.dir}",
+                file=sys.stderr,
+            )
+            return 1 if proc.poll() is None else proc.returncode or 1
+        _print_where(cfg, proc.pid)
+        return 0
+    setup_logging()
+    sup = Supervisor(cfg)
+
+    def announce() -> None:
+        if wait_serving(cfg.serve_port, ports, args.ready_timeout):
+            _print_where(cfg, os.getpid())
+
+    threading.Thread(target=announce, daemon=True).start()
+    sup.run_forever()
+    return 0
+
+
+def _print_where(cfg: Any, pid: int) -> None:
+    print(
+        json.dumps(
+            {
+                "serving": f"http://127.0.0.1:{cfg.serve_port}",
+                "try": f"curl -s http://127.0.0.1:{cfg.serve_port}/v1/embeddings "
+                """-H 'Content-Type: application/json' -d '{"input": "hello"}'"""
+                if cfg.engine == "reference"
+                else f"curl -s -XPOST http://127.0.0.1:{cfg.serve_port}/v1/checksum",
+                "engines": {
+                    (
+                        "engine-primary" if i == 0 else f"engine-shadow-{i}"
+                    ): f"http://127.0.0.1:{cfg.status_port + i}/state"
+                    for i in range(cfg.shadows + 1)
+                },
+                "dir": str(cfg.dir),
+                "supervisor_pid": pid,
+            }
+        ),
+        flush=True,
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cmd_local_down(args: argparse.Namespace) -> int:
+    from understudy.engine_shim.local import read_state
+
+    directory = Path(args.dir).absolute()
+    try:
+        state = read_state(directory)
+    except FileNotFoundError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    pid = state["supervisor_pid"]
+    if _alive(pid):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    for c in state["containers"].values():  # in case the supervisor itself was killed
+        if c.get("pid") and _alive(c["pid"]):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(c["pid"], signal.SIGKILL)
+    print(json.dumps({"stopped": str(directory)}))
+    return 0
+
+
+def cmd_drill(args: argparse.Namespace) -> int:
+    from understudy.engine_shim import drill as drill_mod
+
+    sig = getattr(signal, f"SIG{args.signal.upper().removeprefix('SIG')}")
+    target = drill_mod.LocalTarget(Path(args.dir).absolute())
+    if args.target:
+        target.serve_url = args.target
+    say = (lambda line: print(line, file=sys.stderr)) if args.json else print
+    report = drill_mod.drill(
+        target, args.kills, sig, timeout=args.timeout, log=say, check_port=not args.target
+    )
+    result = drill_mod.to_json(report)
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(drill_mod.render(report))
+    return 0 if report.passed() else 1
+
+
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from understudy.engine_shim.local import DEFAULT_DIR
+
     engine = sub.add_parser("engine", help="an engine under the shim (configured by environment)")
     engine_sub = engine.add_subparsers(dest="engine_command", required=True, metavar="COMMAND")
     run = engine_sub.add_parser("run", help="run the engine: init, sleep, acquire, wake, serve")
     run.set_defaults(func=cmd_engine_run)
+
+    local = sub.add_parser("local", help="the whole pod as local processes")
+    local_sub = local.add_subparsers(dest="local_command", required=True, metavar="COMMAND")
+    up = local_sub.add_parser("up", help="start lock server, GMS and engines; restart like kubelet")
+    up.add_argument("--engine", choices=("reference", "synthetic"), default="reference")
+    up.add_argument(
+        "--model",
+        help="model source (reference: builtin or a directory; synthetic: a size such as 1GiB)",
+    )
+    up.add_argument("--engine-arg", action="append", help="extra adapter argument (repeatable)")
+    up.add_argument("--shadows", type=int, default=1)
+    up.add_argument("--devices", default="0")
+    up.add_argument("--dir", default=str(DEFAULT_DIR), help="sockets, state, logs")
+    up.add_argument("--port", type=int, default=8000, help="serving port")
+    up.add_argument("--status-port", type=int, default=8100, help="first engine status port")
+    up.add_argument(
+        "--metrics-port", type=int, default=9101, help="lock server metrics; GMS uses the next port"
+    )
+    up.add_argument("--reconnect-window", type=float, default=10.0)
+    up.add_argument("--startup-budget", type=float, default=600.0)
+    up.add_argument("--wake-timeout", type=float, default=30.0)
+    up.add_argument("--remap-timeout", type=float, default=30.0)
+    up.add_argument(
+        "--backoff",
+        type=float,
+        default=0.0,
+        help="seconds before a dead container is restarted (kubelet-like)",
+    )
+    up.add_argument(
+        "--detach", action="store_true", help="run in the background; return once the pod serves"
+    )
+    up.add_argument("--ready-timeout", type=float, default=120.0)
+    up.set_defaults(func=cmd_local_up)
+    down = local_sub.add_parser("down", help="stop a local pod")
+    down.add_argument("--dir", default=str(DEFAULT_DIR))
+    down.set_defaults(func=cmd_local_down)
+
+    dr = sub.add_parser("drill", help="kill the active engine under load and measure failovers")
+    dr.add_argument("--kills", type=int, default=10)
+    dr.add_argument("--signal", default="KILL", help="KILL, STOP (hang) or SEGV")
+    dr.add_argument("--dir", default=str(DEFAULT_DIR), help="the local pod to drill")
+    dr.add_argument("--target", help="serving URL to load (default: the local pod's)")
+    dr.add_argument("--timeout", type=float, default=60.0, help="per-round limit")
+    dr.add_argument("--json", action="store_true", help="print the report as one JSON line")
+    dr.add_argument("--output", help="also write the JSON report to this file")
+    dr.set_defaults(func=cmd_drill)

@@ -147,7 +147,9 @@ def _default_on_lost(reason: str) -> None:
     os._exit(EXIT_LOCK_LOST)
 
 
-def status(address: Address | str, timeout: float = 2.0, token: str | None = None) -> StatusReply:
+def status(
+    address: Address | str | os.PathLike[str], timeout: float = 2.0, token: str | None = None
+) -> StatusReply:
     addr = address if isinstance(address, Address) else Address.parse(address)
     try:
         sock = addr.connect(timeout)
@@ -166,7 +168,7 @@ def status(address: Address | str, timeout: float = 2.0, token: str | None = Non
 
 
 def acquire(
-    address: Address | str,
+    address: Address | str | os.PathLike[str],
     engine_id: str,
     timeout: float | None,
     *,

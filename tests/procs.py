@@ -19,7 +19,9 @@ from typing import Any
 PYTHON = sys.executable
 
 
-def wait_for(cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0.01, what: str = "") -> Any:
+def wait_for(
+    cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0.01, what: str = ""
+) -> Any:
     deadline = time.monotonic() + timeout
     while True:
         value = cond()
@@ -33,15 +35,25 @@ def wait_for(cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0
 class Proc:
     """A subprocess whose stdout lines are collected by a thread."""
 
-    def __init__(self, args: list[str], *, env: dict[str, str] | None = None,
-                 log: Path | None = None, cwd: Path | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        log: Path | None = None,
+        cwd: Path | None = None,
+    ) -> None:
         self.args = args
         self.lines: queue.Queue[str] = queue.Queue()
         self.all_lines: list[str] = []
         self._log = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.popen = subprocess.Popen(
-            args, stdout=subprocess.PIPE, stderr=self._log, env=full_env, cwd=cwd,
+            args,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=full_env,
+            cwd=cwd,
             start_new_session=True,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)

@@ -37,8 +37,17 @@ class Pod:
 
     def start_server(self) -> Proc:
         self.server = Proc(
-            understudy("lockserver", "serve", "--socket", str(self.sock), "--state-file",
-                       str(self.state), "--reconnect-window", str(self.window), *self.extra),
+            understudy(
+                "lockserver",
+                "serve",
+                "--socket",
+                str(self.sock),
+                "--state-file",
+                str(self.state),
+                "--reconnect-window",
+                str(self.window),
+                *self.extra,
+            ),
             log=self.log,
         )
         wait_for(self._answers, 15, what="lock server socket")
@@ -52,9 +61,20 @@ class Pod:
             return False
 
     def acquire(self, engine_id: str, *more: str) -> Proc:
-        p = Proc(understudy("lock", "acquire", "--socket", str(self.sock), "--id", engine_id,
-                            "--reconnect-timeout", str(self.window + 4), *more),
-                 log=self.dir / f"{engine_id}.log")
+        p = Proc(
+            understudy(
+                "lock",
+                "acquire",
+                "--socket",
+                str(self.sock),
+                "--id",
+                engine_id,
+                "--reconnect-timeout",
+                str(self.window + 4),
+                *more,
+            ),
+            log=self.dir / f"{engine_id}.log",
+        )
         self.procs.append(p)
         return p
 
@@ -309,12 +329,14 @@ def test_tcp_needs_the_token_and_releases_on_death(tmp_path):
             client.status(addr, timeout=2)
         wrong = tmp_path / "wrong"
         wrong.write_text("nope")
-        bad = Proc(understudy("lock", "acquire", "--socket", addr, "--id", "m",
-                              "--token-file", str(wrong)))
+        bad = Proc(
+            understudy("lock", "acquire", "--socket", addr, "--id", "m", "--token-file", str(wrong))
+        )
         assert bad.json_line()["event"] == "error"
         assert bad.wait() == 1
-        a = Proc(understudy("lock", "acquire", "--socket", addr, "--id", "a",
-                            "--token-file", str(token)))
+        a = Proc(
+            understudy("lock", "acquire", "--socket", addr, "--id", "a", "--token-file", str(token))
+        )
         b = Proc(understudy("lock", "acquire", "--socket", str(pod.sock), "--id", "b"))
         pod.procs += [a, b]
         ea = granted(a)
@@ -327,8 +349,18 @@ def test_tcp_needs_the_token_and_releases_on_death(tmp_path):
 
 
 def test_tcp_without_token_is_refused_at_start(tmp_path):
-    p = Proc(understudy("lockserver", "serve", "--socket", str(tmp_path / "s"), "--state-file",
-                        str(tmp_path / "st"), "--tcp", "127.0.0.1:0"))
+    p = Proc(
+        understudy(
+            "lockserver",
+            "serve",
+            "--socket",
+            str(tmp_path / "s"),
+            "--state-file",
+            str(tmp_path / "st"),
+            "--tcp",
+            "127.0.0.1:0",
+        )
+    )
     assert p.wait(15) == 2
 
 
@@ -336,7 +368,13 @@ def test_status_cli_prints_one_json_line(pod):
     p = Proc(understudy("lock", "status", "--socket", str(pod.sock)))
     line = p.json_line()
     assert p.wait() == 0
-    assert line == {"holder": None, "epoch": 0, "waiters": [], "window_open": False,
-                    "window_holder": None, "window_remaining_s": None}
+    assert line == {
+        "holder": None,
+        "epoch": 0,
+        "waiters": [],
+        "window_open": False,
+        "window_holder": None,
+        "window_remaining_s": None,
+    }
     gone = Proc(understudy("lock", "status", "--socket", str(pod.dir / "nope.sock")))
     assert "error" in gone.json_line() and gone.wait() == 1

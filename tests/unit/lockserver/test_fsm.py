@@ -19,8 +19,8 @@ from understudy.lockserver.fsm import (
     Grant,
     InvalidTransition,
     LockState,
-    PersistedRecord,
     Persist,
+    PersistedRecord,
     Phase,
     Reject,
     Restored,
@@ -79,9 +79,7 @@ def test_every_phase_event_pair(phase, etype):
 
 
 def test_table_covers_all_but_restore_after_init():
-    missing = {
-        (p, e) for p in Phase for e in SAMPLE_EVENTS if (p, e) not in fsm.TRANSITIONS
-    }
+    missing = {(p, e) for p in Phase for e in SAMPLE_EVENTS if (p, e) not in fsm.TRANSITIONS}
     assert missing == {
         (Phase.INIT, AcquireRequested),
         (Phase.INIT, Disconnected),
@@ -238,8 +236,10 @@ class LockMachine(RuleBasedStateMachine):
                 self.persisted = PersistedRecord(None, a.epoch)
             elif isinstance(a, Grant):
                 # a waiter is granted only with no holder and no open window...
-                assert before.holder is None or before.holder.conn == a.conn or (
-                    isinstance(event, Disconnected) and before.holder.conn == event.conn
+                assert (
+                    before.holder is None
+                    or before.holder.conn == a.conn
+                    or (isinstance(event, Disconnected) and before.holder.conn == event.conn)
                 )
                 if before.window is not None and not isinstance(event, WindowExpired):
                     # ...and during a window only the persisted holder

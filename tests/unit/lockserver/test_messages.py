@@ -28,8 +28,14 @@ CLIENT_SAMPLES = [
 SERVER_SAMPLES = [
     Granted(engine_id="a", epoch=3),
     Granted(engine_id="a", epoch=3, resumed=True),
-    StatusReply(holder=None, epoch=0, waiters=(), window_open=False, window_holder=None,
-                window_remaining_s=None),
+    StatusReply(
+        holder=None,
+        epoch=0,
+        waiters=(),
+        window_open=False,
+        window_holder=None,
+        window_remaining_s=None,
+    ),
     Error(code="superseded", message="epoch 1 was superseded"),
 ]
 

@@ -26,9 +26,18 @@ def test_write_then_read(tmp_path):
 
 @pytest.mark.parametrize(
     "raw",
-    [b"", b"{", b"null", b"[]", b'{"holder": "a"}', b'{"holder": 3, "epoch": 1}',
-     b'{"holder": "a", "epoch": -1}', b'{"holder": "a", "epoch": true}',
-     b'{"holder": "", "epoch": 1}', b"\xff\xfe"],
+    [
+        b"",
+        b"{",
+        b"null",
+        b"[]",
+        b'{"holder": "a"}',
+        b'{"holder": 3, "epoch": 1}',
+        b'{"holder": "a", "epoch": -1}',
+        b'{"holder": "a", "epoch": true}',
+        b'{"holder": "", "epoch": 1}',
+        b"\xff\xfe",
+    ],
 )
 def test_garbage_is_corrupt_never_empty(tmp_path, raw):
     p = tmp_path / "lock.state"

@@ -1,0 +1,456 @@
+"""``understudy drill``: kill the active engine under load, N times, and measure.
+
+A client keeps a continuous request stream against the serving endpoint (the
+same request every time, so every answer must be bit-identical). Each round:
+wait until the pod is armed (one Active engine, the others Standby), kill the
+Active engine's process with the chosen signal, and measure
+
+- kill → lock granted → Active (from the new engine's ``/state``),
+- the client-observed gap: kill → end of the first successful request that
+  started after the kill,
+- failed requests, and re-arm: kill → the killed engine back in Standby.
+
+A watcher polls every engine's ``/state`` all along and counts split-brain
+(two engines Active at once, or an epoch that does not rise), and after each
+failover checks that the serving port's listener belongs to the Active
+engine's process. Exit status 1 if any check failed or a round had no failover.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import http.client
+import json
+import os
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+REQUEST = {
+    "input": "Understudy keeps a sleeping shadow engine in the same pod.",
+    "encoding_format": "base64",
+}
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
+    return ordered[rank - 1]
+
+
+def stats(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    return {
+        "n": len(values),
+        "p50": _percentile(values, 50),
+        "p95": _percentile(values, 95),
+        "p99": _percentile(values, 99),
+        "max": max(values),
+        "min": min(values),
+    }
+
+
+class Target(Protocol):
+    serve_url: str
+
+    def engines(self) -> list[dict[str, Any]]: ...
+
+    def kill(self, engine: dict[str, Any], sig: int) -> None: ...
+
+    def listener_pid(self, port: int) -> int | None: ...
+
+
+class LocalTarget:
+    """A pod started by ``understudy local up`` (reads its local.json)."""
+
+    def __init__(self, directory: Path) -> None:
+        from understudy.engine_shim.local import read_state
+
+        state = read_state(directory)
+        self.serve_url = state["serve_url"]
+        self.status_ports = {
+            name: c["status_port"]
+            for name, c in state["containers"].items()
+            if c["status_port"] is not None
+        }
+
+    def engines(self) -> list[dict[str, Any]]:
+        out = []
+        for name, port in self.status_ports.items():
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=0.3)
+                conn.request("GET", "/state")
+                body = conn.getresponse().read()
+                conn.close()
+                out.append(json.loads(body))
+            except (OSError, ValueError, http.client.HTTPException):
+                out.append({"name": name, "state": "Unreachable"})
+        return out
+
+    def kill(self, engine: dict[str, Any], sig: int) -> None:
+        os.kill(engine["pid"], sig)
+
+    def listener_pid(self, port: int) -> int | None:
+        return _listener_pid(port)
+
+
+def _listener_pid(port: int) -> int | None:
+    """The pid whose socket listens on TCP ``port`` (from /proc)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            next(f)
+            for line in f:
+                parts = line.split()
+                if parts[3] == "0A" and int(parts[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(parts[9])
+    if not inodes:
+        return None
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:[") and link[8:-1] in inodes:
+                        return int(pid)
+    return None
+
+
+@dataclass
+class Sample:
+    start: float
+    end: float
+    ok: bool
+    digest: str = ""
+    error: str = ""
+
+
+class Client(threading.Thread):
+    """A continuous request stream, one request at a time, new connection each
+    (so a request after a failover reaches whichever engine now serves)."""
+
+    def __init__(self, url: str, adapter: str, timeout: float = 2.0) -> None:
+        super().__init__(name="drill-client", daemon=True)
+        parsed = urllib.parse.urlsplit(url)
+        self.host, self.port = parsed.hostname or "127.0.0.1", parsed.port or 80
+        self.adapter = adapter
+        self.timeout = timeout
+        self.samples: list[Sample] = []
+        self.stop = threading.Event()
+
+    def _once(self) -> Sample:
+        if self.adapter == "synthetic":
+            path, body = "/v1/checksum", b"{}"
+        else:
+            path, body = "/v1/embeddings", json.dumps(REQUEST).encode()
+        t0 = time.monotonic()
+        try:
+            conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+            conn.request("POST", path, body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            data = resp.read()
+            conn.close()
+        except (OSError, http.client.HTTPException) as exc:
+            return Sample(t0, time.monotonic(), False, error=type(exc).__name__)
+        t1 = time.monotonic()
+        if resp.status != 200:
+            return Sample(t0, t1, False, error=f"HTTP {resp.status}")
+        try:
+            payload = json.loads(data)
+            if self.adapter == "synthetic":
+                answer = payload["checksum"].encode()
+            else:
+                answer = base64.b64decode(payload["data"][0]["embedding"])
+        except (ValueError, KeyError, IndexError, TypeError):
+            return Sample(t0, t1, False, error="bad response")
+        return Sample(t0, t1, True, hashlib.sha256(answer).hexdigest())
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            s = self._once()
+            self.samples.append(s)
+            if not s.ok:
+                time.sleep(0.002)  # refused at once while nobody serves: don't spin
+
+
+class Watcher(threading.Thread):
+    """Polls every engine's /state; records Active engines and checks safety."""
+
+    def __init__(self, target: Target, period: float = 0.01) -> None:
+        super().__init__(name="drill-watcher", daemon=True)
+        self.target = target
+        self.period = period
+        self.stop = threading.Event()
+        self.latest: list[dict[str, Any]] = []
+        self.split_brain: list[dict[str, Any]] = []
+        self.epoch_regressions: list[dict[str, Any]] = []
+        self.max_epoch = -1
+        self.lock = threading.Lock()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            engines = self.target.engines()
+            active = [e for e in engines if e.get("state") == "Active"]
+            with self.lock:
+                self.latest = engines
+                if len(active) > 1:
+                    self.split_brain.append(
+                        {
+                            "at": time.time(),
+                            "active": [
+                                {k: e.get(k) for k in ("name", "pid", "epoch")} for e in active
+                            ],
+                        }
+                    )
+                for e in active:
+                    epoch = e.get("epoch") or 0
+                    if epoch < self.max_epoch:
+                        self.epoch_regressions.append(
+                            {"name": e.get("name"), "epoch": epoch, "max_seen": self.max_epoch}
+                        )
+                    self.max_epoch = max(self.max_epoch, epoch)
+            time.sleep(self.period)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return list(self.latest)
+
+
+@dataclass
+class Round:
+    index: int
+    killed: str
+    killed_pid: int
+    killed_epoch: int
+    new_active: str = ""
+    new_epoch: int = 0
+    kill_to_grant_s: float | None = None
+    grant_to_active_s: float | None = None
+    kill_to_active_s: float | None = None
+    gap_s: float | None = None
+    failed_requests: int = 0
+    rearm_s: float | None = None
+    port_owner_ok: bool | None = None
+    error: str = ""
+
+
+@dataclass
+class Report:
+    rounds: list[Round] = field(default_factory=list)
+    requests: int = 0
+    failed_requests: int = 0
+    wrong_answers: int = 0
+    split_brain: list[dict[str, Any]] = field(default_factory=list)
+    epoch_regressions: list[dict[str, Any]] = field(default_factory=list)
+    signal: str = "KILL"
+
+    def summary(self) -> dict[str, Any]:
+        def col(name: str) -> list[float]:
+            return [v for r in self.rounds if (v := getattr(r, name)) is not None]
+
+        return {
+            "kills": len(self.rounds),
+            "signal": self.signal,
+            "failovers_ok": sum(1 for r in self.rounds if not r.error),
+            "requests": self.requests,
+            "failed_requests": self.failed_requests,
+            "wrong_answers": self.wrong_answers,
+            "split_brain": len(self.split_brain),
+            "epoch_regressions": len(self.epoch_regressions),
+            "port_owner_violations": sum(1 for r in self.rounds if r.port_owner_ok is False),
+            "gap_s": stats(col("gap_s")),
+            "kill_to_grant_s": stats(col("kill_to_grant_s")),
+            "grant_to_active_s": stats(col("grant_to_active_s")),
+            "kill_to_active_s": stats(col("kill_to_active_s")),
+            "rearm_s": stats(col("rearm_s")),
+        }
+
+    def passed(self) -> bool:
+        s = self.summary()
+        return (
+            s["failovers_ok"] == s["kills"]
+            and not s["wrong_answers"]
+            and not s["split_brain"]
+            and not s["epoch_regressions"]
+            and not s["port_owner_violations"]
+        )
+
+
+def _wait(cond: Callable[[], Any], timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.005)
+    return None
+
+
+def drill(
+    target: Target,
+    kills: int,
+    sig: int,
+    *,
+    timeout: float = 60.0,
+    rearm: bool = True,
+    log: Callable[[str], None] = print,
+    check_port: bool = True,
+) -> Report:
+    import signal as signal_mod
+
+    report = Report(signal=signal_mod.Signals(sig).name.removeprefix("SIG"))
+    watcher = Watcher(target)
+    watcher.start()
+
+    def armed() -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+        engines = watcher.snapshot()
+        active = [e for e in engines if e.get("state") == "Active"]
+        standby = [e for e in engines if e.get("state") == "Standby"]
+        if len(active) == 1 and standby:
+            return active[0], standby
+        return None
+
+    first = _wait(armed, timeout)
+    if first is None:
+        watcher.stop.set()
+        raise RuntimeError(f"pod not armed (one Active, at least one Standby) within {timeout}s")
+    adapter = first[0].get("adapter", "reference")
+    client = Client(target.serve_url, adapter)
+    client.start()
+    try:
+        for i in range(1, kills + 1):
+            got = _wait(armed, timeout)
+            if got is None:
+                report.rounds.append(Round(i, "?", 0, 0, error="pod not armed"))
+                break
+            active, _ = got
+            rnd = Round(i, active["name"], active["pid"], active.get("epoch") or 0)
+            time.sleep(0.2)  # steady traffic before the kill
+            t_kill, wall_kill = time.monotonic(), time.time()
+            target.kill(active, sig)
+
+            def new_active(r: Round = rnd) -> dict[str, Any] | None:
+                for e in watcher.snapshot():
+                    if e.get("state") == "Active" and (e.get("epoch") or 0) > r.killed_epoch:
+                        return e
+                return None
+
+            new = _wait(new_active, timeout)
+            if new is None:
+                rnd.error = f"no new Active engine within {timeout}s"
+                report.rounds.append(rnd)
+                log(f"round {i}: {rnd.error}")
+                continue
+            rnd.new_active, rnd.new_epoch = new["name"], new.get("epoch") or 0
+            granted, active_at = new.get("waking_at"), new.get("active_at")
+            if granted and active_at:
+                rnd.kill_to_grant_s = granted - wall_kill
+                rnd.grant_to_active_s = active_at - granted
+                rnd.kill_to_active_s = active_at - wall_kill
+            if check_port:
+                owner = target.listener_pid(_port(target.serve_url))
+                rnd.port_owner_ok = owner == new.get("pid")
+
+            def served(t: float = t_kill) -> Sample | None:
+                for s in list(client.samples):
+                    if s.ok and s.start >= t:
+                        return s
+                return None
+
+            ok = _wait(served, timeout)
+            if ok is None:
+                rnd.error = f"no successful request within {timeout}s of the kill"
+            else:
+                rnd.gap_s = ok.end - t_kill
+                rnd.failed_requests = sum(
+                    1 for s in list(client.samples) if not s.ok and t_kill <= s.start <= ok.end
+                )
+            if rearm:
+
+                def rearmed(r: Round = rnd) -> bool:
+                    return any(
+                        e.get("name") == r.killed
+                        and e.get("state") == "Standby"
+                        and e.get("pid") != r.killed_pid
+                        for e in watcher.snapshot()
+                    )
+
+                if _wait(rearmed, timeout):
+                    rnd.rearm_s = time.monotonic() - t_kill
+            report.rounds.append(rnd)
+            log(_round_line(rnd))
+    finally:
+        client.stop.set()
+        client.join(5)
+        watcher.stop.set()
+        watcher.join(5)
+    samples = client.samples
+    report.requests = len(samples)
+    report.failed_requests = sum(1 for s in samples if not s.ok)
+    digests = [s.digest for s in samples if s.ok]
+    if digests:
+        expected = max(set(digests), key=digests.count)
+        report.wrong_answers = sum(1 for d in digests if d != expected)
+    report.split_brain = watcher.split_brain
+    report.epoch_regressions = watcher.epoch_regressions
+    return report
+
+
+def _port(url: str) -> int:
+    return urllib.parse.urlsplit(url).port or 80
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.1f}"
+
+
+def _round_line(r: Round) -> str:
+    return (
+        f"round {r.index:>3}: killed {r.killed} (epoch {r.killed_epoch}) -> {r.new_active} "
+        f"(epoch {r.new_epoch}): kill->grant {_ms(r.kill_to_grant_s)} ms, grant->active "
+        f"{_ms(r.grant_to_active_s)} ms, client gap {_ms(r.gap_s)} ms, failed "
+        f"{r.failed_requests}, re-arm {_ms(r.rearm_s)} ms"
+    )
+
+
+def render(report: Report) -> str:
+    s = report.summary()
+    lines = [
+        f"\ndrill: {s['kills']} kills (SIG{s['signal']}), {s['failovers_ok']} failovers, "
+        f"{s['requests']} requests, {s['failed_requests']} failed, "
+        f"{s['wrong_answers']} wrong answers, {s['split_brain']} split-brain, "
+        f"{s['epoch_regressions']} epoch regressions, "
+        f"{s['port_owner_violations']} port-owner violations",
+        f"{'':22} {'p50':>9} {'p95':>9} {'p99':>9} {'max':>9}  (ms)",
+    ]
+    for key, label in (
+        ("gap_s", "client-observed gap"),
+        ("kill_to_grant_s", "kill -> lock granted"),
+        ("grant_to_active_s", "granted -> Active"),
+        ("kill_to_active_s", "kill -> Active"),
+        ("rearm_s", "re-arm (Standby)"),
+    ):
+        st = s[key]
+        if st:
+            lines.append(
+                f"{label:22} {_ms(st['p50']):>9} {_ms(st['p95']):>9} "
+                f"{_ms(st['p99']):>9} {_ms(st['max']):>9}"
+            )
+    lines.append("PASS" if report.passed() else "FAIL")
+    return "\n".join(lines)
+
+
+def to_json(report: Report) -> dict[str, Any]:
+    return {
+        "summary": report.summary(),
+        "rounds": [asdict(r) for r in report.rounds],
+        "split_brain": report.split_brain,
+        "epoch_regressions": report.epoch_regressions,
+    }

@@ -1,0 +1,398 @@
+"""The whole pod as local processes: ``understudy local up`` / ``down``.
+
+Same containers, commands and environment variables as the pod the operator
+renders (docs/pod.md), with every path under one directory and ports
+configurable. The supervisor plays kubelet:
+
+- sidecars first, each gated by its startup check (the lock server answers
+  ``status``; every GMS socket answers), then the engines;
+- a container that exits is restarted (back-off configurable, none by
+  default), and a restarted engine rejoins as the new standby by importing
+  the committed weights;
+- engine probes as the pod declares them: ``/startup`` every second until it
+  passes, then ``/live`` every second, three failures in a row → SIGTERM,
+  then SIGKILL after a one-second grace (the liveness probe's
+  ``terminationGracePeriodSeconds``) — that is how a hung (SIGSTOPped)
+  engine gets replaced.
+
+``local.json`` in the directory records the supervisor, every container's pid
+and ports; ``understudy drill`` and ``local down`` read it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from understudy.gms.client import GmsError, query_state
+from understudy.lockserver import client as lock_client
+from understudy.wire.obs import log_event
+
+log = logging.getLogger("understudy.local")
+
+DEFAULT_DIR = Path(os.environ.get("XDG_RUNTIME_DIR") or "/dev/shm") / "understudy-local"
+STATE_FILE = "local.json"
+
+
+@dataclass(frozen=True, slots=True)
+class LocalConfig:
+    dir: Path = DEFAULT_DIR
+    engine: str = "reference"
+    model: str = ""
+    engine_args: tuple[str, ...] = ()
+    shadows: int = 1
+    devices: tuple[int, ...] = (0,)
+    serve_port: int = 8000
+    status_port: int = 8100
+    lock_metrics_port: int = 9101
+    gms_metrics_port: int = 9102
+    reconnect_window_s: float = 10.0
+    startup_budget_s: float = 600.0
+    wake_timeout_s: float = 30.0
+    remap_timeout_s: float = 30.0
+    backoff_s: float = 0.0
+    probe_period_s: float = 1.0
+    liveness_failures: int = 3
+    liveness_grace_s: float = 1.0
+
+
+@dataclass
+class Container:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    status_port: int | None = None  # engines only
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+    exited_at: float | None = None
+    last_exit: int | None = None
+    startup_passed: bool = False
+    live_failures: int = 0
+    next_probe: float = 0.0
+    kill_deadline: float | None = None
+    log_path: Path | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _understudy(*args: str) -> list[str]:
+    return [sys.executable, "-m", "understudy", *args]
+
+
+def engine_env(cfg: LocalConfig, role: str, name: str, index: int) -> dict[str, str]:
+    """The engine container's environment, as docs/pod.md specifies it."""
+    run = cfg.dir
+    model = cfg.model or ("builtin:all-MiniLM-L6-v2" if cfg.engine == "reference" else "256MiB")
+    return {
+        "ENGINE_ROLE": role,
+        "UNDERSTUDY_ENGINE_NAME": name,
+        "UNDERSTUDY_RUN_DIR": str(run),
+        "UNDERSTUDY_LOCK_SOCKET": str(run / "lock.sock"),
+        "UNDERSTUDY_GMS_SOCKET_DIR": str(run / "gms"),
+        "UNDERSTUDY_GMS_BACKEND": "host",
+        "UNDERSTUDY_DEVICES": ",".join(map(str, cfg.devices)),
+        "UNDERSTUDY_ENGINE_ADAPTER": cfg.engine,
+        "UNDERSTUDY_MODEL": model,
+        "UNDERSTUDY_ENGINE_ARGS": json.dumps(list(cfg.engine_args)),
+        "UNDERSTUDY_SERVE_PORT": str(cfg.serve_port),
+        "UNDERSTUDY_STATUS_PORT": str(cfg.status_port + index),
+        "UNDERSTUDY_STARTUP_BUDGET_S": f"{cfg.startup_budget_s:g}",
+        "UNDERSTUDY_WAKE_TIMEOUT_S": f"{cfg.wake_timeout_s:g}",
+        "UNDERSTUDY_REMAP_TIMEOUT_S": f"{cfg.remap_timeout_s:g}",
+        "UNDERSTUDY_LOCK_RECONNECT_S": f"{cfg.reconnect_window_s + 5:g}",
+        "OPENBLAS_NUM_THREADS": "1",
+        "POD_NAME": "local",
+        "POD_NAMESPACE": "local",
+    }
+
+
+def containers(cfg: LocalConfig) -> list[Container]:
+    run = cfg.dir
+    devices = ",".join(map(str, cfg.devices))
+    out = [
+        Container(
+            "lockserver",
+            _understudy(
+                "lockserver",
+                "serve",
+                "--socket",
+                str(run / "lock.sock"),
+                "--state-file",
+                str(run / "lock.state"),
+                "--reconnect-window",
+                f"{cfg.reconnect_window_s:g}",
+                "--metrics-port",
+                str(cfg.lock_metrics_port),
+            ),
+            {},
+        ),
+        Container(
+            "gms",
+            _understudy(
+                "gms",
+                "serve",
+                "--socket-dir",
+                str(run / "gms"),
+                "--devices",
+                devices,
+                "--backend",
+                "host",
+                "--metrics-port",
+                str(cfg.gms_metrics_port),
+            ),
+            {},
+        ),
+    ]
+    roles = [("primary", "engine-primary")] + [
+        ("shadow", f"engine-shadow-{k}") for k in range(1, cfg.shadows + 1)
+    ]
+    for index, (role, name) in enumerate(roles):
+        out.append(
+            Container(
+                name,
+                _understudy("engine", "run"),
+                engine_env(cfg, role, name, index),
+                cfg.status_port + index,
+            )
+        )
+    return out
+
+
+def _http_get(port: int, path: str, timeout: float) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def probe(port: int, path: str, timeout: float = 1.0) -> bool:
+    try:
+        status, _ = _http_get(port, path, timeout)
+    except (OSError, http.client.HTTPException):
+        return False
+    return status == 200
+
+
+class Supervisor:
+    def __init__(self, cfg: LocalConfig) -> None:
+        self.cfg = cfg
+        self.containers = containers(cfg)
+        self.stopping = False
+        self.logs = cfg.dir / "logs"
+
+    # ---------------------------------------------------------- processes --
+
+    def _start(self, c: Container) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        c.log_path = self.logs / f"{c.name}.log"
+        with open(c.log_path, "ab") as logf:
+            c.proc = subprocess.Popen(
+                c.argv,
+                env={**os.environ, **c.env, "PYTHONUNBUFFERED": "1"},
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        c.started_at = time.monotonic()
+        c.exited_at = None
+        c.startup_passed = c.status_port is None
+        c.live_failures = 0
+        c.next_probe = c.started_at
+        c.kill_deadline = None
+        log_event(log, "container_started", container=c.name, pid=c.proc.pid, restarts=c.restarts)
+        self._save()
+
+    def _signal(self, c: Container, sig: int) -> None:
+        if c.proc is not None and c.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(c.proc.pid, sig)
+
+    def _wait_startup(self, c: Container, timeout: float) -> None:
+        """The sidecars' startup probes, which gate the next containers."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if c.proc is not None and c.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{c.name} exited with {c.proc.returncode} during startup; see {c.log_path}"
+                )
+            if self._started(c):
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"{c.name} did not start within {timeout}s; see {c.log_path}")
+
+    def _started(self, c: Container) -> bool:
+        run = self.cfg.dir
+        if c.name == "lockserver":
+            try:
+                lock_client.status(run / "lock.sock", timeout=0.5)
+                return True
+            except lock_client.LockError:
+                return False
+        if c.name == "gms":
+            try:
+                for d in self.cfg.devices:
+                    query_state(run / "gms" / f"gms_{d}_weights.sock", 0.5)
+                return True
+            except (GmsError, OSError):
+                return False
+        return True
+
+    # ---------------------------------------------------------- the loop --
+
+    def up(self) -> None:
+        self.cfg.dir.mkdir(parents=True, exist_ok=True)
+        for c in self.containers:
+            self._start(c)
+            if c.status_port is None:
+                self._wait_startup(c, 30)
+        log_event(
+            log,
+            "pod_started",
+            serve=f"http://127.0.0.1:{self.cfg.serve_port}",
+            dir=str(self.cfg.dir),
+        )
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        for c in self.containers:
+            assert c.proc is not None
+            code = c.proc.poll()
+            if code is not None:
+                if c.exited_at is None:
+                    c.exited_at, c.last_exit = now, code
+                    c.history.append({"exit": code, "at": time.time(), "pid": c.proc.pid})
+                    log_event(
+                        log,
+                        "container_exited",
+                        logging.WARNING,
+                        container=c.name,
+                        pid=c.proc.pid,
+                        code=code,
+                        restarts=c.restarts,
+                    )
+                    self._save()
+                if now - c.exited_at >= self.cfg.backoff_s and not self.stopping:
+                    c.restarts += 1
+                    self._start(c)
+                continue
+            if c.kill_deadline is not None:
+                if now >= c.kill_deadline:
+                    self._signal(c, signal.SIGKILL)
+                continue
+            if c.status_port is None or now < c.next_probe:
+                continue
+            c.next_probe = now + self.cfg.probe_period_s
+            if not c.startup_passed:
+                c.startup_passed = probe(c.status_port, "/startup")
+                continue
+            if probe(c.status_port, "/live", timeout=self.cfg.probe_period_s):
+                c.live_failures = 0
+                continue
+            c.live_failures += 1
+            if c.live_failures >= self.cfg.liveness_failures:
+                log_event(
+                    log,
+                    "liveness_failed",
+                    logging.WARNING,
+                    container=c.name,
+                    pid=c.proc.pid,
+                    failures=c.live_failures,
+                )
+                self._signal(c, signal.SIGTERM)
+                self._signal(c, signal.SIGCONT)  # a stopped process must see its SIGTERM
+                c.kill_deadline = now + self.cfg.liveness_grace_s
+
+    def run_forever(self) -> None:
+        stop = []
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.append(1))
+        try:
+            self.up()
+            while not stop:
+                self.tick()
+                time.sleep(0.02)
+        finally:
+            self.down()
+
+    def down(self) -> None:
+        self.stopping = True
+        for c in reversed(self.containers):  # engines first, sidecars last
+            self._signal(c, signal.SIGTERM)
+            self._signal(c, signal.SIGCONT)
+        deadline = time.monotonic() + 5
+        for c in self.containers:
+            if c.proc is None:
+                continue
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._signal(c, signal.SIGKILL)
+                c.proc.wait(5)
+        with contextlib.suppress(FileNotFoundError):
+            (self.cfg.dir / STATE_FILE).unlink()
+        log_event(log, "pod_stopped", dir=str(self.cfg.dir))
+
+    def _save(self) -> None:
+        state = {
+            "supervisor_pid": os.getpid(),
+            "dir": str(self.cfg.dir),
+            "serve_url": f"http://127.0.0.1:{self.cfg.serve_port}",
+            "engine": self.cfg.engine,
+            "containers": {
+                c.name: {
+                    "pid": c.proc.pid if c.proc else None,
+                    "running": c.exited_at is None,
+                    "status_port": c.status_port,
+                    "restarts": c.restarts,
+                    "last_exit": c.last_exit,
+                    "log": str(c.log_path) if c.log_path else None,
+                }
+                for c in self.containers
+            },
+        }
+        path = self.cfg.dir / STATE_FILE
+        fd, tmp = tempfile.mkstemp(dir=self.cfg.dir, prefix=".local.")
+        with os.fdopen(fd, "w") as f:
+            json.dump(state, f, indent=1)
+        os.replace(tmp, path)
+
+
+def read_state(directory: Path) -> dict[str, Any]:
+    path = directory / STATE_FILE
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no local pod in {directory} ({path} missing)") from None
+    return data
+
+
+def wait_serving(serve_port: int, status_ports: list[int], timeout: float) -> bool:
+    """Until one engine is Active and every other is Standby (the pod is armed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for port in status_ports:
+            try:
+                status, body = _http_get(port, "/state", 0.5)
+                states.append(json.loads(body)["state"] if status == 200 else None)
+            except (OSError, ValueError, http.client.HTTPException):
+                states.append(None)
+        if states.count("Active") == 1 and states.count("Standby") == len(states) - 1:
+            return True
+        time.sleep(0.1)
+    return False
