@@ -88,7 +88,8 @@ LostCallback = Callable[[BaseException], None]
 R = TypeVar("R")
 
 _RETRY_CONNECT_S = 0.05
-_REPLY_SLACK_S = 2.0  # beyond a hello's own timeout, for the server's answer to arrive
+_REPLY_SLACK_S = 2.0
+_EXPORT_BATCH = 256  # beyond a hello's own timeout, for the server's answer to arrive
 
 
 @dataclass(slots=True, eq=False)
@@ -183,7 +184,7 @@ def _connect_socket(path: Path, deadline: float) -> socket.socket:
 
 
 class _Channel:
-    """One connection: a request, then its reply (and fd), bounded by a deadline."""
+    """One connection: requests, then their replies (and fds), bounded by a deadline."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -191,23 +192,59 @@ class _Channel:
         self.broken = False
 
     def request(self, msg: m.Request, deadline: float | None) -> tuple[m.Reply, OwnedFd | None]:
+        self._send([msg], deadline)
+        return self._receive(msg, deadline)
+
+    def export_many(
+        self, ids: list[int], deadline: float | None
+    ) -> list[tuple[m.Reply, OwnedFd | None]]:
+        """``export_many`` in batches: one request per batch, one reply and fd per
+        id. A wake maps thousands of allocations; this is one round trip per
+        batch instead of one per allocation. The batch bounds the fds in flight."""
+        out: list[tuple[m.Reply, OwnedFd | None]] = []
+        try:
+            for start in range(0, len(ids), _EXPORT_BATCH):
+                batch = tuple(ids[start : start + _EXPORT_BATCH])
+                msg = m.ExportMany(ids=batch)
+                self._send([msg], deadline)
+                for _ in batch:  # an error (unknown id) comes alone, instead of all
+                    out.append(self._receive(msg, deadline))
+        except BaseException:
+            for _, fd in out:
+                if fd is not None:
+                    fd.close()
+            raise
+        return out
+
+    def _timeout(self, deadline: float | None) -> None:
+        self.sock.settimeout(None if deadline is None else max(0.001, deadline - time.monotonic()))
+
+    def _io_error(self, msg: m.Request, exc: BaseException) -> GmsError:
+        self.broken = True
+        if isinstance(exc, TimeoutError):
+            return GmsTimeoutError(f"no reply to {msg.type} in time")
+        if isinstance(exc, RemoteFrameError):
+            return GmsConnectionLost(f"bad frame from GMS: {exc}")
+        return GmsConnectionLost(f"GMS connection lost during {msg.type}: {exc}")
+
+    def _send(self, msgs: list[m.Request], deadline: float | None) -> None:
         if self.broken:
             raise GmsConnectionLost("the GMS connection is no longer usable")
+        data = b"".join(
+            encode(m.REQUEST_ADAPTER.dump_json(msg), m.MAX_REQUEST_FRAME) for msg in msgs
+        )
         try:
-            self.sock.settimeout(
-                None if deadline is None else max(0.001, deadline - time.monotonic())
-            )
-            send_frame(self.sock, encode(m.REQUEST_ADAPTER.dump_json(msg), m.MAX_REQUEST_FRAME))
+            self._timeout(deadline)
+            send_frame(self.sock, data)
+        except OSError as exc:  # TimeoutError included
+            raise self._io_error(msgs[0], exc) from None
+
+    def _receive(self, msg: m.Request, deadline: float | None) -> tuple[m.Reply, OwnedFd | None]:
+        try:
+            self._timeout(deadline)
             body, fd = recv_frame(self.sock, m.MAX_REPLY_FRAME)
-        except TimeoutError:
-            self.broken = True
-            raise GmsTimeoutError(f"no reply to {msg.type} in time") from None
-        except RemoteFrameError as exc:
-            self.broken = True
-            raise GmsConnectionLost(f"bad frame from GMS: {exc}") from None
-        except OSError as exc:  # reset, broken pipe, EOF
-            self.broken = True
-            raise GmsConnectionLost(f"GMS connection lost during {msg.type}: {exc}") from None
+        except (RemoteFrameError, OSError) as exc:  # timeout, reset, broken pipe, EOF
+            raise self._io_error(msg, exc) from None
         try:
             reply = self._codec.parse(body)
         except m.RemoteGmsError as exc:
@@ -320,6 +357,24 @@ class GmsClient:
             raise GmsConnectionLost(f"export of {alloc_id} came without an fd")
         return exported.allocation, fd
 
+    def _export_all(self, ids: list[int], deadline: float | None) -> list[OwnedFd]:
+        if self._chan is None:
+            raise GmsConnectionLost("not connected (unmapped or closed)")
+        replies = self._chan.export_many(ids, deadline)
+        fds: list[OwnedFd] = []
+        try:
+            for (reply, fd), want in zip(replies, ids, strict=True):
+                exported = _expect(reply, m.Exported, fd)
+                if fd is None or exported.allocation.id != want:
+                    raise GmsConnectionLost(f"export of {want} came back wrong")
+                fds.append(fd)
+        except BaseException:
+            for _, fd in replies:
+                if fd is not None:
+                    fd.close()
+            raise
+        return fds
+
     def _drop_session(self) -> None:
         if self._watcher is not None:
             self._watcher.stop()
@@ -421,10 +476,11 @@ class GmsClient:
                     address = self._mapper.reserve(info.size, self.granularity)
                     alloc = Allocation(info.id, info.tag, info.size, info.requested, address, self)
                     self._allocs.append(alloc)
-                    _, fd = self._export(info.id)
+                self._mapped = True
+                fds = self._export_all([info.id for info in infos], None)
+                for alloc, fd in zip(self._allocs, fds, strict=True):
                     with fd:
-                        self._mapper.map(fd.fd, address, info.size, writable=False)
-                    self._mapped = True
+                        self._mapper.map(fd.fd, alloc.address, alloc.size, writable=False)
             except BaseException:
                 self._release_all()
                 raise
@@ -475,15 +531,17 @@ class GmsClient:
                 ).allocations
                 self._check_same(infos)
                 assert self._mapper is not None
+                fds = self._export_all([i.id for i in infos], deadline + _REPLY_SLACK_S)
                 mapped: list[Allocation] = []
                 try:
-                    for a, info in zip(self._allocs, infos, strict=True):
-                        _, fd = self._export(info.id, deadline + _REPLY_SLACK_S)
+                    for a, info, fd in zip(self._allocs, infos, fds, strict=True):
                         with fd:
                             self._mapper.map(fd.fd, a.address, a.size, writable=False)
                         mapped.append(a)
                         a.id = info.id
                 except BaseException:
+                    for fd in fds:
+                        fd.close()
                     for a in mapped:
                         self._mapper.unmap(a.address, a.size)
                     raise

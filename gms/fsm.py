@@ -23,6 +23,7 @@ its own event, logged and counted. Time is a parameter; nothing here sleeps.
 
 from __future__ import annotations
 
+import bisect
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -428,16 +429,29 @@ def _create_failed(state: GmsState, ev: Event, now: float) -> Result:
 
 
 def _find(state: GmsState, alloc_id: int) -> AllocationRecord:
-    for a in state.allocations:
-        if a.id == alloc_id:
-            return a
+    # Allocations are kept in id order (ids only grow), so bisect: a remap of
+    # thousands of allocations exports each one, and a linear scan made that O(N²).
+    i = bisect.bisect_left(state.allocations, alloc_id, key=_alloc_id)
+    if i < len(state.allocations) and state.allocations[i].id == alloc_id:
+        return state.allocations[i]
     raise Refused(ErrorCode.NOT_FOUND, f"no allocation with id {alloc_id}")
+
+
+def _alloc_id(a: AllocationRecord) -> int:
+    return a.id
 
 
 def _export(state: GmsState, ev: Event, now: float) -> Result:
     assert isinstance(ev, Received) and isinstance(ev.request, m.Export)
     writable = state.phase(ev.sid) is Phase.RW
     return state, [SendExport(ev.sid, _find(state, ev.request.id), writable)]
+
+
+def _export_many(state: GmsState, ev: Event, now: float) -> Result:
+    assert isinstance(ev, Received) and isinstance(ev.request, m.ExportMany)
+    writable = state.phase(ev.sid) is Phase.RW
+    records = [_find(state, i) for i in ev.request.ids]  # all or nothing
+    return state, [SendExport(ev.sid, r, writable) for r in records]
 
 
 def _list_allocations(state: GmsState, ev: Event, now: float) -> Result:
@@ -514,6 +528,7 @@ TRANSITIONS: dict[tuple[Phase, Kind], Handler] = {
     (Phase.RW, m.PutMetadata): _put_metadata,
     (Phase.RW, m.Commit): _commit,
     **{(p, m.Export): _export for p in _GRANTED},
+    **{(p, m.ExportMany): _export_many for p in _GRANTED},
     **{(p, m.ListAllocations): _list_allocations for p in _GRANTED},
     **{(p, m.GetMetadata): _get_metadata for p in _GRANTED},
     **{(p, m.ListMetadata): _list_metadata for p in _GRANTED},
@@ -526,6 +541,7 @@ REQUEST_KINDS: tuple[Kind, ...] = (
     m.Hello,
     m.Allocate,
     m.Export,
+    m.ExportMany,
     m.ListAllocations,
     m.PutMetadata,
     m.GetMetadata,

@@ -23,6 +23,7 @@ from understudy.wire.messages import FROZEN, MessageCodec
 MAX_REQUEST_FRAME = 1024 * 1024
 MAX_REPLY_FRAME = 64 * 1024 * 1024
 MAX_TIMEOUT_S = 24 * 3600.0
+MAX_EXPORT_BATCH = 1024  # fds in flight per request (the kernel caps them per user)
 
 
 class GmsError(Exception):
@@ -100,6 +101,14 @@ class Export(_Msg):
     id: AllocId
 
 
+class ExportMany(_Msg):
+    """Answered by one ``exported`` reply (and fd) per id, in order, or by one
+    error if any id is unknown. Saves a request per allocation on wake."""
+
+    type: Literal["export_many"] = "export_many"
+    ids: Annotated[tuple[AllocId, ...], pydantic.Field(min_length=1, max_length=MAX_EXPORT_BATCH)]
+
+
 class ListAllocations(_Msg):
     type: Literal["list_allocations"] = "list_allocations"
 
@@ -135,6 +144,7 @@ Request = Annotated[
     Hello
     | Allocate
     | Export
+    | ExportMany
     | ListAllocations
     | PutMetadata
     | GetMetadata

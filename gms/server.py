@@ -224,6 +224,7 @@ class GmsServer:
 
     def _feed(self, event: fsm.Event) -> None:
         now = asyncio.get_running_loop().time()
+        before = self.machine.state
         try:
             actions = self.machine.feed(event, now)
         except fsm.Refused as exc:
@@ -238,7 +239,8 @@ class GmsServer:
                     conn.sock.shutdown(socket.SHUT_RDWR)
             return
         self._execute(actions)
-        self._update_metrics()
+        if self.machine.state is not before:  # reads (export, list, get) change nothing
+            self._update_metrics()
 
     def _execute(self, actions: list[fsm.Action]) -> None:
         for action in actions:

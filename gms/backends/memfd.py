@@ -75,6 +75,7 @@ class MemfdBackend:
         self.device = device
         self.granularity = granularity or DEFAULT_GRANULARITY
         self._fds: dict[int, int] = {}
+        self._ro_fds: dict[int, int] = {}  # one read-only description per allocation
 
     def create(self, alloc_id: int, size: int) -> None:
         name = f"understudy-gms-{os.getpid()}-{self.device}-{alloc_id}"
@@ -91,13 +92,18 @@ class MemfdBackend:
         fd = self._fds[alloc_id]
         if writable:
             return os.dup(fd)
-        # A new open file description, read-only: mmap(PROT_WRITE, MAP_SHARED) fails.
-        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        # A separate open file description, read-only: mmap(PROT_WRITE, MAP_SHARED)
+        # of it fails. Opened once; every RO export is a dup of it.
+        ro = self._ro_fds.get(alloc_id)
+        if ro is None:
+            ro = self._ro_fds[alloc_id] = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        return os.dup(ro)
 
     def release(self, alloc_id: int) -> None:
-        fd = self._fds.pop(alloc_id, None)
-        if fd is not None:
-            os.close(fd)
+        for fds in (self._fds, self._ro_fds):
+            fd = fds.pop(alloc_id, None)
+            if fd is not None:
+                os.close(fd)
 
     def close(self) -> None:
         for alloc_id in list(self._fds):
@@ -128,4 +134,3 @@ class HostMapper:
     def free(self, address: int, size: int) -> None:
         if _munmap(address, size) != 0:
             raise _oserror("munmap")
-

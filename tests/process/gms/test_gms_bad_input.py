@@ -112,6 +112,8 @@ def test_rw_operations_in_an_ro_session_are_refused(committed: tuple[Gms, int, s
             assert "RW-only" in reply["message"]
         reply = ask(s, {"type": "export", "id": 424242})
         assert reply["code"] == "not_found"
+        reply = ask(s, {"type": "export_many", "ids": [0, 424242]})
+        assert reply["code"] == "not_found"  # one error, no fds
         reply = ask(s, {"type": "hello", "mode": "RW", "timeout_s": 5})
         assert reply["code"] == "refused"  # one hello per connection
         assert ask(s, {"type": "get_state"})["sessions"]["RO"] == 1  # the session goes on

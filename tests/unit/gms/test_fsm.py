@@ -83,6 +83,7 @@ EVENTS: dict[type, Callable[[], fsm.Event]] = {
     m.Hello: lambda: hello(S, Mode.RW_OR_RO),
     m.Allocate: lambda: req(S, m.Allocate(size=1)),
     m.Export: lambda: req(S, m.Export(id=0)),
+    m.ExportMany: lambda: req(S, m.ExportMany(ids=(0,))),
     m.ListAllocations: lambda: req(S, m.ListAllocations()),
     m.PutMetadata: lambda: req(S, m.PutMetadata(key="x", value={})),
     m.GetMetadata: lambda: req(S, m.GetMetadata(key="k")),
@@ -264,6 +265,11 @@ def test_export_and_metadata_lookups() -> None:
     with pytest.raises(fsm.Refused) as info:
         fsm.step(st, req(S, m.Export(id=12345)), 0.0)
     assert info.value.code is ErrorCode.NOT_FOUND
+    with pytest.raises(fsm.Refused) as info:  # all or nothing
+        fsm.step(st, req(S, m.ExportMany(ids=(0, 12345))), 0.0)
+    assert info.value.code is ErrorCode.NOT_FOUND
+    _, actions = fsm.step(st, req(S, m.ExportMany(ids=(0, 0))), 0.0)
+    assert actions == [fsm.SendExport(S, st.allocations[0], writable=False)] * 2
     with pytest.raises(fsm.Refused) as info:
         fsm.step(st, req(S, m.GetMetadata(key="nope")), 0.0)
     assert info.value.code is ErrorCode.NOT_FOUND

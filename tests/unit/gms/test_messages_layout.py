@@ -22,6 +22,7 @@ VALID: list[m.Request] = [
     m.Hello(mode=m.Mode.RW_OR_RO, timeout_s=1.5, client="x"),
     m.Allocate(size=123, tag="weights"),
     m.Export(id=7),
+    m.ExportMany(ids=(1, 2, 3)),
     m.ListAllocations(),
     m.PutMetadata(key="layer.0.w", value={"dtype": "f16", "shape": [2, 3], "offset": 0}),
     m.GetMetadata(key="k"),
