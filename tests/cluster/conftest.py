@@ -136,16 +136,15 @@ def namespace(cluster: Cluster) -> Iterator[str]:
     name = f"t-{uuid.uuid4().hex[:10]}"
     cluster.kubectl("create", "namespace", name)
     # The ServiceAccount controller creates "default" asynchronously; pods need it.
-    cluster.kubectl(
-        "wait", "--for=jsonpath={.metadata.name}=default", "-n", name,
-        "serviceaccount/default", "--timeout=30s",
-    )
+    cluster.kubectl("wait", "--for=create", "-n", name, "serviceaccount/default", "--timeout=30s")
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Give the first cluster test, whose setup may run hack/cluster/up, UP_TIMEOUT."""
+    if not config.pluginmanager.hasplugin("timeout"):
+        return
     for item in items:
         if item.get_closest_marker("cluster") and "cluster" in getattr(item, "fixturenames", ()):
             marker = item.get_closest_marker("timeout")
