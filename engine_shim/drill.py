@@ -313,7 +313,7 @@ def drill(
         engines = watcher.snapshot()
         active = [e for e in engines if e.get("state") == "Active"]
         standby = [e for e in engines if e.get("state") == "Standby"]
-        if len(active) == 1 and standby:
+        if len(active) == 1 and standby and all(e.get("started", True) for e in engines):
             return active[0], standby
         return None
 

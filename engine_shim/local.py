@@ -274,6 +274,10 @@ class Supervisor:
             code = c.proc.poll()
             if code is not None:
                 if c.exited_at is None:
+                    # A container's end takes every process in it along, as
+                    # the container runtime does (its cgroup is torn down).
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(c.proc.pid, signal.SIGKILL)
                     c.exited_at, c.last_exit = now, code
                     c.history.append({"exit": code, "at": time.time(), "pid": c.proc.pid})
                     log_event(
@@ -299,6 +303,8 @@ class Supervisor:
             c.next_probe = now + self.cfg.probe_period_s
             if not c.startup_passed:
                 c.startup_passed = probe(c.status_port, "/startup")
+                if c.startup_passed:
+                    self._save()  # the drill waits for it: liveness is watching now
                 continue
             if probe(c.status_port, "/live", timeout=self.cfg.probe_period_s):
                 c.live_failures = 0
@@ -358,6 +364,7 @@ class Supervisor:
                     "pid": c.proc.pid if c.proc else None,
                     "running": c.exited_at is None,
                     "status_port": c.status_port,
+                    "started": c.startup_passed and c.exited_at is None,
                     "restarts": c.restarts,
                     "last_exit": c.last_exit,
                     "log": str(c.log_path) if c.log_path else None,

@@ -1,0 +1,214 @@
+"""The pod's processes on one machine: failovers and recoveries for real.
+
+Each test runs ``understudy local up`` (lock server, GMS, engines, restarted
+like kubelet would) and acts on real processes with real signals.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from localpod import LocalPod, http_json
+from procs import Proc, understudy, wait_for
+
+pytestmark = [pytest.mark.process, pytest.mark.slow]
+
+
+@pytest.fixture
+def pod():
+    p = LocalPod()
+    yield p
+    p.close()
+
+
+def test_primary_kill9_shadow_serves_identically_and_primary_rearms(pod):
+    active = pod.wait_armed()
+    assert active["name"] == "engine-primary" and active["weights"]["loaded"] == [0]
+    before = pod.embed()
+    os.kill(active["pid"], signal.SIGKILL)
+    new = wait_for(
+        lambda: next((e for e in pod.by_state("Active") if e["name"] == "engine-shadow-1"), None),
+        15,
+        0.01,
+    )
+    assert new["epoch"] > active["epoch"]
+    assert pod.embed() == before  # bit-identical across the failover
+    # the killed primary is restarted and rejoins as the standby by importing
+    # the committed weights, not by loading them again
+    rearmed = wait_for(
+        lambda: next((e for e in pod.by_state("Standby") if e["name"] == "engine-primary"), None),
+        30,
+        0.05,
+    )
+    assert rearmed["pid"] != active["pid"]
+    assert rearmed["weights"] == {"loaded": [], "imported": [0]}
+
+
+def test_hung_active_engine_is_detected_and_replaced(pod):
+    active = pod.wait_armed()
+    os.kill(active["pid"], signal.SIGSTOP)
+    new = wait_for(
+        lambda: next((e for e in pod.by_state("Active") if e["name"] != active["name"]), None),
+        20,
+        0.05,
+    )
+    assert new["epoch"] > active["epoch"]
+    # the supervisor's liveness probe killed the stopped process
+    wait_for(lambda: not _alive(active["pid"]), 10, what="hung engine killed")
+    assert "liveness_failed" in (pod.dir / "supervisor.out").read_text()
+    pod.wait_armed(30)
+
+
+def test_gms_killed_engines_exit_and_pod_serves_again(pod):
+    pod.wait_armed()
+    before = pod.embed()
+    gms_pid = pod.pid("gms")
+    os.kill(gms_pid, signal.SIGKILL)
+    # the active engine loses its GMS connection and exits (code 4); the
+    # standby's remap on wake then fails fast; everything re-initialises
+    wait_for(
+        lambda: "code=4" in pod.log("engine-primary") + pod.log("engine-shadow-1"),
+        15,
+        what="an engine exiting on GMS loss",
+    )
+    wait_for(lambda: pod.pid("gms") != gms_pid, 10, what="GMS restarted")
+    pod.wait_armed(90)
+    assert pod.embed() == before
+    logs = pod.log("engine-primary") + pod.log("engine-shadow-1")
+    assert "weights_loaded" in logs.split("code=4", 1)[1]  # reloaded into the fresh GMS
+
+
+def test_lockserver_killed_under_healthy_active_no_failover(pod):
+    active = pod.wait_armed()
+    ls_pid = pod.pid("lockserver")
+    os.kill(ls_pid, signal.SIGKILL)
+    wait_for(lambda: pod.pid("lockserver") != ls_pid, 10, what="lock server restarted")
+    time.sleep(3.5)  # longer than the 2 s reconnect window
+    now = pod.armed()
+    assert now is not None
+    assert (now["pid"], now["epoch"]) == (active["pid"], active["epoch"])  # same engine, same grant
+    assert pod.embed()
+    assert "lock_resumed" in pod.log(active["name"])
+
+
+def test_two_shadows_take_turns(tmp_path):
+    pod = LocalPod(shadows=2)
+    try:
+        seen = set()
+        answer = None
+        for _ in range(3):
+            active = pod.wait_armed(60)
+            seen.add(active["name"])
+            emb = pod.embed()
+            assert answer in (None, emb)
+            answer = emb
+            os.kill(active["pid"], signal.SIGKILL)
+            wait_for(
+                lambda a=active: any(e["epoch"] > a["epoch"] for e in pod.by_state("Active")),
+                15,
+                0.01,
+            )
+        assert len(seen) >= 2
+        epochs = [e["epoch"] for e in pod.engines() if e.get("epoch")]
+        assert len(set(epochs)) == len(epochs)  # never two engines with one grant
+    finally:
+        pod.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+# ------------------------------------------------- one engine, no runner --
+
+
+def _engine_env(tmp, role="primary", **extra):
+    return {
+        "ENGINE_ROLE": role,
+        "UNDERSTUDY_ENGINE_NAME": f"engine-{role}",
+        "UNDERSTUDY_RUN_DIR": str(tmp),
+        "UNDERSTUDY_STATUS_PORT": "0",
+        "UNDERSTUDY_SERVE_PORT": "0",
+        **extra,
+    }
+
+
+def test_error_injected_during_init_exits_at_once(tmp_path):
+    t0 = time.monotonic()
+    p = Proc(
+        understudy("engine", "run"),
+        env=_engine_env(tmp_path, UNDERSTUDY_FAULT_INIT="raise"),
+        log=tmp_path / "engine.log",
+    )
+    assert p.wait(30) == 1
+    assert time.monotonic() - t0 < 20  # at once, not after a probe or budget
+    log = (tmp_path / "engine.log").read_text()
+    exit_lines = [line for line in log.splitlines() if "event=exit" in line]
+    assert (
+        len(exit_lines) == 1 and "state=Init" in exit_lines[0] and "fault injected" in exit_lines[0]
+    )
+
+
+def test_missing_gms_fails_init_within_budget(tmp_path):
+    p = Proc(
+        understudy("engine", "run"),
+        env=_engine_env(tmp_path, UNDERSTUDY_STARTUP_BUDGET_S="2"),
+        log=tmp_path / "e.log",
+    )
+    assert p.wait(30) in (1, 6)
+    assert "event=exit" in (tmp_path / "e.log").read_text()
+
+
+def test_bad_configuration_exits_2(tmp_path):
+    p = Proc(understudy("engine", "run"), env={"ENGINE_ROLE": "leader"}, log=tmp_path / "e.log")
+    assert p.wait(30) == 2
+    assert "ENGINE_ROLE" in (tmp_path / "e.log").read_text()
+
+
+def test_hung_wake_exits_on_wake_timeout(tmp_path):
+    """A wake that never finishes ends the process (code 5), with one exit line."""
+    run = tmp_path
+    sidecars = [
+        Proc(
+            understudy(
+                "lockserver",
+                "serve",
+                "--socket",
+                str(run / "lock.sock"),
+                "--state-file",
+                str(run / "lock.state"),
+            ),
+            log=run / "lock.log",
+        ),
+        Proc(
+            understudy(
+                "gms",
+                "serve",
+                "--socket-dir",
+                str(run / "gms"),
+                "--devices",
+                "0",
+                "--backend",
+                "host",
+            ),
+            log=run / "gms.log",
+        ),
+    ]
+    try:
+        env = _engine_env(run, UNDERSTUDY_FAULT_WAKE="hang", UNDERSTUDY_WAKE_TIMEOUT_S="1.5")
+        engine = Proc(understudy("engine", "run"), env=env, log=run / "engine.log")
+        assert engine.wait(60) == 5
+        log = (run / "engine.log").read_text()
+        assert "to_state=Waking" in log
+        (line,) = [x for x in log.splitlines() if "event=exit" in x]
+        assert "state=Waking" in line and "wake took longer than 1.5s" in line
+    finally:
+        for p in sidecars:
+            p.stop()
