@@ -103,22 +103,34 @@ async def label(dyn: Any, namespace: str, patch: LabelPatch) -> None:
 
 
 async def patch_status(
-    dyn: Any, inst: GpuInstance, status: dict[str, Any], resource_version: str | None
-) -> None:
+    dyn: Any, inst: GpuInstance, status: dict[str, Any] | None, resource_version: str | None
+) -> dict[str, Any] | None:
+    """Merge-patch the status, preconditioned on ``resource_version``; the new body.
+
+    With ``status=None`` the patch carries only the precondition: a fence that
+    fails (409) when the pass planned from a stale body, and changes nothing.
+    """
     path = (
         f"/apis/{api.GROUP}/{api.VERSION}/namespaces/{inst.metadata.namespace}"
         f"/{api.PLURAL}/{inst.metadata.name}/status"
     )
-    body: dict[str, Any] = {"status": status}
+    body: dict[str, Any] = {}
+    if status is not None:
+        body["status"] = status
     if resource_version:
         body["metadata"] = {"resourceVersion": resource_version}
+    if not body:
+        return None
     try:
-        await dyn.request("patch", path, body=body, content_type=MERGE)
+        result = await dyn.request("patch", path, body=body, content_type=MERGE)
     except Exception as exc:
         if _status_code(exc) == 409:
             raise Conflict(str(exc)) from exc
         raise
-    ACTIONS.labels("status").inc()
+    if status is not None:
+        ACTIONS.labels("status").inc()
+    new: dict[str, Any] | None = result.to_dict() if hasattr(result, "to_dict") else None
+    return new
 
 
 async def post_event(dyn: Any, inst: GpuInstance, ev: EventSpec) -> None:
@@ -154,18 +166,31 @@ async def post_event(dyn: Any, inst: GpuInstance, ev: EventSpec) -> None:
         log_event(log, "event_failed", logging.WARNING, reason=ev.reason, error=exc)
 
 
-async def apply(dyn: Any, inst: GpuInstance, plan: Plan, resource_version: str | None) -> None:
+def writes(plan: Plan) -> bool:
+    return bool(plan.create_pods or plan.deletes or plan.labels or plan.status is not None)
+
+
+async def apply(
+    dyn: Any, inst: GpuInstance, plan: Plan, resource_version: str | None
+) -> dict[str, Any] | None:
+    """Carry the plan out; return the instance's new body when the status was written.
+
+    The status patch (or, without a status change, a precondition-only patch)
+    goes **first**: it fails with Conflict when this pass planned from a stale
+    body (a pod event racing our own last write), and then nothing else is
+    written. It also records the attempt of every pod created below, so a
+    failure after it leaves no pod that a later pass would take for stale.
+    """
     ns = inst.metadata.namespace
+    new_body = None
+    if writes(plan):
+        new_body = await patch_status(dyn, inst, plan.status, resource_version)
     for d in plan.deletes:
         await delete(dyn, ns, d)
     for obj in plan.ensure:
         if any(d.kind == obj["kind"] and d.name == obj["metadata"]["name"] for d in plan.deletes):
             continue  # recreated on the next pass, once the old one is gone
         await ensure(dyn, obj)
-    # Status first: it records the attempt of every pod created below, so a
-    # conflict here creates nothing that the next pass would see as stale.
-    if plan.status is not None:
-        await patch_status(dyn, inst, plan.status, resource_version)
     for pod in plan.create_pods:
         await create_pod(dyn, pod)
     for patch in plan.labels:
@@ -175,3 +200,4 @@ async def apply(dyn: Any, inst: GpuInstance, plan: Plan, resource_version: str |
             log, "transition", instance=inst.metadata.name, reason=ev.reason, message=ev.message
         )
         await post_event(dyn, inst, ev)
+    return new_body

@@ -100,7 +100,13 @@ def gpuinstances(namespace: str | None, name: str, body: kopf.Body, **_: Any) ->
     return {(namespace or "", name): dict(body)}
 
 
-async def _pass(body: Any, memo: Any, trigger: str) -> None:
+def _rv(body: Any) -> str | None:
+    rv = (body.get("metadata") or {}).get("resourceVersion") if body else None
+    return str(rv) if rv is not None else None
+
+
+async def _pass(body: Any, memo: Any, trigger: str) -> Any:
+    """One observe -> plan -> apply pass; returns the body after our own status write."""
     cfg: OperatorConfig = memo["config"]
     try:
         inst = GpuInstance.from_body(body)
@@ -112,14 +118,13 @@ async def _pass(body: Any, memo: Any, trigger: str) -> None:
         observed = await observe(memo["dyn"], memo["http"], inst, state_timeout=cfg.state_timeout_s)
         # Wall-clock: the lifecycle's deadlines are persisted in status.
         the_plan = plan(inst, observed, time.time(), cfg.render)
-        await apply(
-            memo["dyn"], inst, the_plan, (body.get("metadata") or {}).get("resourceVersion")
-        )
+        new_body = await apply(memo["dyn"], inst, the_plan, _rv(body))
         for ev in the_plan.events:
             TRANSITIONS.labels(trigger, str(ev.reason)).inc()
+        return new_body or body
     except Conflict as exc:
         RECONCILE_ERRORS.labels("conflict").inc()
-        raise kopf.TemporaryError("status changed meanwhile; re-planning", delay=1) from exc
+        raise kopf.TemporaryError("planned from a stale body; re-planning", delay=1) from exc
     except kopf.PermanentError:
         raise
     except Exception as exc:
@@ -134,9 +139,12 @@ async def reconcile(key: Key, body: Any, memo: Any, trigger: str, index: Any = N
     latest: list[Any] = [body]
 
     async def once() -> None:
-        await _pass(latest[0], memo, trigger)
-        if index is not None and key in index:
-            latest[0] = next(iter(index[key]), latest[0])
+        used = latest[0]
+        after = await _pass(used, memo, trigger)
+        # A rerun plans from the newest body: the index's, unless it has not yet
+        # seen our own status write (then the body that write returned).
+        fresh = next(iter(index[key]), None) if index is not None and key in index else None
+        latest[0] = fresh if fresh is not None and _rv(fresh) not in (_rv(used), None) else after
 
     await memo["coalescer"].run(key, once)
 

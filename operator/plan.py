@@ -396,7 +396,20 @@ def plan(
                 rec, _report(lc.Handler.RETRY_FAILED, rec, lc.Outcome.SKIPPED, "backing off")
             )
         if rec.phase is P.PENDING:
-            if pod is not None:
+            if pod is not None and pod.attempt is not None and pod.attempt > rec.attempt:
+                # A pod of a newer attempt than the record: this pass reads a status
+                # older than the write that preceded the pod's creation. Never fence
+                # it off; apply's resourceVersion precondition rejects this pass.
+                rec = feed(
+                    rec,
+                    _report(
+                        lc.Handler.SCHEDULE,
+                        rec,
+                        lc.Outcome.SKIPPED,
+                        f"pod of newer attempt {pod.attempt}: status lags",
+                    ),
+                )
+            elif pod is not None:
                 # Fencing: the previous attempt's pod goes before a new attempt starts.
                 if not pod.deleting:
                     lost = _node_ok(pod, observed.node_ready) is False

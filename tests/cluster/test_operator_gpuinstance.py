@@ -186,6 +186,9 @@ def test_create_then_delete(crd_installed: Any, namespace: str, operator: Any) -
     assert pod["metadata"]["labels"]["understudy.dev/routable"] == str(ls_ready).lower()
     ready = next(x for x in st["conditions"] if x["type"] == "Ready")
     assert (ready["status"] == "True") == ls_ready
+    # No churn: the first placement's pod is still the one (attempt fencing held).
+    assert pod["metadata"]["annotations"]["understudy.dev/attempt"] == "1"
+    assert st["replicas"][0]["attempt"] == 1 and st["attempt"] == 1
     events = c.get_json("-n", namespace, "events")["items"]
     assert any(e["reason"] == "Placed" and e["involvedObject"]["name"] == "demo" for e in events)
 

@@ -199,3 +199,12 @@ def test_no_feasible_node_is_reported() -> None:
     p = plan(GpuInstance.from_body(b), Observed(node_ready={}, nodes=NODES), 100.0, CFG)
     assert p.create_pods == ()
     assert p.status is not None and "no feasible node" in p.status["history"][0]["message"]
+
+
+def test_a_pod_newer_than_the_status_is_never_fenced_off() -> None:
+    """A pass planning from a status older than its own last write keeps the pod."""
+    b = body()
+    p1 = plan(GpuInstance.from_body(b), Observed(node_ready={}, nodes=NODES), 100.0, CFG)
+    pod = pod_from(p1)  # attempt 1, while b still has no status (attempt 0)
+    p2 = plan(GpuInstance.from_body(b), Observed({pod.name: pod}, {}, NODES), 100.5, CFG)
+    assert p2.deletes == () and p2.create_pods == ()
