@@ -14,8 +14,9 @@ touch of each page costs a minor fault later, as CUDA's cuMemMap does not copy
 either. That is why remap should not grow with B. ``remap+touch`` (one read
 per 4 KiB page) is reported once per config to show what the faults cost.
 
-The file is read with a warm page cache (it was just written): the baseline's
-best case. A real cold load from disk or the network is slower still.
+The file was just written, so it is read from the page cache as far as it fits
+(at 8 GiB on a 24 GiB shared machine, partly from disk): close to the
+baseline's best case. A cold load from disk or the network is slower still.
 
 The server runs with a 4 KiB granularity so that B/N is exact for every N.
 
@@ -203,7 +204,7 @@ def main() -> int:
                     print_table(label, {"remap": r["remap"], "unmap": r["unmap"]})
                     print(
                         f"  file load {r['file_load_s'] * 1000:.1f} ms "
-                        f"({r['file_load_gib_per_s']:.2f} GiB/s, warm cache); "
+                        f"({r['file_load_gib_per_s']:.2f} GiB/s, just written); "
                         f"file/remap p50 = {r['ratio_file_over_remap_p50']:.0f}x; "
                         f"touch after remap {r['touch_after_remap_s'] * 1000:.1f} ms"
                     )
@@ -226,7 +227,10 @@ def main() -> int:
         "remap_p50_growth_largest_over_smallest_bytes": growth,
         "targets": {
             "ro_grant_p50_under_1ms": grant["p50"] < 0.001,
-            "remap_8GiB_1024_under_50ms": (
+            "remap_8GiB_1024_p50_under_50ms": (
+                by[target_key]["remap"]["p50"] < 0.050 if target_key in by else None
+            ),
+            "remap_8GiB_1024_p99_under_50ms": (
                 by[target_key]["remap"]["p99"] < 0.050 if target_key in by else None
             ),
         },
