@@ -11,6 +11,11 @@ UNDERSTUDY_REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 # hack/tools/k8s/go.mod.
 KUBE_VERSION="v1.36.4"
 HELM_VERSION="v3.21.4"
+# containerd from the Go module proxy, not Debian's 1.6: DRA hands devices to
+# containers through CDI, which containerd supports from 1.7 (on by default in
+# 2.x). 2.2 is the last line with cgroup v1 support guaranteed (this host is
+# hybrid v1/v2). runc itself comes from Debian.
+CONTAINERD_VERSION="v2.2.9"
 # build/pause/Makefile TAG in the pinned kubernetes module.
 PAUSE_VERSION="3.10.2"
 
@@ -20,6 +25,7 @@ UNDERSTUDY_CLUSTER_DIR="${UNDERSTUDY_CLUSTER_DIR:-/var/lib/understudy/cluster}"
 K8S_CACHE="$UNDERSTUDY_CACHE/k8s/$KUBE_VERSION"
 K8S_BIN="$K8S_CACHE/bin"
 HELM_BIN="$UNDERSTUDY_CACHE/helm/$HELM_VERSION/bin"
+CONTAINERD_BIN="$UNDERSTUDY_CACHE/containerd/$CONTAINERD_VERSION/bin"
 GO_BIN="${GO_BIN:-/usr/local/go/bin/go}"
 
 D="$UNDERSTUDY_CLUSTER_DIR"
@@ -53,11 +59,14 @@ log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
 # Run a command with the cached binaries first on PATH.
-k8s_path() { printf '%s:%s:%s' "$K8S_BIN" "$HELM_BIN" "$PATH"; }
+k8s_path() { printf '%s:%s:%s:%s' "$K8S_BIN" "$HELM_BIN" "$CONTAINERD_BIN" "$PATH"; }
 
 kubectl_admin() { "$K8S_BIN/kubectl" --kubeconfig "$D/admin.kubeconfig" "$@"; }
 
-ctr_k8s() { ctr --address "$CONTAINERD_SOCK" --namespace k8s.io "$@"; }
+# Our ctr when it is built, else any on PATH (down on a machine without the cache).
+ctr_bin() { if [[ -x "$CONTAINERD_BIN/ctr" ]]; then echo "$CONTAINERD_BIN/ctr"; else command -v ctr || echo ctr; fi; }
+ctr_k8s() { "$(ctr_bin)" --address "$CONTAINERD_SOCK" --namespace k8s.io "$@"; }
+ctr_up() { [[ -S "$CONTAINERD_SOCK" ]] && timeout 5 "$(ctr_bin)" --address "$CONTAINERD_SOCK" version >/dev/null 2>&1; }
 
 # wait_for SECONDS DESCRIPTION CMD...: poll CMD every 0.5 s until it succeeds.
 wait_for() {

@@ -226,3 +226,22 @@ def test_dra_claim_template_shared_by_two_containers(cluster: Cluster, namespace
     assert len(results) == 1
     assert results[0]["driver"] == driver
     assert [r["name"] for r in claim["status"]["reservedFor"]] == ["dra"]
+
+    # The driver hands the device to both containers through CDI: each sees
+    # the uuid the ResourceSlice publishes for the allocated device.
+    slices = cluster.get_json("resourceslices")["items"]
+    uuids = {
+        d["name"]: d["attributes"]["uuid"]["string"]
+        for sl in slices
+        if sl["spec"]["driver"] == driver
+        for d in sl["spec"]["devices"]
+    }
+    want = f"gpus={uuids[results[0]['device']]}"
+    deadline = time.monotonic() + 30
+    logs: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        logs = {c: cluster.kubectl("logs", "-n", namespace, "dra", "-c", c).stdout for c in ("primary", "shadow")}
+        if all(want in out for out in logs.values()):
+            break
+        time.sleep(0.5)
+    assert all(want in out for out in logs.values()), (want, logs)
