@@ -337,9 +337,10 @@ def test_tcp_needs_the_token_and_releases_on_death(tmp_path):
         a = Proc(
             understudy("lock", "acquire", "--socket", addr, "--id", "a", "--token-file", str(token))
         )
-        b = Proc(understudy("lock", "acquire", "--socket", str(pod.sock), "--id", "b"))
-        pod.procs += [a, b]
+        pod.procs.append(a)
         ea = granted(a)
+        b = Proc(understudy("lock", "acquire", "--socket", str(pod.sock), "--id", "b"))
+        pod.procs.append(b)
         pod.wait_waiting("b")
         a.kill9()  # a RST/FIN on loopback: seen at once, keepalive is the backstop
         assert granted(b) == ea + 1
