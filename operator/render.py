@@ -264,6 +264,8 @@ def engine_env(inst: GpuInstance, name: str, i: int) -> list[dict[str, Any]]:
         "UNDERSTUDY_REMAP_TIMEOUT_S": str(s.failover.remap_timeout_seconds),
         # Decision 8: the client waits longer than the server's window.
         "UNDERSTUDY_LOCK_RECONNECT_S": str(s.failover.lock_reconnect_window_seconds + 5),
+        # One BLAS thread: answers stay bit-identical across engines and nodes.
+        "OPENBLAS_NUM_THREADS": "1",
     }
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in values.items()]
     env += [
@@ -300,11 +302,15 @@ def engine_container(inst: GpuInstance, cfg: RenderConfig, i: int) -> dict[str, 
             "timeoutSeconds": 2,
             "failureThreshold": max(1, math.ceil(budget / period)),
         },
+        # A hung engine keeps its lock connection open, so the liveness probe
+        # is what hands the lock on: fast period, and a 1 s grace instead of
+        # the pod's 30 s (a stopped process never acts on SIGTERM).
         "livenessProbe": {
             **http("/live"),
-            "periodSeconds": 5,
-            "timeoutSeconds": 2,
+            "periodSeconds": 1,
+            "timeoutSeconds": 1,
             "failureThreshold": 3,
+            "terminationGracePeriodSeconds": 1,
         },
         "readinessProbe": {
             **http("/ready"),
@@ -324,7 +330,9 @@ def _volumes(inst: GpuInstance) -> list[dict[str, Any]]:
     vols: list[dict[str, Any]] = [
         # Survives container restarts within the pod: the lock state file
         # (Decision 8) and the sockets live here.
-        {"name": "run", "emptyDir": {"sizeLimit": "64Mi"}},
+        # medium Memory: tmpfs makes the state file's fsync, which every grant
+        # waits for, cost microseconds (docs/pod.md).
+        {"name": "run", "emptyDir": {"medium": "Memory", "sizeLimit": "64Mi"}},
         {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
     ]
     if inst.spec.model.path is not None:

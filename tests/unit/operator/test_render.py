@@ -80,7 +80,10 @@ def test_pod_layout_matches_the_contract() -> None:
     assert pod["metadata"]["annotations"]["understudy.dev/attempt"] == "3"
     assert pod["metadata"]["labels"]["understudy.dev/routable"] == "false"
     assert pod["metadata"]["ownerReferences"][0]["uid"] == "u-1"
-    assert spec["volumes"][0] == {"name": "run", "emptyDir": {"sizeLimit": "64Mi"}}
+    assert spec["volumes"][0] == {
+        "name": "run",
+        "emptyDir": {"medium": "Memory", "sizeLimit": "64Mi"},
+    }
     for c in init + spec["containers"]:
         assert {"name": "run", "mountPath": "/run/understudy"} in c["volumeMounts"]
         sc = c["securityContext"]
@@ -174,6 +177,8 @@ def test_engine_containers_env_and_probes() -> None:
         assert sp["httpGet"]["path"] == "/startup" and sp["httpGet"]["port"] == port
         assert sp["failureThreshold"] * sp["periodSeconds"] == 600
         assert c["livenessProbe"]["httpGet"]["path"] == "/live"
+        assert c["livenessProbe"]["terminationGracePeriodSeconds"] == 1
+        assert env["OPENBLAS_NUM_THREADS"] == "1"
         assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
         assert c["resources"]["claims"] == [{"name": "gpus"}]
         # Nobody declares the serving port: only the Active engine binds it.
