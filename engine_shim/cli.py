@@ -244,6 +244,12 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     dr.add_argument("--signal", default="KILL", help="KILL, STOP (hang) or SEGV")
     dr.add_argument("--dir", default=str(DEFAULT_DIR), help="the local pod to drill")
     dr.add_argument("--target", help="serving URL to load (default: the local pod's)")
+    dr.add_argument(
+        "--kube",
+        metavar="NAMESPACE/NAME",
+        help="drill a GpuInstance on a cluster through its Service (run on the node)",
+    )
+    dr.add_argument("--kubeconfig", help="kubeconfig for --kube (default: $KUBECONFIG)")
     dr.add_argument("--timeout", type=float, default=60.0, help="per-round limit")
     dr.add_argument("--json", action="store_true", help="print the report as one JSON line")
     dr.add_argument("--output", help="also write the JSON report to this file")

@@ -1,0 +1,202 @@
+"""The drill against a cluster: the target is a GpuInstance's Service.
+
+``understudy drill --kube NAMESPACE/NAME`` loads the instance's Service
+(ClusterIP), reads every engine's ``/state`` at its pod IP and status port,
+and kills the Active engine's process from the node (the drill runs as root
+on the node hosting the pod: container processes are found in ``/proc`` by
+their ``POD_NAME`` and ``UNDERSTUDY_ENGINE_NAME``; a container's PID 1 cannot
+be SIGKILLed from inside its own PID namespace). An observer records, every
+50 ms, whether each pod is a ready endpoint of the Service, the pods' Ready
+condition and the containers' restart counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import threading
+import time
+from typing import Any
+
+LABEL_INSTANCE = "understudy.dev/instance"
+
+
+def _environ(pid: str) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        raw = f.read()
+    out = {}
+    for item in raw.split(b"\0"):
+        k, sep, v = item.partition(b"=")
+        if sep:
+            out[k.decode(errors="replace")] = v.decode(errors="replace")
+    return out
+
+
+def host_pid(pod: str, namespace: str, container: str) -> int | None:
+    """The node-level pid of the engine process of ``container`` in ``pod``."""
+    candidates: dict[int, int] = {}  # pid -> ppid
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            env = _environ(pid)
+            if (
+                env.get("POD_NAME") == pod
+                and env.get("POD_NAMESPACE") == namespace
+                and env.get("UNDERSTUDY_ENGINE_NAME") == container
+            ):
+                with open(f"/proc/{pid}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                candidates[int(pid)] = ppid
+    tops = [p for p, pp in candidates.items() if pp not in candidates]
+    return tops[0] if len(tops) == 1 else None
+
+
+class KubeTarget:
+    def __init__(self, namespace: str, instance: str, kubeconfig: str | None = None) -> None:
+        from kubernetes import client, config
+
+        config.load_kube_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
+        self.core = client.CoreV1Api()
+        self.discovery = client.DiscoveryV1Api()
+        self.namespace, self.instance = namespace, instance
+        svc: Any = self.core.read_namespaced_service(instance, namespace)
+        port = svc.spec.ports[0].port
+        self.service_port = port
+        self.serve_url = f"http://{svc.spec.cluster_ip}:{port}"
+        self.observer = Observer(self)
+
+    def pods(self) -> list[Any]:
+        return list(
+            self.core.list_namespaced_pod(
+                self.namespace, label_selector=f"{LABEL_INSTANCE}={self.instance}"
+            ).items
+        )
+
+    def engines(self) -> list[dict[str, Any]]:
+        out = []
+        for pod in self.pods():
+            ip = pod.status.pod_ip
+            for c in pod.spec.containers:
+                ports = [
+                    p.container_port
+                    for p in (c.ports or [])
+                    if p.name and p.name.startswith("status-")
+                ]
+                if not ports or not ip:
+                    continue
+                try:
+                    conn = http.client.HTTPConnection(ip, ports[0], timeout=0.3)
+                    conn.request("GET", "/state")
+                    engine = json.loads(conn.getresponse().read())
+                    conn.close()
+                except (OSError, ValueError, http.client.HTTPException):
+                    engine = {"name": c.name, "state": "Unreachable"}
+                engine["pod"] = pod.metadata.name
+                out.append(engine)
+        return out
+
+    def kill(self, engine: dict[str, Any], sig: int) -> None:
+        pid = host_pid(engine["pod"], self.namespace, engine["name"])
+        if pid is None:
+            raise RuntimeError(
+                f"no unique process for {engine['pod']}/{engine['name']} on "
+                "this node (the drill must run on the pod's node, as root)"
+            )
+        os.kill(pid, sig)
+
+    def kill_container(self, pod: str, container_cmd: str, sig: int) -> int:
+        """Kill a sidecar's top process, found by its command line."""
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError):
+                env = _environ(pid)
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+                if container_cmd in cmd and env.get("HOSTNAME") == pod:
+                    os.kill(int(pid), sig)
+                    return int(pid)
+        raise RuntimeError(f"no process running {container_cmd!r} in pod {pod}")
+
+    def listener_pid(self, port: int) -> int | None:
+        return None  # port ownership is checked in-pod by the local drill
+
+
+class Observer(threading.Thread):
+    """Endpoint membership, pod readiness and restarts, sampled every 50 ms."""
+
+    def __init__(self, target: KubeTarget, period: float = 0.05) -> None:
+        super().__init__(name="drill-observer", daemon=True)
+        self.target = target
+        self.period = period
+        self.stop = threading.Event()
+        self.samples = 0
+        self.not_endpoint: dict[str, float] = {}  # pod -> seconds not a ready endpoint
+        self.not_ready: dict[str, float] = {}
+        self.ready_timeline: list[dict[str, Any]] = []
+        self.restarts_start: dict[str, int] = {}
+        self.restarts_end: dict[str, int] = {}
+        self._last_ready: dict[str, bool] = {}
+
+    def _restarts(self, pods: list[Any]) -> dict[str, int]:
+        out = {}
+        for pod in pods:
+            for cs in (pod.status.container_statuses or []) + (
+                pod.status.init_container_statuses or []
+            ):
+                out[f"{pod.metadata.name}/{cs.name}"] = cs.restart_count
+        return out
+
+    def run(self) -> None:
+        t = self.target
+        last = time.monotonic()
+        first = True
+        while not self.stop.is_set():
+            try:
+                pods = t.pods()
+                slices: Any = t.discovery.list_namespaced_endpoint_slice(
+                    t.namespace, label_selector=f"kubernetes.io/service-name={t.instance}"
+                ).items
+            except Exception:  # the API server blipped: count nothing this round
+                time.sleep(self.period)
+                continue
+            now = time.monotonic()
+            dt, last = now - last, now
+            ready_ips = {
+                addr
+                for s in slices
+                for e in (s.endpoints or [])
+                if (e.conditions is None or e.conditions.ready is not False)
+                for addr in e.addresses
+            }
+            if first:
+                self.restarts_start = self._restarts(pods)
+                first = False
+            self.restarts_end = self._restarts(pods)
+            self.samples += 1
+            for pod in pods:
+                name = pod.metadata.name
+                ready = any(
+                    c.type == "Ready" and c.status == "True" for c in (pod.status.conditions or [])
+                )
+                if self._last_ready.get(name) != ready:
+                    self.ready_timeline.append({"pod": name, "ready": ready, "at": time.time()})
+                    self._last_ready[name] = ready
+                if not ready:
+                    self.not_ready[name] = self.not_ready.get(name, 0.0) + dt
+                if pod.status.pod_ip not in ready_ips:
+                    self.not_endpoint[name] = self.not_endpoint.get(name, 0.0) + dt
+                else:
+                    self.not_endpoint.setdefault(name, 0.0)
+            time.sleep(self.period)
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "samples": self.samples,
+            "seconds_not_an_endpoint": self.not_endpoint,
+            "left_endpoints": any(v > 0 for v in self.not_endpoint.values()),
+            "seconds_pod_not_ready": self.not_ready,
+            "pod_ready_timeline": self.ready_timeline,
+            "restarts": {
+                k: self.restarts_end.get(k, 0) - v for k, v in self.restarts_start.items()
+            },
+        }
