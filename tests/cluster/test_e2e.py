@@ -1,0 +1,285 @@
+"""End to end on the real cluster: the image built from our Dockerfile, the
+chart installed with helm, the operator running in-cluster, a GpuInstance
+applied with kubectl — then chaos: the active engine's process killed over
+and over under a request stream through the Service.
+
+The drill (``understudy drill --kube``) runs on the node as root: it finds
+the engine containers' processes in /proc and kills them there, reads every
+engine's /state at its pod IP, and watches the Service's EndpointSlices and
+the pod's Ready condition while it works.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+RELEASE, OPERATOR_NS = "understudy", "understudy-system"
+REPORTS = Path(os.environ.get("UNDERSTUDY_REPORT_DIR", ROOT / "bench" / "results"))
+KILLS = int(os.environ.get("UNDERSTUDY_CHAOS_KILLS", "20"))
+
+
+def _wait(what: str, fn: Callable[[], Any], timeout: float = 180, every: float = 1) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        with contextlib.suppress(
+            AssertionError, KeyError, IndexError, StopIteration, TypeError, ValueError, OSError
+        ):
+            last = fn()
+            if last:
+                return last
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
+
+
+@pytest.fixture(scope="module")
+def installed(cluster: Any) -> Iterator[Any]:
+    """Build the image, helm-install the chart, wait for the operator."""
+    build = subprocess.run(
+        [str(ROOT / "hack/image/build")],
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert build.returncode == 0, build.stderr[-4000:]
+    helm = subprocess.run(
+        [
+            "helm",
+            "upgrade",
+            "--install",
+            RELEASE,
+            str(ROOT / "charts/understudy"),
+            "--namespace",
+            OPERATOR_NS,
+            "--create-namespace",
+            "--wait",
+            "--timeout",
+            "5m",
+            "--set",
+            "operator.resyncSeconds=5",
+        ],
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert helm.returncode == 0, helm.stderr[-4000:]
+    yield cluster
+    # Leave no in-cluster operator behind for other tests' out-of-cluster kopf.
+    subprocess.run(
+        ["helm", "uninstall", RELEASE, "--namespace", OPERATOR_NS, "--wait"],
+        env=cluster.env,
+        capture_output=True,
+        timeout=300,
+    )
+
+
+def _sample(name: str) -> dict[str, Any]:
+    doc = yaml.safe_load((ROOT / "manifests/samples/gpuinstance-reference.yaml").read_text())
+    doc["metadata"] = {"name": name}
+    return doc
+
+
+def _embed(url: str, text: str = "the same question through the Service") -> str:
+    req = urllib.request.Request(
+        f"{url}/v1/embeddings",
+        method="POST",
+        data=json.dumps({"input": text, "encoding_format": "base64"}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        return json.loads(resp.read())["data"][0]["embedding"]
+
+
+def _condition(obj: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next(c for c in obj.get("status", {}).get("conditions", []) if c["type"] == kind)
+
+
+class Instance:
+    def __init__(self, cluster: Any, ns: str, name: str = "minilm") -> None:
+        self.cluster, self.ns, self.name = cluster, ns, name
+        cluster.apply(json.dumps(_sample(name)), namespace=ns)
+
+    def get(self) -> dict[str, Any]:
+        return self.cluster.get_json("gpuinstance", self.name, "-n", self.ns)
+
+    def pod(self) -> dict[str, Any]:
+        return self.cluster.get_json("pod", f"{self.name}-0", "-n", self.ns)
+
+    def url(self) -> str:
+        svc = self.cluster.get_json("service", self.name, "-n", self.ns)
+        return f"http://{svc['spec']['clusterIP']}:{svc['spec']['ports'][0]['port']}"
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        _wait(
+            "GpuInstance Ready",
+            lambda: _condition(self.get(), "Ready")["status"] == "True",
+            timeout,
+        )
+        _wait(
+            "GpuInstance StandbyReady",
+            lambda: _condition(self.get(), "StandbyReady")["status"] == "True",
+            timeout,
+        )
+
+    def drill(self, *args: str, timeout: float = 1800) -> dict[str, Any]:
+        out = REPORTS / f"chaos-{self.name}-{int(time.time())}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "understudy",
+                "drill",
+                "--kube",
+                f"{self.ns}/{self.name}",
+                "--kubeconfig",
+                str(self.cluster.kubeconfig),
+                "--output",
+                str(out),
+                "--timeout",
+                "120",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        sys.stderr.write(proc.stdout[-6000:] + proc.stderr[-3000:])
+        report = json.loads(out.read_text())
+        report["exit_code"] = proc.returncode
+        report["path"] = str(out)
+        return report
+
+
+@pytest.fixture(scope="module")
+def instance(installed: Any) -> Iterator[Instance]:
+    ns = f"e2e-{int(time.time())}"
+    installed.kubectl("create", "namespace", ns)
+    installed.kubectl("wait", "--for=create", "-n", ns, "serviceaccount/default", "--timeout=30s")
+    inst = Instance(installed, ns)
+    yield inst
+    installed.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def test_apply_gives_a_serving_pod_with_claim_and_ready_status(instance: Instance) -> None:
+    instance.wait_ready()
+    pod = instance.pod()
+    assert pod["status"]["phase"] == "Running"
+    statuses = pod["status"]["containerStatuses"] + pod["status"]["initContainerStatuses"]
+    names = {s["name"] for s in statuses}
+    assert {"lockserver", "gms", "engine-primary", "engine-shadow-1"} <= names
+    assert all(s.get("started") for s in statuses), statuses
+    claim_name = pod["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+    claim = instance.cluster.get_json("resourceclaim", claim_name, "-n", instance.ns)
+    results = claim["status"]["allocation"]["devices"]["results"]
+    assert results and results[0]["driver"] == instance.cluster.dra_driver
+    assert pod["metadata"]["labels"]["understudy.dev/routable"] == "true"
+    owner = pod["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"]) == ("GpuInstance", instance.name)
+    vec = _embed(instance.url())
+    assert len(vec) > 1000  # 384 float32, base64
+
+
+def test_chaos_kill_active_engine_through_the_service(instance: Instance) -> None:
+    instance.wait_ready()
+    before = _embed(instance.url())
+    report = instance.drill("--kills", str(KILLS))
+    s = report["summary"]
+    assert s["kills"] == KILLS and s["failovers_ok"] == KILLS, s
+    assert s["wrong_answers"] == 0 and s["split_brain"] == 0 and s["epoch_regressions"] == 0
+    assert report["exit_code"] == 0
+    cluster = report["cluster"]
+    # every kill was a restart of an engine container, never a sidecar
+    restarts = cluster["restarts"]
+    engine_restarts = sum(v for k, v in restarts.items() if "/engine-" in k)
+    assert engine_restarts >= KILLS, restarts
+    assert all(v == 0 for k, v in restarts.items() if k.endswith(("/lockserver", "/gms")))
+    assert not cluster["left_endpoints"], cluster["seconds_not_an_endpoint"]
+    assert _embed(instance.url()) == before
+
+
+def _active(instance: Instance) -> dict[str, Any]:
+    from understudy.engine_shim.drill_kube import KubeTarget
+
+    target = KubeTarget(instance.ns, instance.name, str(instance.cluster.kubeconfig))
+    return next(e for e in target.engines() if e.get("state") == "Active")
+
+
+def _restarts(pod: dict[str, Any], name: str) -> int:
+    statuses = pod["status"]["containerStatuses"] + pod["status"]["initContainerStatuses"]
+    return next(s["restartCount"] for s in statuses if s["name"] == name)
+
+
+def _kill_sidecar(instance: Instance, cmd: str) -> None:
+    from understudy.engine_shim.drill_kube import KubeTarget
+
+    target = KubeTarget(instance.ns, instance.name, str(instance.cluster.kubeconfig))
+    target.kill_container(f"{instance.name}-0", cmd, signal.SIGKILL)
+
+
+def test_lockserver_sidecar_killed_no_failover(instance: Instance) -> None:
+    instance.wait_ready()
+    active = _active(instance)
+    before = _restarts(instance.pod(), "lockserver")
+    _kill_sidecar(instance, "lockserver serve")
+    _wait("lockserver restarted", lambda: _restarts(instance.pod(), "lockserver") > before, 60)
+    time.sleep(7)  # past the sample's 5 s reconnect window
+    now = _active(instance)
+    assert (now["name"], now["epoch"], now["pid"]) == (
+        active["name"],
+        active["epoch"],
+        active["pid"],
+    )
+    assert _embed(instance.url())
+
+
+def test_gms_sidecar_killed_engines_restart_and_pod_recovers(instance: Instance) -> None:
+    instance.wait_ready()
+    before_vec = _embed(instance.url())
+    pod = instance.pod()
+    engines_before = _restarts(pod, "engine-primary") + _restarts(pod, "engine-shadow-1")
+    _kill_sidecar(instance, "gms serve")
+    _wait(
+        "engines restarted",
+        lambda: (
+            _restarts(instance.pod(), "engine-primary")
+            + _restarts(instance.pod(), "engine-shadow-1")
+            > engines_before
+        ),
+        120,
+    )
+    instance.wait_ready(300)
+    assert _wait("serving again", lambda: _embed(instance.url()), 120) == before_vec
+
+
+def test_delete_collects_everything(instance: Instance) -> None:
+    c, ns = instance.cluster, instance.ns
+    c.kubectl("delete", "gpuinstance", instance.name, "-n", ns, "--wait=true", "--timeout=120s")
+    for kind in ("pods", "services", "resourceclaims", "resourceclaimtemplates"):
+        _wait(
+            f"{kind} collected",
+            lambda k=kind: (
+                not c.get_json(k, "-n", ns, "-l", f"understudy.dev/instance={instance.name}")[
+                    "items"
+                ]
+            ),
+            120,
+        )
