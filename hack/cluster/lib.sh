@@ -66,6 +66,12 @@ kubectl_admin() { "$K8S_BIN/kubectl" --kubeconfig "$D/admin.kubeconfig" "$@"; }
 # Our ctr when it is built, else any on PATH (down on a machine without the cache).
 ctr_bin() { if [[ -x "$CONTAINERD_BIN/ctr" ]]; then echo "$CONTAINERD_BIN/ctr"; else command -v ctr || echo ctr; fi; }
 ctr_k8s() { "$(ctr_bin)" --address "$CONTAINERD_SOCK" --namespace k8s.io "$@"; }
+# ctr_k8s_t SECONDS ARGS...: the same, bounded in time.
+ctr_k8s_t() { timeout "$1" "$(ctr_bin)" --address "$CONTAINERD_SOCK" --namespace k8s.io "${@:2}"; }
+# ctr_import TAR: import an image archive into the cluster's containerd (k8s.io).
+ctr_import() {
+    ctr_k8s images import "$1" 2> >(grep -v 'support for cgroup v1 is deprecated' >&2) >/dev/null
+}
 ctr_up() { [[ -S "$CONTAINERD_SOCK" ]] && timeout 5 "$(ctr_bin)" --address "$CONTAINERD_SOCK" version >/dev/null 2>&1; }
 
 # wait_for SECONDS DESCRIPTION CMD...: poll CMD every 0.5 s until it succeeds.

@@ -6,9 +6,8 @@ image config and one uncompressed layer), which both ``ctr images import`` and
 ``buildah pull docker-archive:PATH`` accept. No registry, no daemon.
 
 The layer is written by GNU tar with numeric owners, so file modes,
-ownership, symlinks, hard links and device nodes survive as debootstrap made
-them. The layer's mtime is clamped (``--mtime``) to keep the image digest stable
-across rebuilds of the same tree.
+ownership, mtimes, symlinks, hard links and device nodes survive as
+debootstrap made them.
 """
 
 from __future__ import annotations
@@ -42,8 +41,8 @@ def build(args: argparse.Namespace) -> None:
         subprocess.run(
             [
                 "tar", "--create", "--file", str(layer), "--directory", str(rootfs),
-                "--numeric-owner", "--xattrs", "--sort=name",
-                "--mtime=@0", "--clamp-mtime", ".",
+                # mtimes are kept: Python checks them against its .pyc files.
+                "--numeric-owner", "--xattrs", "--sort=name", ".",
             ],
             check=True,
         )
