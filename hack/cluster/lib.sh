@@ -1,4 +1,4 @@
-# shellcheck shell=bash
+# shellcheck shell=bash disable=SC2034 # variables are for the scripts that source this
 # Shared settings and helpers for hack/cluster/{up,down} and hack/image/*.
 # Sourced, never executed. Callers set -euo pipefail themselves.
 

@@ -40,9 +40,17 @@ def build(args: argparse.Namespace) -> None:
         layer = work / "layer.tar"
         subprocess.run(
             [
-                "tar", "--create", "--file", str(layer), "--directory", str(rootfs),
+                "tar",
+                "--create",
+                "--file",
+                str(layer),
+                "--directory",
+                str(rootfs),
                 # mtimes are kept: Python checks them against its .pyc files.
-                "--numeric-owner", "--xattrs", "--sort=name", ".",
+                "--numeric-owner",
+                "--xattrs",
+                "--sort=name",
+                ".",
             ],
             check=True,
         )
@@ -50,7 +58,9 @@ def build(args: argparse.Namespace) -> None:
         layer_name = f"{layer_digest}.tar"
         layer.rename(work / layer_name)
 
-        config: dict[str, object] = {"Env": args.env or ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]}
+        config: dict[str, object] = {
+            "Env": args.env or ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
+        }
         if args.entrypoint:
             config["Entrypoint"] = args.entrypoint
         if args.cmd:
@@ -75,9 +85,21 @@ def build(args: argparse.Namespace) -> None:
 
         out_tmp = Path(args.output + ".part")
         subprocess.run(
-            ["tar", "--create", "--file", str(out_tmp), "--directory", str(work),
-             "--owner=0", "--group=0", "--numeric-owner",
-             "manifest.json", "repositories", config_name, layer_name],
+            [
+                "tar",
+                "--create",
+                "--file",
+                str(out_tmp),
+                "--directory",
+                str(work),
+                "--owner=0",
+                "--group=0",
+                "--numeric-owner",
+                "manifest.json",
+                "repositories",
+                config_name,
+                layer_name,
+            ],
             check=True,
         )
         shutil.move(str(out_tmp), args.output)
@@ -87,7 +109,9 @@ def build(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rootfs", required=True, help="directory to become the image's only layer")
-    p.add_argument("--tag", required=True, help="image reference, e.g. localhost/understudy-base:bookworm")
+    p.add_argument(
+        "--tag", required=True, help="image reference, e.g. localhost/understudy-base:bookworm"
+    )
     p.add_argument("--output", required=True, help="docker-archive tar to write")
     p.add_argument("--entrypoint", action="append", help="entrypoint argv element (repeat)")
     p.add_argument("--cmd", action="append", help="cmd argv element (repeat)")

@@ -49,7 +49,7 @@ class Cluster:
     def kubectl(
         self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60
     ) -> subprocess.CompletedProcess[str]:
-        """Run our kubectl against this cluster; raise with its stderr if it fails and check is set."""
+        """Run our kubectl against this cluster; if CHECK, raise with its output on failure."""
         proc = subprocess.run(
             ["kubectl", *args],
             input=input,
@@ -117,9 +117,7 @@ def cluster() -> Iterator[Cluster]:
     if c is None:
         if os.geteuid() != 0:
             pytest.skip("the cluster tier needs root to run hack/cluster/up")
-        proc = subprocess.run(
-            [str(UP_SCRIPT)], capture_output=True, text=True, timeout=UP_TIMEOUT
-        )
+        proc = subprocess.run([str(UP_SCRIPT)], capture_output=True, text=True, timeout=UP_TIMEOUT)
         if proc.returncode != 0:
             pytest.fail(f"hack/cluster/up failed ({proc.returncode}):\n{proc.stderr[-5000:]}")
         started = True

@@ -10,20 +10,25 @@ import json
 import time
 import urllib.request
 import uuid
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .conftest import Cluster
+if TYPE_CHECKING:
+    from .conftest import Cluster
 
 pytestmark = pytest.mark.cluster
 
 PY = "python3"
+SERVE = "http.server.ThreadingHTTPServer(({addr!r}, {port}), http.server.SimpleHTTPRequestHandler)"
 
 
-def wait_pod_phase(cluster: Cluster, ns: str, name: str, phases: set[str], timeout: float = 90) -> dict:
+def wait_pod_phase(
+    cluster: Cluster, ns: str, name: str, phases: set[str], timeout: float = 90
+) -> dict[str, Any]:
     """Poll until the pod reaches one of PHASES; fail with its status and events otherwise."""
     deadline = time.monotonic() + timeout
-    pod: dict = {}
+    pod: dict[str, Any] = {}
     while time.monotonic() < deadline:
         pod = cluster.get_json("pod", "-n", ns, name)
         if pod.get("status", {}).get("phase") in phases:
@@ -32,7 +37,9 @@ def wait_pod_phase(cluster: Cluster, ns: str, name: str, phases: set[str], timeo
             break
         time.sleep(0.5)
     events = cluster.kubectl("get", "events", "-n", ns, "-o", "wide", check=False).stdout
-    pytest.fail(f"pod {ns}/{name} not in {phases}:\n{json.dumps(pod.get('status'), indent=1)}\n{events}")
+    pytest.fail(
+        f"pod {ns}/{name} not in {phases}:\n{json.dumps(pod.get('status'), indent=1)}\n{events}"
+    )
 
 
 def test_node_ready(cluster: Cluster) -> None:
@@ -51,7 +58,8 @@ def test_native_sidecar_gates_main_container(cluster: Cluster, namespace: str) -
         "import http.server, pathlib, time\n"
         "time.sleep(2)\n"
         "pathlib.Path('/shared/ready').write_text(str(time.time()))\n"
-        "http.server.ThreadingHTTPServer(('127.0.0.1', 8081), http.server.SimpleHTTPRequestHandler).serve_forever()\n"
+        + SERVE.format(addr="127.0.0.1", port=8081)
+        + ".serve_forever()\n"
     )
     main_cmd = (
         "import os, time, urllib.request\n"
@@ -98,7 +106,9 @@ def test_native_sidecar_gates_main_container(cluster: Cluster, namespace: str) -
     assert "sidecar_ready_at_start=True sidecar_http=200" in logs
     sidecar_status = done["status"]["initContainerStatuses"][0]
     main_status = done["status"]["containerStatuses"][0]
-    sidecar_started = sidecar_status["state"].get("running", sidecar_status["state"].get("terminated", {}))
+    sidecar_started = sidecar_status["state"].get(
+        "running", sidecar_status["state"].get("terminated", {})
+    )
     assert main_status["state"]["terminated"]["exitCode"] == 0
     assert main_status["state"]["terminated"]["startedAt"] >= sidecar_started["startedAt"]
 
@@ -109,7 +119,8 @@ def test_service_cluster_ip_routes_to_pod(cluster: Cluster, namespace: str) -> N
         "import http.server, os, pathlib\n"
         "os.chdir('/tmp')\n"
         f"pathlib.Path('token').write_text('{token}')\n"
-        "http.server.ThreadingHTTPServer(('0.0.0.0', 8080), http.server.SimpleHTTPRequestHandler).serve_forever()\n"
+        + SERVE.format(addr="0.0.0.0", port=8080)
+        + ".serve_forever()\n"
     )
     manifest = [
         {
@@ -137,7 +148,9 @@ def test_service_cluster_ip_routes_to_pod(cluster: Cluster, namespace: str) -> N
         },
     ]
     cluster.apply(json.dumps({"apiVersion": "v1", "kind": "List", "items": manifest}), namespace)
-    cluster.kubectl("wait", "-n", namespace, "--for=condition=Ready", "pod/web", "--timeout=90s", timeout=100)
+    cluster.kubectl(
+        "wait", "-n", namespace, "--for=condition=Ready", "pod/web", "--timeout=90s", timeout=100
+    )
     ip = cluster.get_json("service", "-n", namespace, "web")["spec"]["clusterIP"]
     assert ip.startswith("10.96."), ip  # our Service CIDR, routed only to our bridge
     # kube-proxy programs the rules asynchronously: retry for a bounded time.
@@ -159,6 +172,10 @@ def test_dra_claim_template_shared_by_two_containers(cluster: Cluster, namespace
     # the gms sidecar and the two engines in Understudy's pod. The selector
     # uses the attributes the fake driver publishes.
     driver = cluster.dra_driver
+    selector = (
+        f'device.attributes["{driver}"].productName == "Fake-A100" && '
+        f'device.capacity["{driver}"].memory.compareTo(quantity("40Gi")) >= 0'
+    )
     template = {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaimTemplate",
@@ -172,16 +189,7 @@ def test_dra_claim_template_shared_by_two_containers(cluster: Cluster, namespace
                             "exactly": {
                                 "deviceClassName": cluster.device_class,
                                 "count": 1,
-                                "selectors": [
-                                    {
-                                        "cel": {
-                                            "expression": (
-                                                f'device.attributes["{driver}"].productName == "Fake-A100" && '
-                                                f'device.capacity["{driver}"].memory.compareTo(quantity("40Gi")) >= 0'
-                                            )
-                                        }
-                                    }
-                                ],
+                                "selectors": [{"cel": {"expression": selector}}],
                             },
                         }
                     ]
@@ -240,7 +248,10 @@ def test_dra_claim_template_shared_by_two_containers(cluster: Cluster, namespace
     deadline = time.monotonic() + 30
     logs: dict[str, str] = {}
     while time.monotonic() < deadline:
-        logs = {c: cluster.kubectl("logs", "-n", namespace, "dra", "-c", c).stdout for c in ("primary", "shadow")}
+        logs = {
+            c: cluster.kubectl("logs", "-n", namespace, "dra", "-c", c).stdout
+            for c in ("primary", "shadow")
+        }
         if all(want in out for out in logs.values()):
             break
         time.sleep(0.5)
