@@ -84,6 +84,8 @@ def from_env(env: Mapping[str, str] | None = None) -> EngineConfig:
     name = env.get("UNDERSTUDY_ENGINE_NAME") or f"engine-{role}"
     run_dir = Path(env.get("UNDERSTUDY_RUN_DIR", "/run/understudy"))
     adapter = env.get("UNDERSTUDY_ENGINE_ADAPTER", "reference")
+    if adapter == "vllm":
+        raise ConfigError("the vllm adapter is not implemented yet; use reference or synthetic")
     if adapter not in ADAPTERS:
         raise ConfigError(f"UNDERSTUDY_ENGINE_ADAPTER must be one of {ADAPTERS}, got {adapter!r}")
     devices_raw = env.get("UNDERSTUDY_DEVICES", "0")
