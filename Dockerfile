@@ -37,7 +37,10 @@ RUN /opt/understudy/bin/pip install ".[${EXTRAS}]" \
  && rm -rf /src/build /src/*.egg-info \
  && /opt/understudy/bin/understudy --help >/dev/null
 
-# Non-root, matching the pods' runAsUser (docs/operator.md).
+# Non-root, matching the pods' runAsUser (docs/operator.md). A passwd entry,
+# because kopf names its peering identity after getpass.getuser().
+RUN echo "understudy:x:65532:65532:understudy:/tmp:/usr/sbin/nologin" >> /etc/passwd \
+ && echo "understudy:x:65532:" >> /etc/group
 USER 65532:65532
 WORKDIR /tmp
 ENTRYPOINT ["understudy"]
