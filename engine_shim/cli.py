@@ -178,20 +178,50 @@ def cmd_drill(args: argparse.Namespace) -> int:
     from understudy.engine_shim import drill as drill_mod
 
     sig = getattr(signal, f"SIG{args.signal.upper().removeprefix('SIG')}")
-    target = drill_mod.LocalTarget(Path(args.dir).absolute())
+    target: Any
+    observer = None
+    if args.kube:
+        from understudy.engine_shim.drill_kube import KubeTarget
+
+        namespace, _, name = args.kube.rpartition("/")
+        target = KubeTarget(namespace or "default", name, args.kubeconfig)
+        observer = target.observer
+        observer.start()
+    else:
+        target = drill_mod.LocalTarget(Path(args.dir).absolute())
     if args.target:
         target.serve_url = args.target
     say = (lambda line: print(line, file=sys.stderr)) if args.json else print
-    report = drill_mod.drill(
-        target, args.kills, sig, timeout=args.timeout, log=say, check_port=not args.target
-    )
+    try:
+        report = drill_mod.drill(
+            target,
+            args.kills,
+            sig,
+            timeout=args.timeout,
+            log=say,
+            check_port=not (args.target or args.kube),
+        )
+    finally:
+        if observer is not None:
+            observer.stop.set()
+            observer.join(5)
     result = drill_mod.to_json(report)
+    if observer is not None:
+        result["cluster"] = observer.report()
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
     if args.json:
         print(json.dumps(result))
     else:
         print(drill_mod.render(report))
+        if observer is not None:
+            c = result["cluster"]
+            print(
+                f"pod left the Service's endpoints: {'YES' if c['left_endpoints'] else 'never'}"
+                f"; seconds not an endpoint: {c['seconds_not_an_endpoint']}"
+                f"; seconds pod not Ready: {c['seconds_pod_not_ready']}"
+                f"; restarts: {c['restarts']}"
+            )
     return 0 if report.passed() else 1
 
 

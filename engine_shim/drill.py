@@ -229,6 +229,7 @@ class Round:
     killed: str
     killed_pid: int
     killed_epoch: int
+    killed_engine_id: str = ""
     new_active: str = ""
     new_epoch: int = 0
     kill_to_grant_s: float | None = None
@@ -331,7 +332,13 @@ def drill(
                 report.rounds.append(Round(i, "?", 0, 0, error="pod not armed"))
                 break
             active, _ = got
-            rnd = Round(i, active["name"], active["pid"], active.get("epoch") or 0)
+            rnd = Round(
+                i,
+                active["name"],
+                active["pid"],
+                active.get("epoch") or 0,
+                killed_engine_id=active.get("engine_id", ""),
+            )
             time.sleep(0.2)  # steady traffic before the kill
             t_kill, wall_kill = time.monotonic(), time.time()
             target.kill(active, sig)
@@ -375,10 +382,12 @@ def drill(
             if rearm:
 
                 def rearmed(r: Round = rnd) -> bool:
+                    # a new process: engine ids carry a per-process suffix
+                    # (pids repeat: in a container the engine is often pid 1)
                     return any(
                         e.get("name") == r.killed
                         and e.get("state") == "Standby"
-                        and e.get("pid") != r.killed_pid
+                        and e.get("engine_id") != r.killed_engine_id
                         for e in watcher.snapshot()
                     )
 

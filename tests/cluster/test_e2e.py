@@ -198,6 +198,7 @@ def test_apply_gives_a_serving_pod_with_claim_and_ready_status(instance: Instanc
     assert len(vec) > 1000  # 384 float32, base64
 
 
+@pytest.mark.timeout(1800)
 def test_chaos_kill_active_engine_through_the_service(instance: Instance) -> None:
     instance.wait_ready()
     before = _embed(instance.url())
@@ -235,6 +236,7 @@ def _kill_sidecar(instance: Instance, cmd: str) -> None:
     target.kill_container(f"{instance.name}-0", cmd, signal.SIGKILL)
 
 
+@pytest.mark.timeout(600)
 def test_lockserver_sidecar_killed_no_failover(instance: Instance) -> None:
     instance.wait_ready()
     active = _active(instance)
@@ -251,6 +253,7 @@ def test_lockserver_sidecar_killed_no_failover(instance: Instance) -> None:
     assert _embed(instance.url())
 
 
+@pytest.mark.timeout(900)
 def test_gms_sidecar_killed_engines_restart_and_pod_recovers(instance: Instance) -> None:
     instance.wait_ready()
     before_vec = _embed(instance.url())
