@@ -11,7 +11,7 @@ import signal
 import time
 
 import pytest
-from localpod import LocalPod, http_json
+from localpod import LocalPod
 from procs import Proc, understudy, wait_for
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
