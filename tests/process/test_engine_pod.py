@@ -65,20 +65,23 @@ def test_hung_active_engine_is_detected_and_replaced(pod):
 def test_gms_killed_engines_exit_and_pod_serves_again(pod):
     pod.wait_armed()
     before = pod.embed()
+
+    def logs() -> str:
+        return pod.log("engine-primary") + pod.log("engine-shadow-1")
+
+    loads_before = logs().count("event=weights_loaded")
     gms_pid = pod.pid("gms")
     os.kill(gms_pid, signal.SIGKILL)
-    # the active engine loses its GMS connection and exits (code 4); the
-    # standby's remap on wake then fails fast; everything re-initialises
-    wait_for(
-        lambda: "code=4" in pod.log("engine-primary") + pod.log("engine-shadow-1"),
-        15,
-        what="an engine exiting on GMS loss",
-    )
+    # The active engine loses its GMS connection and exits (code 4). The
+    # standby, granted the lock, either fails its wake at once (the fresh GMS
+    # has nothing committed and no writer: exit 1) or, if the restarted
+    # primary is already loading, remaps the same layout once it is committed.
+    wait_for(lambda: "code=4" in logs(), 15, what="an engine exiting on GMS loss")
     wait_for(lambda: pod.pid("gms") != gms_pid, 10, what="GMS restarted")
     pod.wait_armed(90)
     assert pod.embed() == before
-    logs = pod.log("engine-primary") + pod.log("engine-shadow-1")
-    assert "weights_loaded" in logs.split("code=4", 1)[1]  # reloaded into the fresh GMS
+    # the weights were loaded again into the fresh GMS, not imported from nowhere
+    assert logs().count("event=weights_loaded") > loads_before
 
 
 def test_lockserver_killed_under_healthy_active_no_failover(pod):
