@@ -50,6 +50,7 @@ def start_server(sock: Path, log: Path) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
         [
             sys.executable,
+            "-P",
             "-m",
             "understudy.gms.cli",
             "server",

@@ -78,6 +78,7 @@ def bench_lockserver(
     server = subprocess.Popen(
         [
             sys.executable,
+            "-P",
             "-m",
             "understudy",
             "lockserver",

@@ -92,7 +92,7 @@ def cmd_local_up(args: argparse.Namespace) -> int:
         argv = [a for a in sys.argv[1:] if a != "--detach"]
         with open(cfg.dir / "supervisor.log", "ab") as logf:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "understudy", *argv],
+                [sys.executable, "-P", "-m", "understudy", *argv],
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -192,6 +192,19 @@ def cmd_drill(args: argparse.Namespace) -> int:
     if args.target:
         target.serve_url = args.target
     say = (lambda line: print(line, file=sys.stderr)) if args.json else print
+    if args.sidecar:
+        try:
+            result = drill_mod.sidecar_drill(target, args.sidecar, timeout=args.timeout)
+        finally:
+            if observer is not None:
+                observer.stop.set()
+                observer.join(5)
+        if observer is not None:
+            result["cluster"] = observer.report()
+        if args.output:
+            Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result))
+        return 0
     try:
         report = drill_mod.drill(
             target,
@@ -280,6 +293,11 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         help="drill a GpuInstance on a cluster through its Service (run on the node)",
     )
     dr.add_argument("--kubeconfig", help="kubeconfig for --kube (default: $KUBECONFIG)")
+    dr.add_argument(
+        "--sidecar",
+        choices=("lockserver", "gms"),
+        help="instead: kill this sidecar once under load and report what happened",
+    )
     dr.add_argument("--timeout", type=float, default=60.0, help="per-round limit")
     dr.add_argument("--json", action="store_true", help="print the report as one JSON line")
     dr.add_argument("--output", help="also write the JSON report to this file")

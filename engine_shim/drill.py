@@ -22,8 +22,10 @@ import base64
 import contextlib
 import hashlib
 import http.client
+import itertools
 import json
 import os
+import signal
 import threading
 import time
 import urllib.parse
@@ -73,6 +75,7 @@ class LocalTarget:
     def __init__(self, directory: Path) -> None:
         from understudy.engine_shim.local import read_state
 
+        self.directory = directory
         state = read_state(directory)
         self.serve_url = state["serve_url"]
         self.status_ports = {
@@ -82,6 +85,14 @@ class LocalTarget:
         }
 
     def engines(self) -> list[dict[str, Any]]:
+        from understudy.engine_shim.local import read_state
+
+        started: dict[str, bool] = {}
+        with contextlib.suppress(OSError, ValueError):
+            started = {
+                n: c.get("started", True)
+                for n, c in read_state(self.directory)["containers"].items()
+            }
         out = []
         for name, port in self.status_ports.items():
             try:
@@ -89,13 +100,21 @@ class LocalTarget:
                 conn.request("GET", "/state")
                 body = conn.getresponse().read()
                 conn.close()
-                out.append(json.loads(body))
+                engine = json.loads(body)
             except (OSError, ValueError, http.client.HTTPException):
-                out.append({"name": name, "state": "Unreachable"})
+                engine = {"name": name, "state": "Unreachable"}
+            # the runner's startup probe passed: its liveness probe is watching
+            engine["started"] = started.get(name, True)
+            out.append(engine)
         return out
 
     def kill(self, engine: dict[str, Any], sig: int) -> None:
         os.kill(engine["pid"], sig)
+
+    def kill_sidecar(self, which: str) -> None:
+        from understudy.engine_shim.local import read_state
+
+        os.kill(read_state(self.directory)["containers"][which]["pid"], signal.SIGKILL)
 
     def listener_pid(self, port: int) -> int | None:
         return _listener_pid(port)
@@ -462,4 +481,88 @@ def to_json(report: Report) -> dict[str, Any]:
         "rounds": [asdict(r) for r in report.rounds],
         "split_brain": report.split_brain,
         "epoch_regressions": report.epoch_regressions,
+    }
+
+
+SIDECAR_COMMANDS = {"lockserver": "lockserver serve", "gms": "gms serve"}
+
+
+def sidecar_drill(
+    target: Any, which: str, *, timeout: float = 120.0, settle: float = 5.0
+) -> dict[str, Any]:
+    """Kill a sidecar (``lockserver`` or ``gms``) once under the request stream.
+
+    Expected outcomes (seed 002): the lock server's death causes no failover
+    (the holder resumes its grant, same engine, same epoch); GMS's death ends
+    the engines that hold sessions, and the pod serves again after they
+    re-initialise. Reports what happened rather than judging it.
+    """
+    watcher = Watcher(target)
+    watcher.start()
+
+    def armed() -> dict[str, Any] | None:
+        engines = watcher.snapshot()
+        active = [e for e in engines if e.get("state") == "Active"]
+        if len(active) == 1 and all(
+            e.get("state") == "Standby" and e.get("started", True)
+            for e in engines
+            if e is not active[0]
+        ):
+            return active[0]
+        return None
+
+    before = _wait(armed, timeout)
+    if before is None:
+        watcher.stop.set()
+        raise RuntimeError(f"pod not armed within {timeout}s")
+    client = Client(target.serve_url, before.get("adapter", "reference"))
+    client.start()
+    try:
+        time.sleep(0.5)
+        t_kill = time.monotonic()
+        target.kill_sidecar(which)
+        # Watch through `settle` (past the lock server's reconnect window):
+        # when the pod stopped being armed, and when it was armed again.
+        unarmed_at: float | None = None
+        rearmed_at: float | None = None
+        while time.monotonic() - t_kill < settle or (unarmed_at and not rearmed_at):
+            if time.monotonic() - t_kill > timeout:
+                break
+            now, ok_now = time.monotonic(), armed() is not None
+            if not ok_now and unarmed_at is None:
+                unarmed_at = now
+            elif ok_now and unarmed_at is not None and rearmed_at is None:
+                rearmed_at = now
+            time.sleep(0.01)
+        after = armed()
+        recovered = (
+            0.0 if unarmed_at is None else (rearmed_at - t_kill if rearmed_at is not None else None)
+        )
+        time.sleep(0.5)
+    finally:
+        client.stop.set()
+        client.join(5)
+        watcher.stop.set()
+        watcher.join(5)
+    ok = [s for s in client.samples if s.ok]
+    after_kill = [s for s in client.samples if s.start >= t_kill]
+    # longest stretch without a successful response around the kill
+    ends = [t_kill] + [s.end for s in ok if s.end >= t_kill]
+    gap = max((b - a for a, b in itertools.pairwise(ends)), default=None)
+    digests = {s.digest for s in ok}
+    return {
+        "sidecar": which,
+        "failover": after is None
+        or (after.get("engine_id"), after.get("epoch"))
+        != (before.get("engine_id"), before.get("epoch")),
+        "active_before": {k: before.get(k) for k in ("name", "engine_id", "epoch")},
+        "active_after": {k: after.get(k) for k in ("name", "engine_id", "epoch")}
+        if after
+        else None,
+        "recovered_s": recovered,
+        "longest_gap_s": gap,
+        "requests_after_kill": len(after_kill),
+        "failed_after_kill": sum(1 for s in after_kill if not s.ok),
+        "distinct_answers": len(digests),
+        "split_brain": len(watcher.split_brain),
     }

@@ -16,6 +16,7 @@ import contextlib
 import http.client
 import json
 import os
+import signal
 import threading
 import time
 from typing import Any
@@ -116,6 +117,12 @@ class KubeTarget:
                     os.kill(int(pid), sig)
                     return int(pid)
         raise RuntimeError(f"no process running {container_cmd!r} in pod {pod}")
+
+    def kill_sidecar(self, which: str) -> None:
+        from understudy.engine_shim.drill import SIDECAR_COMMANDS
+
+        for pod in self.pods():
+            self.kill_container(pod.metadata.name, SIDECAR_COMMANDS[which], signal.SIGKILL)
 
     def listener_pid(self, port: int) -> int | None:
         return None  # port ownership is checked in-pod by the local drill

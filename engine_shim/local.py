@@ -87,7 +87,9 @@ class Container:
 
 
 def _understudy(*args: str) -> list[str]:
-    return [sys.executable, "-m", "understudy", *args]
+    # -P: never put the working directory on sys.path. From a checkout it
+    # holds a folder named `operator`, which would shadow the stdlib module.
+    return [sys.executable, "-P", "-m", "understudy", *args]
 
 
 def engine_env(cfg: LocalConfig, role: str, name: str, index: int) -> dict[str, str]:

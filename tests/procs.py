@@ -111,4 +111,4 @@ class Proc:
 
 
 def understudy(*args: str) -> list[str]:
-    return [PYTHON, "-m", "understudy", *args]
+    return [PYTHON, "-P", "-m", "understudy", *args]

@@ -145,6 +145,7 @@ class Instance:
         proc = subprocess.run(
             [
                 sys.executable,
+                "-P",
                 "-m",
                 "understudy",
                 "drill",

@@ -118,6 +118,7 @@ def operator(crd_installed: Any, namespace: str) -> Iterator[subprocess.Popen[st
     proc = subprocess.Popen(
         [
             sys.executable,
+            "-P",
             "-m",
             "understudy.operator.cli",
             "operator",
