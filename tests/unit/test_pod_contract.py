@@ -63,5 +63,5 @@ def test_sidecar_commands_are_the_same():
     for c in local.containers(_local_config(inst))[:2]:
         rendered = sidecars[c.name]
         argv = [*rendered.get("command", []), *rendered.get("args", [])]
-        ours = ["understudy", *c.argv[3:]]  # [python, -m, understudy, ...]
+        ours = c.argv[c.argv.index("understudy") :]  # [python, -P, -m, understudy, ...]
         assert [_num(a) for a in argv] == [_num(a) for a in ours], c.name
