@@ -310,6 +310,11 @@ def _engines_known(pod: PodView) -> bool:
     return any(v.state is not None for v in pod.engines.values())
 
 
+def _any_engine_ready(inst: GpuInstance, pod: PodView) -> bool:
+    want = set(render.engine_names(inst))
+    return any(c.ready for c in pod.containers if c.name in want)
+
+
 def _engines_ready(inst: GpuInstance, pod: PodView | None) -> bool:
     if pod is None:
         return False
@@ -469,7 +474,7 @@ def plan(
         if seen.name not in known and not seen.deleting:
             deletes.append(Delete("Pod", seen.name, "no replica for this pod"))
 
-    # The routable label mirrors the lock server's readiness (docs/pod.md).
+    # The routable label (docs/pod.md, the readiness trap).
     replica_status: list[ReplicaStatus] = []
     failovers = inst.status.failovers
     last_failover_time = inst.status.last_failover_time
@@ -487,8 +492,16 @@ def plan(
             and not pod.deleting
             and name not in deleted
         )
+        # Routable unless the pod has neither a serving engine (the lock
+        # server's readiness probes :servingPort/health) nor a ready engine
+        # container (Standby or Active): a restart of any one container —
+        # the killed engine, or the lock server sidecar itself — never takes
+        # the pod out of the Service; only a pod with nothing left does.
         routable = bool(
-            current and pod is not None and pod.lockserver_ready and rec.phase is P.RUNNING
+            current
+            and pod is not None
+            and rec.phase is P.RUNNING
+            and (pod.lockserver_ready or _any_engine_ready(inst, pod))
         )
         if pod is not None and not pod.deleting:
             want = "true" if routable else "false"

@@ -130,9 +130,26 @@ def test_unreachable_engines_are_unknown_not_a_failover() -> None:
     assert p.status is None  # keeps the last known active engine and epoch
 
 
-def test_lock_server_not_ready_drops_routable() -> None:
+def test_one_container_restarting_keeps_the_pod_routable() -> None:
+    """The lock server sidecar restarting (not ready) while an engine is ready:
+    still routable — a single container's restart never unroutes the pod."""
     b, pod, _ = run_to_serving()
+    assert any(c.ready for c in pod.containers if c.name.startswith("engine-"))
     pod = replace(pod, routable_label="true", lockserver_ready=False)
+    p = plan(GpuInstance.from_body(b), Observed({pod.name: pod}, {"n1": True}, NODES), 130.0, CFG)
+    assert p.labels == ()
+
+
+def test_nothing_serving_and_no_ready_engine_drops_routable() -> None:
+    b, pod, _ = run_to_serving()
+    pod = replace(
+        pod,
+        routable_label="true",
+        lockserver_ready=False,
+        containers=tuple(
+            replace(c, ready=False) if c.name.startswith("engine-") else c for c in pod.containers
+        ),
+    )
     p = plan(GpuInstance.from_body(b), Observed({pod.name: pod}, {"n1": True}, NODES), 130.0, CFG)
     assert [(lp.pod, lp.value) for lp in p.labels] == [("demo-0", "false")]
     assert p.status is not None and cond(p.status, "Ready") == "False"
