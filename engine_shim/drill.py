@@ -546,8 +546,10 @@ def sidecar_drill(
         watcher.join(5)
     ok = [s for s in client.samples if s.ok]
     after_kill = [s for s in client.samples if s.start >= t_kill]
-    # longest stretch without a successful response around the kill
-    ends = [t_kill] + [s.end for s in ok if s.end >= t_kill]
+    # longest stretch without a successful response from the kill to the end
+    # of the observation (which counts if the last requests failed)
+    t_end = max((s.end for s in client.samples), default=t_kill)
+    ends = [t_kill] + [s.end for s in ok if s.end >= t_kill] + [t_end]
     gap = max((b - a for a, b in itertools.pairwise(ends)), default=None)
     digests = {s.digest for s in ok}
     return {
