@@ -1,1 +1,7 @@
-"""engine_shim (see DESIGN.md)."""
+"""The engine shim: runs an engine through Init → Standby → Waking → Active →
+Dead with the lock grant as the wake trigger (seed 002, Decision 2).
+
+Entry points are commands (``understudy engine run``, ``local up|down``,
+``drill``); the pieces: ``fsm`` and ``probes`` (pure), ``mainloop``,
+``weights``, ``http``, ``adapters``, ``local``, ``drill``.
+"""
