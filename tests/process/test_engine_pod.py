@@ -24,27 +24,29 @@ def pod():
     p.close()
 
 
-def test_primary_kill9_shadow_serves_identically_and_primary_rearms(pod):
+def test_active_kill9_other_serves_identically_and_killed_rearms(pod):
+    """Whichever engine won the lock (roles decide weight loading, not who
+    serves first) is killed; the other serves the same bytes; the killed one
+    comes back as the standby by importing the committed weights."""
     active = pod.wait_armed()
-    assert active["name"] == "engine-primary" and active["weights"]["loaded"] == [0]
+    loaders = [e for e in pod.engines() if e["weights"]["loaded"]]
+    assert [e["name"] for e in loaders] == ["engine-primary"]  # only the primary wrote
     before = pod.embed()
     os.kill(active["pid"], signal.SIGKILL)
     new = wait_for(
-        lambda: next((e for e in pod.by_state("Active") if e["name"] == "engine-shadow-1"), None),
+        lambda: next((e for e in pod.by_state("Active") if e["name"] != active["name"]), None),
         15,
         0.01,
     )
     assert new["epoch"] > active["epoch"]
     assert pod.embed() == before  # bit-identical across the failover
-    # the killed primary is restarted and rejoins as the standby by importing
-    # the committed weights, not by loading them again
     rearmed = wait_for(
-        lambda: next((e for e in pod.by_state("Standby") if e["name"] == "engine-primary"), None),
+        lambda: next((e for e in pod.by_state("Standby") if e["name"] == active["name"]), None),
         30,
         0.05,
     )
     assert rearmed["pid"] != active["pid"]
-    assert rearmed["weights"] == {"loaded": [], "imported": [0]}
+    assert rearmed["weights"] == {"loaded": [], "imported": [0]}  # imported, not reloaded
 
 
 def test_hung_active_engine_is_detected_and_replaced(pod):
