@@ -25,7 +25,9 @@ def _free(port: int) -> bool:
 
 def free_port_block(n: int) -> int:
     for _ in range(200):
-        base = random.randrange(20000, 60000, 16)
+        # Below Linux's ephemeral range (32768-60999): a port chosen free there
+        # can be taken by any outgoing connection before our process binds it.
+        base = random.randrange(20000, 32000, 16)
         if all(_free(base + i) for i in range(n)):
             return base
     raise RuntimeError("no free port block")
@@ -115,7 +117,19 @@ class LocalPod:
         return None
 
     def wait_armed(self, timeout: float = 60.0) -> dict[str, Any]:
-        return wait_for(self.armed, timeout, 0.05, what="pod armed (one Active, rest Standby)")
+        try:
+            return wait_for(self.armed, timeout, 0.05, what="pod armed (one Active, rest Standby)")
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}\n{self.diagnostics()}") from None
+
+    def diagnostics(self) -> str:
+        """What a failed wait needs: engine states and the tail of every log."""
+        out = [f"engines: {self.engines()}"]
+        for path in sorted([self.dir / "supervisor.out", *(self.dir / "logs").glob("*.log")]):
+            if path.exists():
+                tail = path.read_text(errors="replace").splitlines()[-15:]
+                out.append(f"--- {path.name}\n" + "\n".join(tail))
+        return "\n".join(out)
 
     def embed(self, text: str = "the same question, every time") -> str:
         status, body = http_json(

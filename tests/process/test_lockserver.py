@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from localpod import free_port_block
 from procs import Proc, understudy, wait_for
 
 from understudy.lockserver import client
@@ -312,9 +313,7 @@ def test_second_acquire_on_holder_connection_is_refused_without_release(pod):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port_block(1)  # below the ephemeral range (tests/localpod.py)
 
 
 def test_tcp_needs_the_token_and_releases_on_death(tmp_path):
