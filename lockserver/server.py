@@ -182,6 +182,9 @@ class LockServer:
                 statefile.write(self.config.state_file, None, epoch, time.time())
                 log_event(log, "released", epoch=epoch)
             case fsm.Grant(conn=conn, engine_id=engine_id, epoch=epoch, resumed=resumed):
+                # The grant first (the record is already on disk): the log
+                # line and metrics are off the handover's critical path.
+                self._send(conn, Granted(engine_id=engine_id, epoch=epoch, resumed=resumed))
                 GRANTS.labels(resumed=str(resumed).lower()).inc()
                 WAIT.observe(action.waited_s)
                 log_event(
@@ -193,7 +196,6 @@ class LockServer:
                     waited_ms=round(action.waited_s * 1000, 3),
                     conn=conn,
                 )
-                self._send(conn, Granted(engine_id=engine_id, epoch=epoch, resumed=resumed))
             case fsm.Reject(conn=conn, code=code, message=message):
                 self._reject(conn, code, message)
             case fsm.WindowOpened(holder=holder, epoch=epoch, deadline=deadline, corrupt=corrupt):
