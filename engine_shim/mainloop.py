@@ -92,6 +92,7 @@ class Shim:
         self.last_transition: dict[str, Any] | None = None
         self.walls: dict[str, float] = {"started_at": time.time()}
         self.durations: dict[str, float] = {}
+        self._granted = 0.0  # monotonic time of the lock grant
 
     # --------------------------------------------------------- the core --
 
