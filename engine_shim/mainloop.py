@@ -210,6 +210,8 @@ class Shim:
             "serving_port": self.cfg.serve_port,
             "weights": {"loaded": self.weights.loaded, "imported": self.weights.imported},
             **{k: v for k, v in self.walls.items()},
+            # wall time of the lock grant (= entering Waking), as the operator reads it
+            "granted_at": self.walls.get("waking_at"),
             **{f"{k}_s": round(v, 4) for k, v in self.durations.items()},
         }
 

@@ -39,6 +39,8 @@ def test_active_kill9_other_serves_identically_and_killed_rearms(pod):
         0.01,
     )
     assert new["epoch"] > active["epoch"]
+    # what the operator reads for the last failover's duration
+    assert new["active_at"] >= new["granted_at"] > active["active_at"]
     assert pod.embed() == before  # bit-identical across the failover
     rearmed = wait_for(
         lambda: next((e for e in pod.by_state("Standby") if e["name"] == active["name"]), None),
