@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import itertools
 import logging
@@ -323,18 +324,10 @@ class LockServer:
                 )
                 self._feed(fsm.AcquireRequested(conn, engine_id, self._now(), resume_epoch))
             case Status():
+                # Snapshot and StatusReply carry the same fields by design: the
+                # core decides what status says, the message is its wire form.
                 snap = fsm.snapshot(self.state, self._now())
-                self._send(
-                    conn,
-                    StatusReply(
-                        holder=snap.holder,
-                        epoch=snap.epoch,
-                        waiters=snap.waiters,
-                        window_open=snap.window_open,
-                        window_holder=snap.window_holder,
-                        window_remaining_s=snap.window_remaining_s,
-                    ),
-                )
+                self._send(conn, StatusReply(**dataclasses.asdict(snap)))
             case _:
                 assert_never(message)
 

@@ -32,6 +32,25 @@ def wait_for(
         time.sleep(interval)
 
 
+# What a poll of the cluster may raise while the objects it reads are still
+# being created (a missing key, an empty list, a kubectl error): "not yet".
+TRANSIENT = (AssertionError, KeyError, IndexError, StopIteration, TypeError, ValueError, OSError)
+
+
+def wait_settled(what: str, fn: Callable[[], Any], timeout: float = 180, every: float = 1) -> Any:
+    """Poll ``fn`` until it returns something truthy, treating TRANSIENT errors as
+    "not yet"; on timeout the last value seen is in the message."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        with contextlib.suppress(*TRANSIENT):
+            last = fn()
+            if last:
+                return last
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
+
+
 class Proc:
     """A subprocess whose stdout lines are collected by a thread."""
 

@@ -11,7 +11,6 @@ the pod's Ready condition while it works.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -24,6 +23,12 @@ from typing import Any
 
 import pytest
 import yaml
+from procs import wait_settled
+
+
+def _wait(what: str, fn: Callable[[], Any], timeout: float = 180) -> Any:
+    return wait_settled(what, fn, timeout)
+
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -31,20 +36,6 @@ ROOT = Path(__file__).resolve().parents[2]
 RELEASE, OPERATOR_NS = "understudy", "understudy-system"
 REPORTS = Path(os.environ.get("UNDERSTUDY_REPORT_DIR", ROOT / "bench" / "results"))
 KILLS = int(os.environ.get("UNDERSTUDY_CHAOS_KILLS", "20"))
-
-
-def _wait(what: str, fn: Callable[[], Any], timeout: float = 180, every: float = 1) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        with contextlib.suppress(
-            AssertionError, KeyError, IndexError, StopIteration, TypeError, ValueError, OSError
-        ):
-            last = fn()
-            if last:
-                return last
-        time.sleep(every)
-    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
 
 
 @pytest.fixture(scope="module")

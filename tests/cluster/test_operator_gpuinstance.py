@@ -15,36 +15,28 @@ become Ready, so these tests assert what the scheduler, DRA and kubelet show.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from procs import wait_settled
 
 from understudy.operator import crd
+
+
+def _wait(what: str, fn: Callable[[], Any], timeout: float = 90) -> Any:
+    return wait_settled(what, fn, timeout)
+
 
 pytestmark = pytest.mark.cluster
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _wait(what: str, fn: Callable[[], Any], timeout: float = 90, every: float = 1) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        with contextlib.suppress(AssertionError, KeyError, IndexError, StopIteration, TypeError):
-            last = fn()
-            if last:
-                return last
-        time.sleep(every)
-    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
 
 
 @pytest.fixture(scope="module")
