@@ -50,7 +50,6 @@ def start_server(sock: Path, log: Path) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
         [
             sys.executable,
-            "-P",
             "-m",
             "understudy.gms.cli",
             "server",

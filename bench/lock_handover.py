@@ -78,9 +78,8 @@ def bench_lockserver(
     server = subprocess.Popen(
         [
             sys.executable,
-            "-P",
             "-m",
-            "understudy",
+            "understudy.cli",
             "lockserver",
             "serve",
             "--socket",

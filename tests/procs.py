@@ -130,4 +130,4 @@ class Proc:
 
 
 def understudy(*args: str) -> list[str]:
-    return [PYTHON, "-P", "-m", "understudy", *args]
+    return [PYTHON, "-m", "understudy.cli", *args]

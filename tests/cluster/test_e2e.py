@@ -136,9 +136,8 @@ class Instance:
         proc = subprocess.run(
             [
                 sys.executable,
-                "-P",
                 "-m",
-                "understudy",
+                "understudy.cli",
                 "drill",
                 "--kube",
                 f"{self.ns}/{self.name}",

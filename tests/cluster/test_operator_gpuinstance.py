@@ -110,7 +110,6 @@ def operator(crd_installed: Any, namespace: str) -> Iterator[subprocess.Popen[st
     proc = subprocess.Popen(
         [
             sys.executable,
-            "-P",
             "-m",
             "understudy.operator.cli",
             "operator",

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import yaml
 
-from understudy.engine_shim import local
 from understudy.operator import render
 from understudy.operator.api import GpuInstance
+from understudy.tools import local
 
 SAMPLE = Path(__file__).resolve().parents[2] / "manifests/samples/gpuinstance-reference.yaml"
 
@@ -63,5 +63,6 @@ def test_sidecar_commands_are_the_same():
     for c in local.containers(_local_config(inst))[:2]:
         rendered = sidecars[c.name]
         argv = [*rendered.get("command", []), *rendered.get("args", [])]
-        ours = c.argv[c.argv.index("understudy") :]  # [python, -P, -m, understudy, ...]
+        # Locally: [python, -m, understudy.cli, ...]; in the pod: [understudy, ...].
+        ours = ["understudy", *c.argv[c.argv.index("understudy.cli") + 1 :]]
         assert [_num(a) for a in argv] == [_num(a) for a in ours], c.name

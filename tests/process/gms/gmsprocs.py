@@ -21,7 +21,7 @@ HERE = Path(__file__).parent
 
 
 def gms_cli(*args: str) -> list[str]:
-    return [PYTHON, "-P", "-m", "understudy.gms.cli", *args]
+    return [PYTHON, "-m", "understudy.gms.cli", *args]
 
 
 def answers(path: Path) -> bool:

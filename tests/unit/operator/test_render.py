@@ -256,7 +256,7 @@ def test_read_only_root_except_vllm() -> None:
 def test_render_cli_prints_a_yaml_stream() -> None:
     sample = ROOT / "manifests" / "samples" / "gpuinstance-reference.yaml"
     out = subprocess.run(
-        [sys.executable, "-P", "-m", "understudy.operator.cli", "render", "-f", str(sample)],
+        [sys.executable, "-m", "understudy.operator.cli", "render", "-f", str(sample)],
         capture_output=True,
         text=True,
         check=True,

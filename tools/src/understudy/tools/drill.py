@@ -73,7 +73,7 @@ class LocalTarget:
     """A pod started by ``understudy local up`` (reads its local.json)."""
 
     def __init__(self, directory: Path) -> None:
-        from understudy.engine_shim.local import read_state
+        from understudy.tools.local import read_state
 
         self.directory = directory
         state = read_state(directory)
@@ -85,7 +85,7 @@ class LocalTarget:
         }
 
     def engines(self) -> list[dict[str, Any]]:
-        from understudy.engine_shim.local import read_state
+        from understudy.tools.local import read_state
 
         started: dict[str, bool] = {}
         with contextlib.suppress(OSError, ValueError):
@@ -112,7 +112,7 @@ class LocalTarget:
         os.kill(engine["pid"], sig)
 
     def kill_sidecar(self, which: str) -> None:
-        from understudy.engine_shim.local import read_state
+        from understudy.tools.local import read_state
 
         os.kill(read_state(self.directory)["containers"][which]["pid"], signal.SIGKILL)
 

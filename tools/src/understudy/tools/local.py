@@ -87,9 +87,7 @@ class Container:
 
 
 def _understudy(*args: str) -> list[str]:
-    # -P: never put the working directory on sys.path. From a checkout it
-    # holds a folder named `operator`, which would shadow the stdlib module.
-    return [sys.executable, "-P", "-m", "understudy", *args]
+    return [sys.executable, "-m", "understudy.cli", *args]
 
 
 def engine_env(cfg: LocalConfig, role: str, name: str, index: int) -> dict[str, str]:

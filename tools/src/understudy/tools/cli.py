@@ -1,9 +1,7 @@
-"""``understudy engine run`` (the pod's engine containers), ``understudy local
-up|down`` (the whole pod as local processes) and ``understudy drill``.
+"""``understudy local up|down`` (the whole pod as local processes) and
+``understudy drill`` (kill engines under load and measure every failover).
 
-``engine run`` exit codes: 1 fatal (init error, failed remap, bind failure),
-2 bad configuration, 3 lock lost, 4 GMS connection lost, 5 wake timeout,
-6 startup budget exceeded.
+These are tools for people and tests, not what runs in a pod's containers.
 """
 
 from __future__ import annotations
@@ -21,37 +19,8 @@ from pathlib import Path
 from typing import Any
 
 
-def cmd_engine_run(args: argparse.Namespace) -> int:
-    # Fix BLAS threading before numpy loads: one thread keeps the summation
-    # order (and so every answer) identical across processes and nodes.
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    from understudy.engine_shim.config import ConfigError, from_env
-    from understudy.wire.obs import setup_logging
-
-    setup_logging()
-    try:
-        cfg = from_env()
-    except ConfigError as exc:
-        print(f"understudy engine: bad configuration: {exc}", file=sys.stderr)
-        return 2
-    from understudy.engine_shim.adapters.base import Engine
-    from understudy.engine_shim.mainloop import Shim
-
-    engine: Engine
-    if cfg.adapter == "reference":
-        from understudy.engine_shim.adapters.reference import ReferenceEngine
-
-        engine = ReferenceEngine(cfg.model)
-    else:
-        from understudy.engine_shim.adapters.synthetic import SyntheticEngine
-
-        engine = SyntheticEngine(cfg.model, cfg.engine_args, cfg.devices)
-    Shim(cfg, engine).run()
-    return 0
-
-
 def _local_config(args: argparse.Namespace) -> Any:
-    from understudy.engine_shim.local import LocalConfig
+    from understudy.tools.local import LocalConfig
 
     return LocalConfig(
         dir=Path(args.dir).absolute(),
@@ -73,7 +42,7 @@ def _local_config(args: argparse.Namespace) -> Any:
 
 
 def cmd_local_up(args: argparse.Namespace) -> int:
-    from understudy.engine_shim.local import Supervisor, read_state, wait_serving
+    from understudy.tools.local import Supervisor, read_state, wait_serving
     from understudy.wire.obs import setup_logging
 
     cfg = _local_config(args)
@@ -92,7 +61,7 @@ def cmd_local_up(args: argparse.Namespace) -> int:
         argv = [a for a in sys.argv[1:] if a != "--detach"]
         with open(cfg.dir / "supervisor.log", "ab") as logf:
             proc = subprocess.Popen(
-                [sys.executable, "-P", "-m", "understudy", *argv],
+                [sys.executable, "-m", "understudy.cli", *argv],
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -152,7 +121,7 @@ def _alive(pid: int) -> bool:
 
 
 def cmd_local_down(args: argparse.Namespace) -> int:
-    from understudy.engine_shim.local import read_state
+    from understudy.tools.local import read_state
 
     directory = Path(args.dir).absolute()
     try:
@@ -175,13 +144,13 @@ def cmd_local_down(args: argparse.Namespace) -> int:
 
 
 def cmd_drill(args: argparse.Namespace) -> int:
-    from understudy.engine_shim import drill as drill_mod
+    from understudy.tools import drill as drill_mod
 
     sig = getattr(signal, f"SIG{args.signal.upper().removeprefix('SIG')}")
     target: Any
     observer = None
     if args.kube:
-        from understudy.engine_shim.drill_kube import KubeTarget
+        from understudy.tools.drill_kube import KubeTarget
 
         namespace, _, name = args.kube.rpartition("/")
         target = KubeTarget(namespace or "default", name, args.kubeconfig)
@@ -239,12 +208,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from understudy.engine_shim.local import DEFAULT_DIR
-
-    engine = sub.add_parser("engine", help="an engine under the shim (configured by environment)")
-    engine_sub = engine.add_subparsers(dest="engine_command", required=True, metavar="COMMAND")
-    run = engine_sub.add_parser("run", help="run the engine: init, sleep, acquire, wake, serve")
-    run.set_defaults(func=cmd_engine_run)
+    from understudy.tools.local import DEFAULT_DIR
 
     local = sub.add_parser("local", help="the whole pod as local processes")
     local_sub = local.add_subparsers(dest="local_command", required=True, metavar="COMMAND")

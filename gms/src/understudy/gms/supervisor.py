@@ -36,7 +36,6 @@ log = logging.getLogger("understudy.gms.supervisor")
 def child_command(config: SupervisorConfig, device: int) -> list[str]:
     cmd = [
         sys.executable,
-        "-P",
         "-m",
         "understudy.gms.cli",
         "server",

@@ -119,7 +119,7 @@ class KubeTarget:
         raise RuntimeError(f"no process running {container_cmd!r} in pod {pod}")
 
     def kill_sidecar(self, which: str) -> None:
-        from understudy.engine_shim.drill import SIDECAR_COMMANDS
+        from understudy.tools.drill import SIDECAR_COMMANDS
 
         for pod in self.pods():
             self.kill_container(pod.metadata.name, SIDECAR_COMMANDS[which], signal.SIGKILL)

@@ -1,0 +1,48 @@
+"""``understudy engine run``: what an engine container runs.
+
+``engine run`` exit codes: 1 fatal (init error, failed remap, bind failure),
+2 bad configuration, 3 lock lost, 4 GMS connection lost, 5 wake timeout,
+6 startup budget exceeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def cmd_engine_run(args: argparse.Namespace) -> int:
+    # Fix BLAS threading before numpy loads: one thread keeps the summation
+    # order (and so every answer) identical across processes and nodes.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    from understudy.engine_shim.config import ConfigError, from_env
+    from understudy.wire.obs import setup_logging
+
+    setup_logging()
+    try:
+        cfg = from_env()
+    except ConfigError as exc:
+        print(f"understudy engine: bad configuration: {exc}", file=sys.stderr)
+        return 2
+    from understudy.engine_shim.adapters.base import Engine
+    from understudy.engine_shim.mainloop import Shim
+
+    engine: Engine
+    if cfg.adapter == "reference":
+        from understudy.engine_shim.adapters.reference import ReferenceEngine
+
+        engine = ReferenceEngine(cfg.model)
+    else:
+        from understudy.engine_shim.adapters.synthetic import SyntheticEngine
+
+        engine = SyntheticEngine(cfg.model, cfg.engine_args, cfg.devices)
+    Shim(cfg, engine).run()
+    return 0
+
+
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    engine = sub.add_parser("engine", help="an engine under the shim (configured by environment)")
+    engine_sub = engine.add_subparsers(dest="engine_command", required=True, metavar="COMMAND")
+    run = engine_sub.add_parser("run", help="run the engine: init, sleep, acquire, wake, serve")
+    run.set_defaults(func=cmd_engine_run)

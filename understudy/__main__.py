@@ -1,3 +1,0 @@
-from understudy.cli import main
-
-raise SystemExit(main())
