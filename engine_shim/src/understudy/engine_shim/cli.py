@@ -25,18 +25,24 @@ def cmd_engine_run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"understudy engine: bad configuration: {exc}", file=sys.stderr)
         return 2
-    from understudy.engine_shim.adapters.base import Engine
+    from understudy.engine_shim.adapters.base import AdapterError, Engine
     from understudy.engine_shim.mainloop import Shim
 
     engine: Engine
-    if cfg.adapter == "reference":
-        from understudy.engine_shim.adapters.reference import ReferenceEngine
+    try:
+        if cfg.adapter == "reference":
+            from understudy.engine_shim.adapters.reference import ReferenceEngine
 
-        engine = ReferenceEngine(cfg.model)
-    else:
-        from understudy.engine_shim.adapters.synthetic import SyntheticEngine
+            engine = ReferenceEngine(cfg.model)
+        else:
+            from understudy.engine_shim.adapters.synthetic import SyntheticEngine
 
-        engine = SyntheticEngine(cfg.model, cfg.engine_args, cfg.devices)
+            engine = SyntheticEngine(cfg.model, cfg.engine_args, cfg.devices)
+    except (AdapterError, RuntimeError) as exc:
+        # One line, not a traceback: it is what `local up` and
+        # `kubectl logs --previous` show a user.
+        print(f"understudy engine: {cfg.adapter}: {exc}", file=sys.stderr)
+        return 1
     Shim(cfg, engine).run()
     return 0
 

@@ -37,15 +37,30 @@ def _local_config(args: argparse.Namespace) -> Any:
         startup_budget_s=args.startup_budget,
         wake_timeout_s=args.wake_timeout,
         remap_timeout_s=args.remap_timeout,
-        backoff_s=args.backoff,
+        max_backoff_s=args.max_backoff,
     )
 
 
+def _preflight(cfg: Any) -> str | None:
+    """What would make every engine fail at start, said before anything starts."""
+    if cfg.engine == "reference" and not cfg.model:
+        from understudy.engine_shim.adapters.minilm import ModelMissing, default_model_dir
+
+        try:
+            default_model_dir()
+        except ModelMissing as exc:
+            return str(exc)
+    return None
+
+
 def cmd_local_up(args: argparse.Namespace) -> int:
-    from understudy.tools.local import Supervisor, read_state, wait_serving
+    from understudy.tools.local import KeepsFailing, Supervisor, read_state, wait_serving
     from understudy.wire.obs import setup_logging
 
     cfg = _local_config(args)
+    if (problem := _preflight(cfg)) is not None:
+        print(f"understudy local up: {problem}", file=sys.stderr)
+        return 2
     ports = [cfg.status_port + i for i in range(cfg.shadows + 1)]
     with contextlib.suppress(FileNotFoundError):
         state = read_state(cfg.dir)
@@ -67,7 +82,16 @@ def cmd_local_up(args: argparse.Namespace) -> int:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
-        if not wait_serving(cfg.serve_port, ports, args.ready_timeout):
+        try:
+            serving = wait_serving(cfg.serve_port, ports, args.ready_timeout, cfg.dir)
+        except KeepsFailing as exc:
+            # Stop the pod: a crash loop left running only burns the CPU.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGTERM)
+            proc.wait(30)
+            print(f"understudy local up: {exc}; the pod was stopped", file=sys.stderr)
+            return 1
+        if not serving:
             print(
                 f"local pod not serving within {args.ready_timeout}s; logs in {cfg.dir}",
                 file=sys.stderr,
@@ -79,8 +103,11 @@ def cmd_local_up(args: argparse.Namespace) -> int:
     sup = Supervisor(cfg)
 
     def announce() -> None:
-        if wait_serving(cfg.serve_port, ports, args.ready_timeout):
-            _print_where(cfg, os.getpid())
+        try:
+            if wait_serving(cfg.serve_port, ports, args.ready_timeout, cfg.dir):
+                _print_where(cfg, os.getpid())
+        except KeepsFailing as exc:
+            print(f"understudy local up: {exc}", file=sys.stderr, flush=True)
 
     threading.Thread(target=announce, daemon=True).start()
     sup.run_forever()
@@ -232,10 +259,11 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     up.add_argument("--wake-timeout", type=float, default=30.0)
     up.add_argument("--remap-timeout", type=float, default=30.0)
     up.add_argument(
-        "--backoff",
+        "--max-backoff",
         type=float,
-        default=0.0,
-        help="seconds before a dead container is restarted (kubelet-like)",
+        default=300.0,
+        help="cap of the restart back-off in seconds (kubelet's CrashLoopBackOff: "
+        "at once, then 10 s doubling to this cap; kubelet's maxContainerRestartPeriod)",
     )
     up.add_argument(
         "--detach", action="store_true", help="run in the background; return once the pod serves"

