@@ -15,6 +15,8 @@ ARG BASE_IMAGE=debian:bookworm-slim
 FROM ${BASE_IMAGE}
 
 ARG PACKAGES=""
+# UV_SYSTEM_CERTS: trust the image's CA store (which may carry a corporate or
+# proxy root), as pip does, rather than uv's bundled roots.
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -22,6 +24,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     UV_PROJECT_ENVIRONMENT=/opt/understudy \
     UV_LINK_MODE=copy \
     UV_PYTHON_DOWNLOADS=never \
+    UV_SYSTEM_CERTS=1 \
     VIRTUAL_ENV=/opt/understudy \
     PATH=/opt/understudy/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     HOME=/tmp
