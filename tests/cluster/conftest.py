@@ -1,12 +1,24 @@
-"""Fixtures for the cluster tier: a real single-node Kubernetes (hack/cluster/up).
+"""Fixtures for the cluster tier: a real Kubernetes.
 
 Tests here are marked ``@pytest.mark.cluster`` and take the session-scoped
-``cluster`` fixture. It reuses a cluster that is already up (its env file
-exists and the API server answers /readyz); otherwise it runs
-``hack/cluster/up``, which needs root and, on a machine with no cache, builds
-Kubernetes from source first (~10 min on 2 cores). The cluster is left running
-for the next session unless ``UNDERSTUDY_CLUSTER_TEARDOWN=1`` and this session
-started it.
+``cluster`` fixture. Which cluster:
+
+* **Any cluster**, through pytest-kubernetes' options: ``--k8s-kubeconfig
+  PATH`` (a running cluster: kind, k3d, a real one) or ``--k8s-provider
+  kind|k3d|minikube`` (pytest-kubernetes creates one and keeps it for the
+  session). Ours: ``--understudy-image REF`` (an image the nodes can pull; for
+  kind/k3d/minikube it is built with ``docker build`` and loaded into the
+  cluster when not given), ``--understudy-device-class`` and
+  ``--understudy-dra-driver`` (the DRA driver that publishes the devices).
+  README ("The cluster tier on your cluster") shows it with kind.
+* **Ours** otherwise: the single-node cluster of ``hack/cluster/up``. It
+  reuses a cluster that is already up (its env file exists and the API server
+  answers /readyz); otherwise it runs ``hack/cluster/up``, which needs root
+  and, on a machine with no cache, builds Kubernetes from source first (~10
+  min on 2 cores). The cluster is left running for the next session unless
+  ``UNDERSTUDY_CLUSTER_TEARDOWN=1`` and this session started it. CI uses it.
+
+Tests that check the harness itself (``@pytest.mark.harness``) run only on ours.
 
 The per-test timeout (pytest-timeout, 120 s by default) also covers fixture
 setup, so the first test that brings the cluster up gets ``UP_TIMEOUT``
@@ -45,6 +57,12 @@ class Cluster:
     device_class: str
     dra_driver: str
     base_image: str = "localhost/understudy-base:bookworm"
+    # The project image, when it was given or already built; None: build it
+    # with hack/image/build (our cluster only).
+    image: str | None = None
+    ours: bool = True
+    # pytest-kubernetes' manager of a cluster it created (kind, k3d, minikube).
+    manager: Any = field(default=None, repr=False, compare=False)
 
     def kubectl(
         self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60
@@ -109,9 +127,53 @@ def _load_cluster() -> Cluster | None:
     return c if c.ready() else None
 
 
+def _any_cluster(config: pytest.Config, k8s_manager: Any) -> Cluster | None:
+    """The cluster pytest-kubernetes' options name, if any."""
+    kubeconfig = config.getoption("k8s_kubeconfig") or config.getoption("k8s_kubeconfig_override")
+    provider = config.getoption("k8s_provider")
+    if not kubeconfig and not provider:
+        return None
+    manager = k8s_manager(provider)(config.getoption("k8s_cluster_name"))
+    if provider and provider.lower() != "external":
+        manager.create()
+    path = Path(manager.kubeconfig).absolute()
+    env = {**os.environ, "KUBECONFIG": str(path)}
+    nodes = json.loads(
+        subprocess.run(
+            ["kubectl", "get", "nodes", "-o", "json"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout
+    )
+    image = config.getoption("understudy_image")
+    ours = (CLUSTER_DIR / "admin.kubeconfig").exists() and (
+        path.resolve() == (CLUSTER_DIR / "admin.kubeconfig").resolve()
+    )
+    if ours:
+        env = {**_read_env_file(CLUSTER_DIR / "env"), "KUBECONFIG": str(path)}
+    return Cluster(
+        kubeconfig=path,
+        cluster_dir=CLUSTER_DIR,
+        env=env,
+        node_name=nodes["items"][0]["metadata"]["name"],
+        device_class=config.getoption("understudy_device_class"),
+        dra_driver=config.getoption("understudy_dra_driver"),
+        image=image,
+        ours=ours,
+        manager=None if ours or not provider or provider.lower() == "external" else manager,
+    )
+
+
 @pytest.fixture(scope="session")
-def cluster() -> Iterator[Cluster]:
-    """The single-node cluster, brought up by hack/cluster/up if needed."""
+def cluster(request: pytest.FixtureRequest, k8s_manager: Any) -> Iterator[Cluster]:
+    """The cluster pytest-kubernetes' options name, or ours (hack/cluster/up)."""
+    external = _any_cluster(request.config, k8s_manager)
+    if external is not None:
+        yield external
+        return
     c = _load_cluster()
     started = False
     if c is None:
@@ -126,6 +188,37 @@ def cluster() -> Iterator[Cluster]:
     yield c
     if started and os.environ.get("UNDERSTUDY_CLUSTER_TEARDOWN") == "1":
         subprocess.run([str(DOWN_SCRIPT)], check=False, timeout=300)
+
+
+@pytest.fixture(autouse=True)
+def _harness_only(request: pytest.FixtureRequest) -> None:
+    harness = request.node.get_closest_marker("harness") is not None
+    if harness and not request.getfixturevalue("cluster").ours:
+        pytest.skip("checks hack/cluster's own cluster")
+
+
+@pytest.fixture(scope="session")
+def image(cluster: Cluster) -> str:
+    """The project image, in the cluster: given, or built from the Dockerfile."""
+    if cluster.image:
+        return cluster.image
+    if cluster.ours:
+        # buildah on this machine, imported into the cluster's containerd.
+        proc = subprocess.run(
+            [str(REPO_ROOT / "hack/image/build")],
+            env=cluster.env,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return proc.stdout.strip().splitlines()[-1]
+    if cluster.manager is not None:
+        tag = "localhost/understudy:dev"
+        subprocess.run(["docker", "build", "-t", tag, str(REPO_ROOT)], check=True, timeout=1800)
+        cluster.manager.load_image(tag)
+        return tag
+    pytest.skip("an external cluster needs --understudy-image (an image its nodes can pull)")
 
 
 @pytest.fixture

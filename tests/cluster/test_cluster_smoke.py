@@ -17,7 +17,8 @@ import pytest
 if TYPE_CHECKING:
     from .conftest import Cluster
 
-pytestmark = pytest.mark.cluster
+# These check hack/cluster's own cluster (its node, base image and fake GPUs).
+pytestmark = [pytest.mark.cluster, pytest.mark.harness]
 
 PY = "python3"
 SERVE = "http.server.ThreadingHTTPServer(({addr!r}, {port}), http.server.SimpleHTTPRequestHandler)"

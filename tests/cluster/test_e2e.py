@@ -39,16 +39,9 @@ KILLS = int(os.environ.get("UNDERSTUDY_CHAOS_KILLS", "20"))
 
 
 @pytest.fixture(scope="module")
-def installed(cluster: Any) -> Iterator[Any]:
-    """Build the image, helm-install the chart, wait for the operator."""
-    build = subprocess.run(
-        [str(ROOT / "hack/image/build")],
-        env=cluster.env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert build.returncode == 0, build.stderr[-4000:]
+def installed(cluster: Any, image: str) -> Iterator[Any]:
+    """The image in the cluster, the chart helm-installed, the operator running."""
+    repository, _, tag = image.rpartition(":")
     helm = subprocess.run(
         [
             "helm",
@@ -64,6 +57,10 @@ def installed(cluster: Any) -> Iterator[Any]:
             "5m",
             "--set",
             "operator.resyncSeconds=5",
+            "--set",
+            f"image.repository={repository}",
+            "--set",
+            f"image.tag={tag}",
         ],
         env=cluster.env,
         capture_output=True,
@@ -81,9 +78,10 @@ def installed(cluster: Any) -> Iterator[Any]:
     )
 
 
-def _sample(name: str) -> dict[str, Any]:
+def _sample(name: str, device_class: str) -> dict[str, Any]:
     doc = yaml.safe_load((ROOT / "manifests/samples/gpuinstance-reference.yaml").read_text())
     doc["metadata"] = {"name": name}
+    doc["spec"]["gpus"]["deviceClassName"] = device_class
     return doc
 
 
@@ -105,7 +103,7 @@ def _condition(obj: dict[str, Any], kind: str) -> dict[str, Any]:
 class Instance:
     def __init__(self, cluster: Any, ns: str, name: str = "minilm") -> None:
         self.cluster, self.ns, self.name = cluster, ns, name
-        cluster.apply(json.dumps(_sample(name)), namespace=ns)
+        cluster.apply(json.dumps(_sample(name, cluster.device_class)), namespace=ns)
 
     def get(self) -> dict[str, Any]:
         return self.cluster.get_json("gpuinstance", self.name, "-n", self.ns)

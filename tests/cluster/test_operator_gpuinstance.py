@@ -16,9 +16,9 @@ become Ready, so these tests assert what the scheduler, DRA and kubelet show.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -106,7 +106,8 @@ def test_apiserver_enforces_immutable_fields(crd_installed: Any, namespace: str)
 @pytest.fixture
 def operator(crd_installed: Any, namespace: str) -> Iterator[subprocess.Popen[str]]:
     env = {**crd_installed.env, "UNDERSTUDY_OPERATOR_RESYNC_S": "3", "PYTHONUNBUFFERED": "1"}
-    log = (crd_installed.cluster_dir / "logs" / f"operator-{namespace}.log").open("w")
+    logs = crd_installed.cluster_dir / "logs" if crd_installed.ours else Path(tempfile.mkdtemp())
+    log = (logs / f"operator-{namespace}.log").open("w")
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -121,7 +122,7 @@ def operator(crd_installed: Any, namespace: str) -> Iterator[subprocess.Popen[st
             "--health-port",
             "0",
             "--image",
-            os.environ.get("UNDERSTUDY_IMAGE", "localhost/understudy:dev"),
+            crd_installed.image or "localhost/understudy:dev",
         ],
         env=env,
         stdout=log,
