@@ -1,0 +1,69 @@
+"""What a generative engine offers the OpenAI layer (``openai_api``).
+
+The OpenAI surface (chat and text completions, streaming, usage, the
+continuation a migrated stream needs) is written once, over this Protocol;
+each generative adapter (the numpy ``llama`` reference decoder, ``vllm``)
+implements it. Token ids are the currency: the front relays them with every
+streamed chunk, and a continuation hands the next engine the ids already sent.
+
+Determinism contract, which makes a migrated stream identical to an
+uninterrupted one:
+- greedy decoding (``temperature == 0``) depends only on the token ids;
+- seeded sampling draws the token at position ``p`` (0 = first generated
+  token) from a generator seeded by ``(seed, p)``, so continuing after ``k``
+  generated tokens draws exactly what the uninterrupted run drew;
+- ``decode`` is a function of the whole id list, so text deltas computed as
+  ``decode(ids[:n+1])`` minus ``decode(ids[:n])`` (holding back an incomplete
+  UTF-8 character) come out the same whoever generated the earlier ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    # Generation ends after any of these (the engine's own end-of-sequence
+    # ids are always included by the generator).
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One generated token, and why generation ended if it ended with it."""
+
+    token_id: int
+    finish_reason: str | None = None  # "stop" | "length" | None
+
+
+class Generator(Protocol):
+    model_id: str
+    max_model_len: int  # prompt + generated tokens
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a plain-text prompt (with the model's BOS if it uses one)."""
+        ...
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """Token ids of a chat, through the model's chat template, ready to generate."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of generated ids (special tokens skipped)."""
+        ...
+
+    def generate(
+        self, prompt: Sequence[int], params: SamplingParams, resume: Sequence[int] = ()
+    ) -> AsyncIterator[Step]:
+        """Generate after ``prompt`` + ``resume`` (ids an earlier engine already
+        generated for this request), one Step per new token; the last Step has
+        a finish_reason. ``params.max_tokens`` counts the resumed ids too.
+        Concurrent calls are batched by the engine."""
+        ...
