@@ -18,8 +18,6 @@ from dataclasses import dataclass
 # Same default as CUDA VMM's minimum granularity on current GPUs, so the host
 # backend lays memory out the way the cuda backend will.
 DEFAULT_GRANULARITY = 2 * 1024 * 1024
-MAX_TAG_LEN = 64
-MAX_METADATA_KEY_LEN = 512
 
 
 @dataclass(frozen=True, slots=True)

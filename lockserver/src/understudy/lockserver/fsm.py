@@ -319,8 +319,6 @@ def _window_timer(s: LockState, e: WindowExpired) -> Result:
 
 # --------------------------------------------------------------- table -----
 
-Handler = Callable[[LockState, "Event"], Result]
-
 # (phase, event type) -> (handler, phases it may lead to). A miss is an
 # InvalidTransition: the shell fed an event this phase cannot take.
 TRANSITIONS: dict[tuple[Phase, type], tuple[Callable[..., Result], frozenset[Phase]]] = {

@@ -21,10 +21,6 @@ class LockProtocolError(Exception):
     """Base of lock protocol errors."""
 
 
-class LocalLockProtocolError(LockProtocolError):
-    """We broke the protocol (a bug on our side)."""
-
-
 class RemoteLockProtocolError(LockProtocolError):
     """The peer broke the protocol: reply with an error and close."""
 
