@@ -135,6 +135,16 @@ def test_a_shell_bug_is_a_local_error_and_a_shared_invalid_transition() -> None:
     assert (info.value.phase, info.value.kind) == (Phase.PENDING, fsm.Connected)
 
 
+def test_the_shells_machine_keeps_its_state_when_a_step_raises() -> None:
+    machine = fsm.Machine(state_in(Phase.PENDING))
+    before = machine.state
+    with pytest.raises(fsm.Refused):
+        machine.feed(req(S, m.Commit()), 0.0)
+    with pytest.raises(fsm.InvalidTransition):
+        machine.feed(fsm.Connected(S), 0.0)
+    assert machine.state is before
+
+
 def test_rw_only_operations_are_refused_to_ro_with_a_clear_message() -> None:
     state = state_in(Phase.RO)
     for request in (m.Allocate(size=1), m.Commit(), m.PutMetadata(key="a", value={})):

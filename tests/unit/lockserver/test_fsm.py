@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 
 import pytest
 from hypothesis import assume, settings
@@ -320,8 +319,18 @@ TestLockMachine = LockMachine.TestCase
 TestLockMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 
-def test_snapshot_reports_window():
+def test_snapshot_reports_window_then_holder():
     s, _ = restored(PersistedRecord("a", 2), now=0.0)
     snap = fsm.snapshot(s, 4.0)
     assert snap.window_open and snap.window_holder == "a" and snap.window_remaining_s == 6.0
-    assert replace(s, window=None).window is None
+    assert fsm.snapshot(s, 12.0).window_remaining_s == 0.0  # an overdue timer is not negative
+    s, _ = step(s, AcquireRequested(1, "b"), 5.0)
+    s, _ = step(s, AcquireRequested(2, "a", resume_epoch=2), 6.0)
+    assert fsm.snapshot(s, 7.0) == fsm.Snapshot(
+        holder="a",
+        epoch=2,
+        waiters=("b",),
+        window_open=False,
+        window_holder=None,
+        window_remaining_s=None,
+    )

@@ -192,10 +192,17 @@ def test_history_never_exceeds_its_limit(rs: list[lc.Report], limit: int) -> Non
         assert len(hist) <= limit
 
 
-@given(st.sampled_from(list(P)), st.sampled_from(list(lc.Event)))
-def test_invalid_transition_leaves_the_record_unchanged(phase: P, event: lc.Event) -> None:
-    rec = lc.Replica(0, phase=phase, attempt=1)
-    try:
-        lc.step(rec, event, 1.0)
-    except lc.InvalidTransition:
-        assert rec == lc.Replica(0, phase=phase, attempt=1)
+@pytest.mark.parametrize("phase", list(P), ids=str)
+def test_reset_and_delete_change_only_what_the_table_allows(phase: P) -> None:
+    """reset only revives a Failed replica, delete ends any other; neither touches the attempt."""
+    rec = lc.Replica(0, phase=phase, attempt=4, retries=2, since=1.0, node="n1")
+    if phase is P.FAILED:
+        expected = lc.Replica(0, phase=P.PENDING, attempt=4, retries=0, since=9.0, node="n1")
+    else:
+        expected = lc.Replica(0, phase=phase, attempt=4, retries=2, since=1.0, node="n1")
+    assert lc.reset(rec, 9.0) == expected
+    if phase is P.TERMINATING:
+        expected = lc.Replica(0, phase=phase, attempt=4, retries=2, since=1.0, node="n1")
+    else:
+        expected = lc.Replica(0, phase=P.TERMINATING, attempt=4, retries=0, since=9.0, node="n1")
+    assert lc.delete(rec, 9.0) == expected
