@@ -1,4 +1,4 @@
-"""The engine's life: Init → Standby → Waking → Active → Dead (seed 002, Decision 2).
+"""The engine's life: Init → Standby → Waking → Active → Dead.
 
 Sans-IO: ``step(state, event, now) -> (state, actions)``, the shape every core
 shares (``understudy.wire.machine``). The main loop and the monitors feed
@@ -99,7 +99,7 @@ Event = (
 
 @dataclass(frozen=True, slots=True)
 class Acquire:
-    """Block on the pod's lock; the grant is the wake trigger (Decision 4)."""
+    """Block on the pod's lock; the grant is the wake trigger (there is no wake call)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""The engine's main loop (seed 002, Decision 2), the same for both roles:
+"""The engine's main loop, the same for both roles (the lock grant is the wake trigger):
 
     init_weights() → sleep() → acquire() [blocks] → wake_up() → serve_endpoint()
 
@@ -269,7 +269,7 @@ class Shim:
                     _fault(cfg, "WAKE")
                     self.weights.wake(cfg.remap_timeout_s)
                     self.engine.wake()
-                except Exception as exc:  # a failed remap is fatal (Decision 6)
+                except Exception as exc:  # a failed remap is fatal: restart and re-init
                     return self.feed(fsm.Fatal(f"wake failed: {type(exc).__name__}: {exc}"))
                 self.durations["wake"] = time.monotonic() - t0
                 self.metrics.failover.labels(**self.metrics.labels, phase="wake").observe(

@@ -5,7 +5,8 @@ they were made (size, tag) and the metadata records (tensor names, dtypes,
 shapes, offsets) — never the contents, and never the server-local ids, so
 that the same model loaded twice into a fresh GMS has the same hash. A
 sleeping engine compares it on wake (``remap``) to detect that the memory it
-mapped before is not the memory that is committed now (Decision 6).
+mapped before is not the memory that is committed now (a GMS that restarted
+while it slept, and was loaded again since).
 """
 
 from __future__ import annotations

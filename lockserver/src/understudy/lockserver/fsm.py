@@ -7,7 +7,7 @@ persist, clear). Everything that changes the lock's state is in this file, and
 ``TRANSITIONS`` is the one table of which events each phase accepts, the
 handler for each, and which phases it may lead to.
 
-Semantics (seed 002, Decisions 4 and 8):
+Semantics:
 - the connection is the lock: no release message, a holder's disconnect frees it;
 - every new grant gets an epoch (fencing token) higher than any before, also
   across restarts (the epoch is persisted, and a corrupt state file restarts

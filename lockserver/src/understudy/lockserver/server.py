@@ -1,6 +1,6 @@
 """The lock server's asyncio shell: sockets in, events to the core, actions out.
 
-One loop per connection (STYLE.md b8): read, decode, feed the core, carry out
+One loop per connection: read, decode, feed the core, carry out
 its actions. EOF or a reset becomes ``Disconnected``, which is how "the
 connection is the lock" reaches the core. Bad input gets an error reply and
 closes only that connection. The state file is written before a grant is

@@ -1,7 +1,7 @@
 """Lifecycle of one GpuInstance replica: one transition table, one coordinator.
 
-Seed 000 (PyLet) gives the states and attempt fencing; seed 003 (Sokovan)
-gives the split of responsibilities:
+The states and attempt fencing follow PyLet's instance lifecycle; the split
+of responsibilities follows Backend.AI Sokovan's handlers and coordinator:
 
 * **handlers** look at one replica and its pod and only *report* an
   :class:`Outcome` (success / failure / skipped) for the replica's current
