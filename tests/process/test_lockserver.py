@@ -1,6 +1,7 @@
 """The lock server as real processes: kill -9, SIGSTOP, restarts, bad input.
 
-Each row of Decision 8's failure table is a test here. Holders and waiters are
+Each way a lock server crash can meet its holder (healthy, dead, hung, or
+dying with it) is a test here. Holders and waiters are
 ``understudy lock acquire`` processes (the same client library the engine
 shim uses), so the reconnect/resume path is exercised for real.
 """
@@ -120,7 +121,7 @@ def test_holder_kill9_grants_waiter_without_heartbeat(pod):
 
 
 def test_lockserver_crash_healthy_holder_keeps_lock_and_epoch(pod):
-    """Decision 8 row 1: A reconnects and continues; no failover."""
+    """Server crash, holder healthy: A reconnects and continues; no failover."""
     a = pod.acquire("a")
     ea = granted(a)
     b = pod.acquire("b")
@@ -140,7 +141,7 @@ def test_lockserver_crash_healthy_holder_keeps_lock_and_epoch(pod):
 
 
 def test_lockserver_crash_dead_holder_window_expires_then_waiter_wins(pod):
-    """Decision 8 row 2."""
+    """Server crash, holder dead: the window expires, then the waiter wins."""
     a = pod.acquire("a")
     ea = granted(a)
     b = pod.acquire("b")
@@ -156,7 +157,7 @@ def test_lockserver_crash_dead_holder_window_expires_then_waiter_wins(pod):
 
 
 def test_lockserver_crash_hung_holder_loses_and_learns_it(pod):
-    """Decision 8 row 3: A is SIGSTOPped; B wins after the window; A, resumed, is told."""
+    """Server crash, holder hung: A is SIGSTOPped; B wins after the window; A is told."""
     a = pod.acquire("a")
     ea = granted(a)
     b = pod.acquire("b")
@@ -174,7 +175,7 @@ def test_lockserver_crash_hung_holder_loses_and_learns_it(pod):
 
 
 def test_both_crash_first_to_acquire_after_window_wins(tmp_path):
-    """Decision 8 row 4: server, holder and waiter all die; fresh engines race."""
+    """Server, holder and waiter all die; fresh engines race after the window."""
     pod = Pod(tmp_path, window=4.0)  # long enough to see both restarted engines queue
     pod.start_server()
     try:

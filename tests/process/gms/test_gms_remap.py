@@ -1,6 +1,6 @@
-"""Decision 6: sleep and wake. Same addresses; a restarted GMS fails the wake
-within its timeout; a different layout is StaleMemoryLayoutError. And a lost
-connection while mapped reaches on_lost."""
+"""Sleep and wake, and a GMS that crashed meanwhile. Same addresses; a
+restarted GMS fails the wake within its timeout; a different layout is
+StaleMemoryLayoutError. And a lost connection while mapped reaches on_lost."""
 
 from __future__ import annotations
 

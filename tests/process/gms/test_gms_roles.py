@@ -1,4 +1,4 @@
-"""Decisions 3 and 5: two engines × two devices.
+"""Coordinatorless weight loading with roles: two engines × two devices.
 
 Independent RW_OR_RO per device can cross-acquire and deadlock (bounded here
 by the hello timeout); deterministic roles (primary RW_OR_RO, shadow RO)

@@ -36,49 +36,55 @@ EVENTS = [
 
 
 def in_state(state: State) -> fsm.EngineState:
-    return fsm.EngineState(state, since=10.0, started=0.0)
+    return fsm.EngineState(state, since=10.0, started=0.0, budgets=B)
 
 
 @pytest.mark.parametrize(("state", "event"), list(itertools.product(State, EVENTS)))
 def test_every_state_event_pair(state, event):
+    """Legal pairs land in the entry's target; illegal ones raise and change nothing."""
     s = in_state(state)
-    target = fsm.TRANSITIONS.get((state, type(event)))
-    if target is None:
-        with pytest.raises(fsm.InvalidTransition):
-            step(s, event, 20.0, B)
+    entry = fsm.TRANSITIONS.get((state, type(event)))
+    if entry is None:
+        with pytest.raises(fsm.InvalidTransition) as info:
+            step(s, event, 20.0)
+        assert (info.value.phase, info.value.kind) == (state, type(event))
+        assert s == fsm.EngineState(state, since=10.0, started=0.0, budgets=B)
         return
-    new, actions = step(s, event, 20.0, B)
+    new, actions = step(s, event, 20.0)
+    (target,) = entry.targets
     assert new.state is target
+    assert new.since == (10.0 if target is state else 20.0)
+    assert new.last_event == type(event).__name__
     if target is State.DEAD:
         (exit_,) = actions
         assert isinstance(exit_, Exit) and exit_.code != 0 and exit_.state is state
 
 
 def test_happy_path_and_actions():
-    s = fsm.initial(0.0)
-    s, a = step(s, fsm.InitDone(), 1.0, B)
+    s = fsm.initial(0.0, B)
+    s, a = step(s, fsm.InitDone(), 1.0)
     assert (s.state, a) == (State.STANDBY, [Acquire()])
-    s, a = step(s, fsm.LockGranted(3), 2.0, B)
+    s, a = step(s, fsm.LockGranted(3), 2.0)
     assert s.state is State.WAKING and s.epoch == 3 and a == [Wake(deadline=7.0)]
-    s, a = step(s, fsm.WakeDone(), 2.5, B)
+    s, a = step(s, fsm.WakeDone(), 2.5)
     assert s.state is State.WAKING and a == [BindServing()]  # not Active yet
-    s, a = step(s, fsm.ServingReady(), 2.6, B)
+    s, a = step(s, fsm.ServingReady(), 2.6)
     assert s.state is State.ACTIVE and a == [] and s.since == 2.6
 
 
 def test_exit_codes_name_the_cause():
-    assert step(in_state(State.ACTIVE), fsm.LockLost("x"), 0, B)[1][0].code is ExitCode.LOCK_LOST
-    assert step(in_state(State.ACTIVE), fsm.GmsLost("x"), 0, B)[1][0].code is ExitCode.GMS_LOST
-    assert step(in_state(State.WAKING), fsm.WakeTimeout(), 0, B)[1][0].code is ExitCode.WAKE_TIMEOUT
-    assert step(in_state(State.INIT), fsm.InitTimeout(), 0, B)[1][0].code is ExitCode.INIT_TIMEOUT
-    assert step(in_state(State.WAKING), fsm.Fatal("x"), 0, B)[1][0].code is ExitCode.FATAL
+    assert step(in_state(State.ACTIVE), fsm.LockLost("x"), 0)[1][0].code is ExitCode.LOCK_LOST
+    assert step(in_state(State.ACTIVE), fsm.GmsLost("x"), 0)[1][0].code is ExitCode.GMS_LOST
+    assert step(in_state(State.WAKING), fsm.WakeTimeout(), 0)[1][0].code is ExitCode.WAKE_TIMEOUT
+    assert step(in_state(State.INIT), fsm.InitTimeout(), 0)[1][0].code is ExitCode.INIT_TIMEOUT
+    assert step(in_state(State.WAKING), fsm.Fatal("x"), 0)[1][0].code is ExitCode.FATAL
 
 
 def test_deadlines():
-    assert fsm.deadline(fsm.initial(3.0), B) == 103.0
-    assert fsm.deadline(in_state(State.WAKING), B) == 15.0
+    assert fsm.deadline(fsm.initial(3.0, B)) == 103.0
+    assert fsm.deadline(in_state(State.WAKING)) == 15.0
     for st_ in (State.STANDBY, State.ACTIVE, State.DEAD):
-        assert fsm.deadline(in_state(st_), B) is None
+        assert fsm.deadline(in_state(st_)) is None
 
 
 @settings(max_examples=300, deadline=None)
@@ -87,11 +93,11 @@ def test_no_way_back_and_active_only_via_serving_ready(events):
     """Invariants over any sequence: states only move forward; Active is entered
     only by ServingReady after a LockGranted; Dead is final."""
     order = [State.INIT, State.STANDBY, State.WAKING, State.ACTIVE, State.DEAD]
-    s = fsm.initial(0.0)
+    s = fsm.initial(0.0, B)
     granted = False
     for t, e in enumerate(events):
         try:
-            new, _ = step(s, e, float(t), B)
+            new, _ = step(s, e, float(t))
         except fsm.InvalidTransition:
             continue
         assert order.index(new.state) >= order.index(s.state)

@@ -9,7 +9,8 @@ import pytest
 from understudy.gms import fsm
 from understudy.gms import messages as m
 from understudy.gms.fsm import Phase
-from understudy.gms.messages import ErrorCode, LockState, Mode
+from understudy.gms.messages import ErrorCode, LocalGmsError, LockState, Mode
+from understudy.wire.machine import InvalidTransition
 
 INFO = fsm.ServerInfo(device=0, tag="weights", backend="host", granularity=4096)
 S = 1  # the session under test
@@ -116,6 +117,7 @@ def test_every_phase_event_pair(phase: Phase, kind: type) -> None:
     if (phase, kind) in fsm.TRANSITIONS:
         new, _ = fsm.step(state, event, 0.0)
         assert new.phase(S) is LANDS.get((phase, kind), phase)
+        assert new.phase(S) in fsm.TRANSITIONS[(phase, kind)].targets
         return
     expected = fsm.Refused if isinstance(event, fsm.Received) else fsm.InvalidTransition
     with pytest.raises(expected) as info:
@@ -123,6 +125,24 @@ def test_every_phase_event_pair(phase: Phase, kind: type) -> None:
     if isinstance(info.value, fsm.Refused):
         assert info.value.code is ErrorCode.REFUSED
     assert state == state_in(phase)  # nothing changed
+
+
+def test_a_shell_bug_is_a_local_error_and_a_shared_invalid_transition() -> None:
+    state = state_in(Phase.PENDING)
+    with pytest.raises(fsm.InvalidTransition) as info:
+        fsm.step(state, fsm.Connected(S), 0.0)  # the session is already connected
+    assert isinstance(info.value, LocalGmsError) and isinstance(info.value, InvalidTransition)
+    assert (info.value.phase, info.value.kind) == (Phase.PENDING, fsm.Connected)
+
+
+def test_the_shells_machine_keeps_its_state_when_a_step_raises() -> None:
+    machine = fsm.Machine(state_in(Phase.PENDING))
+    before = machine.state
+    with pytest.raises(fsm.Refused):
+        machine.feed(req(S, m.Commit()), 0.0)
+    with pytest.raises(fsm.InvalidTransition):
+        machine.feed(fsm.Connected(S), 0.0)
+    assert machine.state is before
 
 
 def test_rw_only_operations_are_refused_to_ro_with_a_clear_message() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 
 import pytest
 from hypothesis import assume, settings
@@ -32,7 +31,7 @@ W = 10.0
 
 
 def restored(record=None, corrupt=False, now=0.0, floor=0):
-    return step(LockState(), Restored(record, corrupt, now, W, floor))
+    return step(LockState(), Restored(record, corrupt, W, floor), now)
 
 
 def grants(actions):
@@ -41,12 +40,13 @@ def grants(actions):
 
 # ---------------------------------------------------------------- phases --
 
+NOW = 100.0  # past any window opened by state_in
 SAMPLE_EVENTS = {
-    Restored: Restored(None, False, 0.0, W),
+    Restored: Restored(None, False, W),
     Connected: Connected(1),
-    AcquireRequested: AcquireRequested(1, "a", 0.0),
-    Disconnected: Disconnected(1, 0.0),
-    WindowExpired: WindowExpired(100.0),
+    AcquireRequested: AcquireRequested(1, "a"),
+    Disconnected: Disconnected(1),
+    WindowExpired: WindowExpired(),
 }
 
 
@@ -57,7 +57,7 @@ def state_in(phase: Phase) -> LockState:
         return restored()[0]
     if phase is Phase.WINDOW:
         return restored(PersistedRecord("old", 4))[0]
-    s, _ = step(restored()[0], AcquireRequested(9, "holder", 0.0))
+    s, _ = step(restored()[0], AcquireRequested(9, "holder"), 0.0)
     return s
 
 
@@ -70,12 +70,13 @@ def test_every_phase_event_pair(phase, etype):
     event = SAMPLE_EVENTS[etype]
     entry = fsm.TRANSITIONS.get((phase, etype))
     if entry is None:
-        with pytest.raises(InvalidTransition):
-            step(state, event)
-        assert state == state_in(phase)  # frozen: nothing changed
+        with pytest.raises(InvalidTransition) as info:
+            step(state, event, NOW)
+        assert (info.value.phase, info.value.kind) == (phase, etype)
+        assert state == state_in(phase)
     else:
-        new, _ = step(state, event)
-        assert new.phase in entry[1]
+        new, _ = step(state, event, NOW)
+        assert new.phase in entry.targets
 
 
 def test_table_covers_all_but_restore_after_init():
@@ -95,7 +96,7 @@ def test_table_covers_all_but_restore_after_init():
 
 def test_first_boot_grants_at_once_and_persists_before_grant():
     s, _ = restored()
-    s, actions = step(s, AcquireRequested(1, "a", 0.0))
+    s, actions = step(s, AcquireRequested(1, "a"), 0.0)
     assert actions[0] == Persist("a", 1)
     assert isinstance(actions[1], Grant) and actions[1].epoch == 1
     assert s.phase is Phase.HELD
@@ -103,64 +104,64 @@ def test_first_boot_grants_at_once_and_persists_before_grant():
 
 def test_holder_disconnect_promotes_fifo_with_higher_epoch():
     s, _ = restored()
-    s, _ = step(s, AcquireRequested(1, "a", 0.0))
-    s, a2 = step(s, AcquireRequested(2, "b", 1.0))
-    s, a3 = step(s, AcquireRequested(3, "c", 2.0))
+    s, _ = step(s, AcquireRequested(1, "a"), 0.0)
+    s, a2 = step(s, AcquireRequested(2, "b"), 1.0)
+    s, a3 = step(s, AcquireRequested(3, "c"), 2.0)
     assert a2 == [] and a3 == []
-    s, actions = step(s, Disconnected(1, 5.0))
+    s, actions = step(s, Disconnected(1), 5.0)
     (g,) = grants(actions)
     assert (g.engine_id, g.epoch, g.waited_s) == ("b", 2, 4.0)
-    s, actions = step(s, Disconnected(2, 6.0))
+    s, actions = step(s, Disconnected(2), 6.0)
     assert grants(actions)[0].engine_id == "c"
-    s, actions = step(s, Disconnected(3, 7.0))
+    s, actions = step(s, Disconnected(3), 7.0)
     assert actions == [Clear(3)] and s.phase is Phase.FREE
 
 
 def test_waiter_disconnect_leaves_queue():
     s, _ = restored()
-    s, _ = step(s, AcquireRequested(1, "a", 0.0))
-    s, _ = step(s, AcquireRequested(2, "b", 0.0))
-    s, _ = step(s, Disconnected(2, 0.0))
+    s, _ = step(s, AcquireRequested(1, "a"), 0.0)
+    s, _ = step(s, AcquireRequested(2, "b"), 0.0)
+    s, _ = step(s, Disconnected(2), 0.0)
     assert s.waiters == ()
-    s, actions = step(s, Disconnected(1, 0.0))
+    s, actions = step(s, Disconnected(1), 0.0)
     assert actions == [Clear(1)]
 
 
 def test_second_acquire_on_same_connection_is_refused_and_keeps_the_lock():
     s, _ = restored()
-    s, _ = step(s, AcquireRequested(1, "a", 0.0))
-    s2, actions = step(s, AcquireRequested(1, "a", 0.0))
+    s, _ = step(s, AcquireRequested(1, "a"), 0.0)
+    s2, actions = step(s, AcquireRequested(1, "a"), 0.0)
     assert s2 == s and isinstance(actions[0], Reject) and actions[0].code == "bad_request"
 
 
 def test_window_regrants_persisted_holder_with_same_epoch():
     s, actions = restored(PersistedRecord("a", 7), now=100.0)
     assert s.phase is Phase.WINDOW and s.window.deadline == 110.0
-    s, actions = step(s, AcquireRequested(1, "b", 101.0))
+    s, actions = step(s, AcquireRequested(1, "b"), 101.0)
     assert actions == [] and s.phase is Phase.WINDOW  # others wait
-    s, actions = step(s, AcquireRequested(2, "a", 102.0, resume_epoch=7))
+    s, actions = step(s, AcquireRequested(2, "a", resume_epoch=7), 102.0)
     (g,) = grants(actions)
     assert (g.engine_id, g.epoch, g.resumed) == ("a", 7, True)
     assert s.phase is Phase.HELD and s.window is None
-    s, actions = step(s, Disconnected(2, 103.0))
+    s, actions = step(s, Disconnected(2), 103.0)
     assert grants(actions)[0].epoch == 8  # b, strictly higher
 
 
 def test_window_expiry_frees_then_next_acquire_wins_with_higher_epoch():
     s, _ = restored(PersistedRecord("a", 7), now=0.0)
-    s, actions = step(s, WindowExpired(5.0))  # early timer: nothing
+    s, actions = step(s, WindowExpired(), 5.0)  # early timer: nothing
     assert actions == [] and s.phase is Phase.WINDOW
-    s, actions = step(s, WindowExpired(10.0))
+    s, actions = step(s, WindowExpired(), 10.0)
     assert s.phase is Phase.FREE and Clear(7) in actions
-    s, actions = step(s, AcquireRequested(1, "b", 11.0))
+    s, actions = step(s, AcquireRequested(1, "b"), 11.0)
     assert grants(actions)[0].epoch == 8
 
 
 def test_window_expiry_promotes_first_waiter():
     s, _ = restored(PersistedRecord("a", 3), now=0.0)
-    s, _ = step(s, AcquireRequested(1, "b", 1.0))
-    s, _ = step(s, AcquireRequested(2, "c", 2.0))
-    s, actions = step(s, WindowExpired(10.0))
+    s, _ = step(s, AcquireRequested(1, "b"), 1.0)
+    s, _ = step(s, AcquireRequested(2, "c"), 2.0)
+    s, actions = step(s, WindowExpired(), 10.0)
     assert grants(actions)[0].engine_id == "b" and s.epoch == 4
 
 
@@ -168,45 +169,45 @@ def test_corrupt_file_opens_window_for_unknown_holder_and_raises_epoch_floor():
     s, actions = restored(corrupt=True, now=0.0, floor=1_000_000)
     assert s.phase is Phase.WINDOW and s.window.holder is None
     assert actions[0].corrupt
-    s, actions = step(s, AcquireRequested(1, "anyone", 1.0))
+    s, actions = step(s, AcquireRequested(1, "anyone"), 1.0)
     assert actions == []  # nobody can be granted during the window
-    s, actions = step(s, WindowExpired(10.0))
+    s, actions = step(s, WindowExpired(), 10.0)
     assert grants(actions)[0].epoch == 1_000_001
 
 
 def test_resume_of_superseded_epoch_is_refused():
     s, _ = restored()
-    s, _ = step(s, AcquireRequested(1, "a", 0.0))  # epoch 1
-    s, _ = step(s, Disconnected(1, 0.0))
-    s, _ = step(s, AcquireRequested(2, "b", 0.0))  # epoch 2
-    s2, actions = step(s, AcquireRequested(3, "a", 0.0, resume_epoch=1))
+    s, _ = step(s, AcquireRequested(1, "a"), 0.0)  # epoch 1
+    s, _ = step(s, Disconnected(1), 0.0)
+    s, _ = step(s, AcquireRequested(2, "b"), 0.0)  # epoch 2
+    s2, actions = step(s, AcquireRequested(3, "a", resume_epoch=1), 0.0)
     assert s2 == s and actions[0].code == "superseded"
 
 
 def test_resume_after_quiet_drop_keeps_epoch():
     """A TCP hiccup: the holder's connection dropped and nobody else was granted."""
     s, _ = restored()
-    s, _ = step(s, AcquireRequested(1, "a", 0.0))
-    s, _ = step(s, Disconnected(1, 0.0))
-    s, actions = step(s, AcquireRequested(2, "a", 0.0, resume_epoch=1))
+    s, _ = step(s, AcquireRequested(1, "a"), 0.0)
+    s, _ = step(s, Disconnected(1), 0.0)
+    s, actions = step(s, AcquireRequested(2, "a", resume_epoch=1), 0.0)
     assert grants(actions)[0].epoch == 1 and grants(actions)[0].resumed
 
 
 def test_resume_of_current_epoch_by_another_engine_gets_a_new_epoch():
     s, _ = restored()
-    s, _ = step(s, AcquireRequested(1, "a", 0.0))
-    s, _ = step(s, Disconnected(1, 0.0))
-    s, actions = step(s, AcquireRequested(2, "mallory", 0.0, resume_epoch=1))
+    s, _ = step(s, AcquireRequested(1, "a"), 0.0)
+    s, _ = step(s, Disconnected(1), 0.0)
+    s, actions = step(s, AcquireRequested(2, "mallory", resume_epoch=1), 0.0)
     assert grants(actions)[0].epoch == 2
 
 
 def test_pending_resume_is_rejected_when_someone_else_is_granted():
     s, _ = restored()
-    s, _ = step(s, AcquireRequested(1, "a", 0.0))  # epoch 1
-    s, _ = step(s, AcquireRequested(2, "b", 0.0))
+    s, _ = step(s, AcquireRequested(1, "a"), 0.0)  # epoch 1
+    s, _ = step(s, AcquireRequested(2, "b"), 0.0)
     # a's connection is half-open; a reconnects and queues a resume of epoch 1
-    s, _ = step(s, AcquireRequested(3, "a", 0.0, resume_epoch=1))
-    s, actions = step(s, Disconnected(1, 0.0))
+    s, _ = step(s, AcquireRequested(3, "a", resume_epoch=1), 0.0)
+    s, actions = step(s, Disconnected(1), 0.0)
     # a's resume goes first: it is the last holder resuming the current epoch
     assert grants(actions)[0].engine_id == "a" and grants(actions)[0].epoch == 1
 
@@ -228,7 +229,7 @@ class LockMachine(RuleBasedStateMachine):
 
     def apply(self, event):
         before = self.state
-        self.state, actions = step(self.state, event)
+        self.state, actions = step(self.state, event, self.now)
         for a in actions:
             if isinstance(a, Persist):
                 self.persisted = PersistedRecord(a.engine_id, a.epoch)
@@ -256,7 +257,7 @@ class LockMachine(RuleBasedStateMachine):
     @rule(engine=st.sampled_from(["a", "b", "c"]))
     def acquire(self, engine):
         self.now += 0.1
-        self.apply(AcquireRequested(next(self.conns), engine, self.now))
+        self.apply(AcquireRequested(next(self.conns), engine))
 
     @rule(data=st.data())
     def resume(self, data):
@@ -264,7 +265,7 @@ class LockMachine(RuleBasedStateMachine):
         conn = data.draw(st.sampled_from(sorted(self.holder_grants)))
         engine, epoch = self.holder_grants[conn]
         self.now += 0.1
-        self.apply(AcquireRequested(next(self.conns), engine, self.now, resume_epoch=epoch))
+        self.apply(AcquireRequested(next(self.conns), engine, resume_epoch=epoch))
 
     @rule(data=st.data())
     def disconnect(self, data):
@@ -274,12 +275,12 @@ class LockMachine(RuleBasedStateMachine):
         assume(live)
         conn = data.draw(st.sampled_from(live))
         self.now += 0.1
-        self.apply(Disconnected(conn, self.now))
+        self.apply(Disconnected(conn))
 
     @rule(dt=st.floats(0, 20))
     def time_passes(self, dt):
         self.now += dt
-        self.apply(WindowExpired(self.now))
+        self.apply(WindowExpired())
 
     @rule(corrupt=st.booleans())
     def server_restarts(self, corrupt):
@@ -289,7 +290,7 @@ class LockMachine(RuleBasedStateMachine):
         # faster than grants can be made.
         floor = 10**12 + int(self.now * 1_000_000) if corrupt else 0
         self.state, _ = step(
-            LockState(), Restored(None if corrupt else self.persisted, corrupt, self.now, W, floor)
+            LockState(), Restored(None if corrupt else self.persisted, corrupt, W, floor), self.now
         )
         self.holder_grants = {}
 
@@ -318,8 +319,18 @@ TestLockMachine = LockMachine.TestCase
 TestLockMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 
-def test_snapshot_reports_window():
+def test_snapshot_reports_window_then_holder():
     s, _ = restored(PersistedRecord("a", 2), now=0.0)
     snap = fsm.snapshot(s, 4.0)
     assert snap.window_open and snap.window_holder == "a" and snap.window_remaining_s == 6.0
-    assert replace(s, window=None).window is None
+    assert fsm.snapshot(s, 12.0).window_remaining_s == 0.0  # an overdue timer is not negative
+    s, _ = step(s, AcquireRequested(1, "b"), 5.0)
+    s, _ = step(s, AcquireRequested(2, "a", resume_epoch=2), 6.0)
+    assert fsm.snapshot(s, 7.0) == fsm.Snapshot(
+        holder="a",
+        epoch=2,
+        waiters=("b",),
+        window_open=False,
+        window_holder=None,
+        window_remaining_s=None,
+    )

@@ -18,15 +18,18 @@ PAIRS = list(itertools.product(P, lc.Event))
 
 @pytest.mark.parametrize(("phase", "event"), PAIRS, ids=str)
 def test_every_phase_event_pair(phase: P, event: lc.Event) -> None:
-    rec = lc.Replica(index=0, phase=phase, attempt=2, retries=3, since=1.0)
-    expected = lc.TRANSITIONS.get((phase, event))
-    if expected is None:
-        with pytest.raises(lc.InvalidTransition):
+    """Legal pairs land in the entry's target; illegal ones raise and change nothing."""
+    rec = lc.Replica(index=0, phase=phase, attempt=2, retries=3, since=1.0, node="n1")
+    entry = lc.TRANSITIONS.get((phase, event))
+    if entry is None:
+        with pytest.raises(lc.InvalidTransition) as info:
             lc.step(rec, event, now=5.0)
+        assert (info.value.phase, info.value.kind) == (phase, event)
         return
-    new = lc.step(rec, event, now=5.0)
-    assert new.phase is expected
-    assert new.since == 5.0 and new.retries == 0
+    new, actions = lc.step(rec, event, now=5.0)
+    (expected,) = entry.targets
+    assert new.phase is expected and actions == []
+    assert new.since == 5.0 and new.retries == 0 and new.node == "n1"
     assert new.attempt == (3 if event is lc.Event.PLACED else 2)
 
 
@@ -48,7 +51,7 @@ def test_handler_declarations_are_valid_transitions() -> None:
 def test_deletion_is_possible_from_every_non_terminal_phase() -> None:
     for phase in P:
         if phase is not P.TERMINATING:
-            assert lc.TRANSITIONS[(phase, lc.Event.DELETE)] is P.TERMINATING
+            assert lc.TRANSITIONS[(phase, lc.Event.DELETE)].targets == {P.TERMINATING}
 
 
 POLICY = lc.Policy(bind_timeout=10, start_timeout=10, unknown_timeout=10, failed_backoff=10)
@@ -189,10 +192,17 @@ def test_history_never_exceeds_its_limit(rs: list[lc.Report], limit: int) -> Non
         assert len(hist) <= limit
 
 
-@given(st.sampled_from(list(P)), st.sampled_from(list(lc.Event)))
-def test_invalid_transition_leaves_the_record_unchanged(phase: P, event: lc.Event) -> None:
-    rec = lc.Replica(0, phase=phase, attempt=1)
-    try:
-        lc.step(rec, event, 1.0)
-    except lc.InvalidTransition:
-        assert rec == lc.Replica(0, phase=phase, attempt=1)
+@pytest.mark.parametrize("phase", list(P), ids=str)
+def test_reset_and_delete_change_only_what_the_table_allows(phase: P) -> None:
+    """reset only revives a Failed replica, delete ends any other; neither touches the attempt."""
+    rec = lc.Replica(0, phase=phase, attempt=4, retries=2, since=1.0, node="n1")
+    if phase is P.FAILED:
+        expected = lc.Replica(0, phase=P.PENDING, attempt=4, retries=0, since=9.0, node="n1")
+    else:
+        expected = lc.Replica(0, phase=phase, attempt=4, retries=2, since=1.0, node="n1")
+    assert lc.reset(rec, 9.0) == expected
+    if phase is P.TERMINATING:
+        expected = lc.Replica(0, phase=phase, attempt=4, retries=2, since=1.0, node="n1")
+    else:
+        expected = lc.Replica(0, phase=P.TERMINATING, attempt=4, retries=0, since=9.0, node="n1")
+    assert lc.delete(rec, 9.0) == expected

@@ -5,7 +5,7 @@ Every component distribution declares its commands as entry points in the group
 subcommands to the parser). A component that is not installed has no
 commands, so a sidecar image carrying only the lock server still gets a
 working ``understudy lockserver serve``. This module only dispatches; it makes
-no decisions (STYLE.md b14).
+no decisions, so what a command does lives with the component that owns it.
 """
 
 from __future__ import annotations

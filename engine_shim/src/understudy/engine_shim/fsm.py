@@ -1,8 +1,12 @@
-"""The engine's life: Init → Standby → Waking → Active → Dead (seed 002, Decision 2).
+"""The engine's life: Init → Standby → Waking → Active → Dead.
 
-Sans-IO. The main loop and the monitors feed events; the core answers with
-the next state and the actions to carry out. ``TRANSITIONS`` is the one table:
-a pair that is not in it raises ``InvalidTransition`` and changes nothing.
+Sans-IO: ``step(state, event, now) -> (state, actions)``, the shape every core
+shares (``understudy.wire.machine``). The main loop and the monitors feed
+events; the core answers with the next state and the actions to carry out.
+``TRANSITIONS`` is the one table: each (state, event type) names the handler
+that computes the actions and the state it leads to; a pair that is not in it
+raises ``InvalidTransition`` and changes nothing. The time budgets travel in
+the state, so ``step`` needs nothing else.
 There is no way back to Standby after Waking: a shadow is single-use, and a
 dead engine is restarted as a new process (which re-arms as a standby).
 
@@ -15,7 +19,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, replace
-from typing import assert_never
+
+from understudy.wire import machine
+from understudy.wire.machine import Entry
 
 
 class State(enum.Enum):
@@ -93,7 +99,7 @@ Event = (
 
 @dataclass(frozen=True, slots=True)
 class Acquire:
-    """Block on the pod's lock; the grant is the wake trigger (Decision 4)."""
+    """Block on the pod's lock; the grant is the wake trigger (there is no wake call)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,8 +134,8 @@ class ExitCode(enum.IntEnum):
     INIT_TIMEOUT = 6
 
 
-class InvalidTransition(Exception):
-    pass
+class InvalidTransition(machine.InvalidTransition):
+    """An event the engine's state does not take (a bug in the main loop)."""
 
 
 # ----------------------------------------------------------------- state --
@@ -146,6 +152,7 @@ class EngineState:
     state: State
     since: float  # monotonic time the state was entered
     started: float  # process start (Init entered)
+    budgets: Budgets
     epoch: int | None = None
     last_event: str = "start"
 
@@ -153,75 +160,92 @@ class EngineState:
         return max(0.0, now - self.since)
 
 
-def initial(now: float) -> EngineState:
-    return EngineState(State.INIT, since=now, started=now)
+def initial(now: float, budgets: Budgets) -> EngineState:
+    return EngineState(State.INIT, since=now, started=now, budgets=budgets)
 
 
-def deadline(s: EngineState, budgets: Budgets) -> float | None:
+def deadline(s: EngineState) -> float | None:
     """When the shell must feed a timeout event, if the state has a deadline."""
     if s.state is State.INIT:
-        return s.started + budgets.startup_s
+        return s.started + s.budgets.startup_s
     if s.state is State.WAKING:
-        return s.since + budgets.wake_s
+        return s.since + s.budgets.wake_s
     return None
+
+
+# -------------------------------------------------------------- handlers --
+
+Result = tuple[EngineState, list[Action]]
+
+
+def _moved(s: EngineState, target: State, event: Event, now: float) -> EngineState:
+    since = now if target is not s.state else s.since
+    return replace(s, state=target, since=since, last_event=type(event).__name__)
+
+
+def _init_done(s: EngineState, e: InitDone, now: float) -> Result:
+    return _moved(s, State.STANDBY, e, now), [Acquire()]
+
+
+def _lock_granted(s: EngineState, e: LockGranted, now: float) -> Result:
+    new = replace(_moved(s, State.WAKING, e, now), epoch=e.epoch)
+    return new, [Wake(deadline=now + s.budgets.wake_s)]
+
+
+def _wake_done(s: EngineState, e: WakeDone, now: float) -> Result:
+    return _moved(s, State.WAKING, e, now), [BindServing()]  # Active only once serving
+
+
+def _serving_ready(s: EngineState, e: ServingReady, now: float) -> Result:
+    return _moved(s, State.ACTIVE, e, now), []
+
+
+def _init_timeout(s: EngineState, e: InitTimeout, now: float) -> Result:
+    why = f"startup budget of {s.budgets.startup_s:g}s exceeded"
+    return _moved(s, State.DEAD, e, now), [Exit(ExitCode.INIT_TIMEOUT, why, s.state)]
+
+
+def _wake_timeout(s: EngineState, e: WakeTimeout, now: float) -> Result:
+    why = f"wake took longer than {s.budgets.wake_s:g}s"
+    return _moved(s, State.DEAD, e, now), [Exit(ExitCode.WAKE_TIMEOUT, why, s.state)]
+
+
+_DIE = {LockLost: ExitCode.LOCK_LOST, GmsLost: ExitCode.GMS_LOST, Fatal: ExitCode.FATAL}
+
+
+def _died(s: EngineState, e: LockLost | GmsLost | Fatal, now: float) -> Result:
+    return _moved(s, State.DEAD, e, now), [Exit(_DIE[type(e)], e.reason, s.state)]
 
 
 # ----------------------------------------------------------------- table --
 
 S = State
-_DIE = {LockLost: ExitCode.LOCK_LOST, GmsLost: ExitCode.GMS_LOST, Fatal: ExitCode.FATAL}
+_DEAD = frozenset({S.DEAD})
 
-# (state, event type) -> next state. Action choice is below, by event type.
-TRANSITIONS: dict[tuple[State, type], State] = {
-    (S.INIT, InitDone): S.STANDBY,
-    (S.INIT, InitTimeout): S.DEAD,
-    (S.INIT, Fatal): S.DEAD,
-    (S.INIT, GmsLost): S.DEAD,
-    (S.STANDBY, LockGranted): S.WAKING,
-    (S.STANDBY, Fatal): S.DEAD,
-    (S.WAKING, WakeDone): S.WAKING,
-    (S.WAKING, ServingReady): S.ACTIVE,
-    (S.WAKING, WakeTimeout): S.DEAD,
-    (S.WAKING, LockLost): S.DEAD,
-    (S.WAKING, GmsLost): S.DEAD,
-    (S.WAKING, Fatal): S.DEAD,
-    (S.ACTIVE, LockLost): S.DEAD,
-    (S.ACTIVE, GmsLost): S.DEAD,
-    (S.ACTIVE, Fatal): S.DEAD,
+# (state, event type) -> (handler, the state it leads to).
+TRANSITIONS: dict[tuple[State, type], Entry[EngineState, Action, State]] = {
+    (S.INIT, InitDone): Entry(_init_done, frozenset({S.STANDBY})),
+    (S.INIT, InitTimeout): Entry(_init_timeout, _DEAD),
+    (S.INIT, Fatal): Entry(_died, _DEAD),
+    (S.INIT, GmsLost): Entry(_died, _DEAD),
+    (S.STANDBY, LockGranted): Entry(_lock_granted, frozenset({S.WAKING})),
+    (S.STANDBY, Fatal): Entry(_died, _DEAD),
+    (S.WAKING, WakeDone): Entry(_wake_done, frozenset({S.WAKING})),
+    (S.WAKING, ServingReady): Entry(_serving_ready, frozenset({S.ACTIVE})),
+    (S.WAKING, WakeTimeout): Entry(_wake_timeout, _DEAD),
+    (S.WAKING, LockLost): Entry(_died, _DEAD),
+    (S.WAKING, GmsLost): Entry(_died, _DEAD),
+    (S.WAKING, Fatal): Entry(_died, _DEAD),
+    (S.ACTIVE, LockLost): Entry(_died, _DEAD),
+    (S.ACTIVE, GmsLost): Entry(_died, _DEAD),
+    (S.ACTIVE, Fatal): Entry(_died, _DEAD),
 }
 
 
-def _actions(s: EngineState, event: Event, now: float, budgets: Budgets) -> list[Action]:
-    match event:
-        case InitDone():
-            return [Acquire()]
-        case LockGranted():
-            return [Wake(deadline=now + budgets.wake_s)]
-        case WakeDone():
-            return [BindServing()]
-        case ServingReady():
-            return []
-        case InitTimeout():
-            why = f"startup budget of {budgets.startup_s:g}s exceeded"
-            return [Exit(ExitCode.INIT_TIMEOUT, why, s.state)]
-        case WakeTimeout():
-            why = f"wake took longer than {budgets.wake_s:g}s"
-            return [Exit(ExitCode.WAKE_TIMEOUT, why, s.state)]
-        case LockLost(reason=reason) | GmsLost(reason=reason) | Fatal(reason=reason):
-            return [Exit(_DIE[type(event)], reason, s.state)]
-        case _:
-            assert_never(event)
+def _state_of(s: EngineState, event: Event) -> State:
+    return s.state
 
 
-def step(
-    s: EngineState, event: Event, now: float, budgets: Budgets
-) -> tuple[EngineState, list[Action]]:
-    target = TRANSITIONS.get((s.state, type(event)))
-    if target is None:
-        raise InvalidTransition(f"{type(event).__name__} in {s.state.value}")
-    actions = _actions(s, event, now, budgets)
-    epoch = event.epoch if isinstance(event, LockGranted) else s.epoch
-    since = now if target is not s.state else s.since
-    return replace(
-        s, state=target, since=since, epoch=epoch, last_event=type(event).__name__
-    ), actions
+def step(s: EngineState, event: Event, now: float) -> Result:
+    """Apply one event at ``now``. Raises InvalidTransition (state unchanged) on a miss."""
+    return machine.run_step(TRANSITIONS, _state_of, s, event, now, error=InvalidTransition)

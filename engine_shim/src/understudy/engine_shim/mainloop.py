@@ -1,4 +1,4 @@
-"""The engine's main loop (seed 002, Decision 2), the same for both roles:
+"""The engine's main loop, the same for both roles (the lock grant is the wake trigger):
 
     init_weights() → sleep() → acquire() [blocks] → wake_up() → serve_endpoint()
 
@@ -79,8 +79,7 @@ class Shim:
     def __init__(self, cfg: EngineConfig, engine: Engine, host: HttpHost | None = None) -> None:
         self.cfg = cfg
         self.engine = engine
-        self.budgets = Budgets(cfg.startup_budget_s, cfg.wake_timeout_s)
-        self.s = fsm.initial(time.monotonic())
+        self.s = fsm.initial(time.monotonic(), Budgets(cfg.startup_budget_s, cfg.wake_timeout_s))
         self.metrics = Metrics(cfg)
         self.metrics.set_state(self.s.state)
         self.host = host or HttpHost()
@@ -103,7 +102,7 @@ class Shim:
                 return []  # already on the way out
             now = time.monotonic()
             old = self.s
-            self.s, actions = fsm.step(self.s, event, now, self.budgets)
+            self.s, actions = fsm.step(self.s, event, now)
             if self.s.state is not old.state:
                 self._transitioned(old, event, now)
         rest: list[fsm.Action] = []
@@ -148,7 +147,7 @@ class Shim:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        when = fsm.deadline(self.s, self.budgets)
+        when = fsm.deadline(self.s)
         if when is None:
             return
         armed_for = self.s.state
@@ -185,9 +184,7 @@ class Shim:
         with self._mutex:
             s = self.s
         healthy, why = self.serving_health() if s.state is State.ACTIVE else (False, "")
-        return verdict(
-            probe, s.state, s.time_in_state(time.monotonic()), healthy, self.budgets, why
-        )
+        return verdict(probe, s.state, s.time_in_state(time.monotonic()), healthy, s.budgets, why)
 
     def serving_health(self) -> tuple[bool, str]:
         if not self._serving:
@@ -272,7 +269,7 @@ class Shim:
                     _fault(cfg, "WAKE")
                     self.weights.wake(cfg.remap_timeout_s)
                     self.engine.wake()
-                except Exception as exc:  # a failed remap is fatal (Decision 6)
+                except Exception as exc:  # a failed remap is fatal: restart and re-init
                     return self.feed(fsm.Fatal(f"wake failed: {type(exc).__name__}: {exc}"))
                 self.durations["wake"] = time.monotonic() - t0
                 self.metrics.failover.labels(**self.metrics.labels, phase="wake").observe(

@@ -3,7 +3,7 @@
 Three endpoints on the engine's status port (docs/pod.md):
 
 - ``/startup`` — 503 in Init (kubelet's startup probe covers model loading and
-  graph capture: Decision 2), 200 once the engine has left Init.
+  graph capture, which take minutes), 200 once the engine has left Init.
 - ``/live`` — Init 503 (unreachable in a pod: the startup probe gates it);
   Standby 200, an idle standby is alive; Waking 200 until the wake timeout,
   then 503, so a hung wake gets the container killed; Active: the serving

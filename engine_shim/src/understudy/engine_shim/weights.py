@@ -1,9 +1,11 @@
 """The engine's GMS sessions, one per device (a shell around ``gms.client``).
 
-Roles decide modes (Decision 5): the primary asks RW_OR_RO on every device
-(RW where nothing is committed yet, RO where it is), a shadow only RO, so two
-engines can never cross-acquire writers and deadlock. Devices are connected
-in index order, all of them before any loading starts, as vLLM's workers do.
+Roles decide modes: the primary asks RW_OR_RO on every device (RW where
+nothing is committed yet, RO where it is), a shadow only RO. With more than one
+device, two engines that both asked RW_OR_RO could each win the writer on a
+different device and wait for the other's commit for ever; with one writer
+role that cannot happen. Devices are connected in index order, all of them
+before any loading starts, as vLLM's workers do.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ log = logging.getLogger("understudy.engine_shim.weights")
 
 
 class WakeError(RuntimeError):
-    """The weights could not be remapped: the engine must exit (Decision 6)."""
+    """The weights could not be remapped: the engine must exit and re-initialise."""
 
 
 class Weights:
@@ -108,8 +110,8 @@ class Weights:
 
     def _fail_fast(self, device: int, timeout: float) -> None:
         """A GMS that restarted while we slept has nothing committed and, with
-        nobody loading, never will (Decision 6): say so now instead of after
-        the whole remap timeout. With a writer at work, wait for it in remap."""
+        nobody loading, never will: say so now instead of after the whole
+        remap timeout. With a writer at work, wait for it in remap."""
         try:
             state = query_state(self.cfg.gms_socket(device), timeout)
         except GmsError as exc:

@@ -1,5 +1,6 @@
-"""GPU Memory Service (see DESIGN.md): one server per (device, tag) owns the
-weight allocations, hands them out as fds, and decides who may write them.
+"""GPU Memory Service: one server per (device, tag) owns the weight
+allocations, hands them out as fds, and decides who may write them, so that a
+primary and its standby engine share one copy of the weights.
 
 Public names (what the engine shim uses): the client and its errors, and the
 lock modes. Servers, the supervisor and the CLI are imported by module.

@@ -1,4 +1,4 @@
-"""``understudy gms …``: thin subcommands (STYLE.md b14).
+"""``understudy gms …``: thin subcommands (parse, build a config, call one function).
 
     understudy gms serve --socket-dir D --devices 0,1 --backend host|cuda [--metrics-port P]
     understudy gms server --socket PATH --device N [--backend host|cuda]   (what serve runs)

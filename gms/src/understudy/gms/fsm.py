@@ -6,12 +6,14 @@ asyncio server only feeds events and carries out the returned actions.
 Two pieces of data drive it:
 
 * ``TRANSITIONS``, the one transition table: (session phase, event kind) →
-  handler. A connection is a session that moves NONE → PENDING (connected) →
-  WAITING (hello not yet grantable) → RW or RO; commit turns the RW session
-  into an RO one on the same connection (the writer keeps its mappings, now
-  read-only). A miss raises ``Refused`` if a peer's request caused it (the
-  shell answers with an error) and ``InvalidTransition`` otherwise (a bug in
-  the shell); either way the state is unchanged.
+  handler and the phases the session may be in afterwards (the table shape
+  every core shares, ``understudy.wire.machine``). A connection is a session
+  that moves NONE → PENDING (connected) → WAITING (hello not yet grantable) →
+  RW or RO; commit turns the RW session into an RO one on the same connection
+  (the writer keeps its mappings, now read-only). A miss raises ``Refused``
+  if a peer's request caused it (the shell answers with an error) and
+  ``InvalidTransition`` otherwise (a bug in the shell); either way the state
+  is unchanged.
 * ``GRANT_RULES``: (lock state, requested mode) → decision. The lock state is
   derived from the live sessions (``lock_state``): EMPTY, RW, COMMITTED, RO.
 
@@ -45,9 +47,11 @@ from understudy.gms.messages import (
     Mode,
     RemoteGmsError,
 )
+from understudy.wire import machine
+from understudy.wire.machine import Entry
 
 
-class InvalidTransition(LocalGmsError):
+class InvalidTransition(machine.InvalidTransition, LocalGmsError):
     """The shell fed an event the session's phase cannot take (a bug here)."""
 
 
@@ -508,32 +512,43 @@ def _get_state(state: GmsState, ev: Event, now: float) -> Result:
     return state, [Reply(ev.sid, report(state))]
 
 
-Handler = Callable[[GmsState, Event, float], Result]
 Kind = type
+P = Phase
 
-_LIVE = (Phase.PENDING, Phase.WAITING, Phase.RW, Phase.RO)
-_GRANTED = (Phase.RW, Phase.RO)
+_LIVE = (P.PENDING, P.WAITING, P.RW, P.RO)
+_GRANTED = (P.RW, P.RO)
 
-# The one transition table: (phase of the event's session, event kind) -> handler.
-# For ``Received`` events the kind is the request's message class.
-TRANSITIONS: dict[tuple[Phase, Kind], Handler] = {
-    (Phase.NONE, Connected): _connect,
-    **{(p, Disconnected): _disconnect for p in _LIVE},
-    **{(p, Expire): _expire for p in _LIVE},
-    (Phase.PENDING, m.Hello): _hello,
-    (Phase.PENDING, m.GetState): _get_state,
-    (Phase.PENDING, m.GetLayoutHash): _get_layout_hash,
-    (Phase.RW, m.Allocate): _allocate,
-    (Phase.RW, CreateFailed): _create_failed,
-    (Phase.RW, m.PutMetadata): _put_metadata,
-    (Phase.RW, m.Commit): _commit,
-    **{(p, m.Export): _export for p in _GRANTED},
-    **{(p, m.ExportMany): _export_many for p in _GRANTED},
-    **{(p, m.ListAllocations): _list_allocations for p in _GRANTED},
-    **{(p, m.GetMetadata): _get_metadata for p in _GRANTED},
-    **{(p, m.ListMetadata): _list_metadata for p in _GRANTED},
-    **{(p, m.GetLayoutHash): _get_layout_hash for p in _GRANTED},
-    **{(p, m.GetState): _get_state for p in _GRANTED},
+
+def _stays(
+    handler: Callable[[GmsState, Event, float], Result], p: Phase
+) -> Entry[GmsState, Action, Phase]:
+    """An entry whose handler leaves the session in the phase it was in."""
+    return Entry(handler, frozenset({p}))
+
+
+# The one transition table: (phase of the event's session, event kind) ->
+# handler and the phases that session may be in afterwards. For ``Received``
+# events the kind is the request's message class.
+TRANSITIONS: dict[tuple[Phase, Kind], Entry[GmsState, Action, Phase]] = {
+    (P.NONE, Connected): Entry(_connect, frozenset({P.PENDING})),
+    **{(p, Disconnected): Entry(_disconnect, frozenset({P.NONE})) for p in _LIVE},
+    # A wait that expires goes back to PENDING; any other expiry is a stale timer.
+    (P.WAITING, Expire): Entry(_expire, frozenset({P.WAITING, P.PENDING})),
+    **{(p, Expire): _stays(_expire, p) for p in (P.PENDING, P.RW, P.RO)},
+    (P.PENDING, m.Hello): Entry(_hello, frozenset({P.WAITING, P.RW, P.RO})),
+    (P.PENDING, m.GetState): _stays(_get_state, P.PENDING),
+    (P.PENDING, m.GetLayoutHash): _stays(_get_layout_hash, P.PENDING),
+    (P.RW, m.Allocate): _stays(_allocate, P.RW),
+    (P.RW, CreateFailed): _stays(_create_failed, P.RW),
+    (P.RW, m.PutMetadata): _stays(_put_metadata, P.RW),
+    (P.RW, m.Commit): Entry(_commit, frozenset({P.RO})),  # the writer keeps reading
+    **{(p, m.Export): _stays(_export, p) for p in _GRANTED},
+    **{(p, m.ExportMany): _stays(_export_many, p) for p in _GRANTED},
+    **{(p, m.ListAllocations): _stays(_list_allocations, p) for p in _GRANTED},
+    **{(p, m.GetMetadata): _stays(_get_metadata, p) for p in _GRANTED},
+    **{(p, m.ListMetadata): _stays(_list_metadata, p) for p in _GRANTED},
+    **{(p, m.GetLayoutHash): _stays(_get_layout_hash, p) for p in _GRANTED},
+    **{(p, m.GetState): _stays(_get_state, p) for p in _GRANTED},
 }
 
 EVENT_KINDS: tuple[Kind, ...] = (Connected, Disconnected, Expire, CreateFailed)
@@ -556,20 +571,27 @@ def kind_of(event: Event) -> Kind:
     return type(event.request) if isinstance(event, Received) else type(event)
 
 
+def _session_phase(state: GmsState, event: Event) -> Phase:
+    return state.phase(event.sid)
+
+
 def step(state: GmsState, event: Event, now: float) -> Result:
-    """Apply one event. Raises ``Refused`` or ``InvalidTransition``; state then unchanged."""
-    phase = state.phase(event.sid)
-    kind = kind_of(event)
-    handler = TRANSITIONS.get((phase, kind))
-    if handler is None:
-        if isinstance(event, Received):
+    """Apply one event. Raises ``Refused`` or ``InvalidTransition``; state then unchanged.
+
+    A request the session's phase does not take is the peer's fault (``Refused``,
+    answered with an error); any other miss is the shell's (``InvalidTransition``).
+    """
+    if isinstance(event, Received):
+        phase = state.phase(event.sid)
+        if (phase, kind_of(event)) not in TRANSITIONS:
             raise Refused(
                 ErrorCode.REFUSED,
                 f"{event.request.type} is not allowed in a {phase.value} session"
                 + (" (RW-only operation)" if phase is Phase.RO else ""),
             )
-        raise InvalidTransition(f"{kind.__name__} in phase {phase.value} (session {event.sid})")
-    return handler(state, event, now)
+    return machine.run_step(
+        TRANSITIONS, _session_phase, state, event, now, kind_of=kind_of, error=InvalidTransition
+    )
 
 
 @dataclass(slots=True)

@@ -5,7 +5,8 @@ they were made (size, tag) and the metadata records (tensor names, dtypes,
 shapes, offsets) — never the contents, and never the server-local ids, so
 that the same model loaded twice into a fresh GMS has the same hash. A
 sleeping engine compares it on wake (``remap``) to detect that the memory it
-mapped before is not the memory that is committed now (Decision 6).
+mapped before is not the memory that is committed now (a GMS that restarted
+while it slept, and was loaded again since).
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ from dataclasses import dataclass
 # Same default as CUDA VMM's minimum granularity on current GPUs, so the host
 # backend lays memory out the way the cuda backend will.
 DEFAULT_GRANULARITY = 2 * 1024 * 1024
-MAX_TAG_LEN = 64
-MAX_METADATA_KEY_LEN = 512
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""Every GMS wire shape (STYLE.md b6): the only module that defines one.
+"""Every GMS wire shape: the only module that defines one (one vocabulary).
 
 Client → server requests and server → client replies are pydantic v2 frozen
 models, ``extra="forbid"``, discriminated on ``type``. Frames are the 4-byte

@@ -1,6 +1,6 @@
 """The GMS server: an asyncio shell around ``fsm`` for one (device, tag).
 
-One loop per connection (STYLE.md b8): read with a plain ``recv`` — so the
+One loop per connection: read with a plain ``recv`` — so the
 kernel discards any SCM_RIGHTS a client sends; the server never accepts fds —
 feed the codec, step the core, carry out the actions. EOF or a reset becomes
 ``Disconnected``, which is how a writer's death aborts its allocations.

@@ -1,4 +1,4 @@
-"""``understudy gms serve``: one server process per device, Decision 1's rules.
+"""``understudy gms serve``: one server process per device, all in one container.
 
 The supervisor starts ``python -m understudy.gms.cli server`` for every
 device and then waits for the first child to exit (``wait -n``). Whatever the

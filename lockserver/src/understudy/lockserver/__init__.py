@@ -1,4 +1,4 @@
-"""The pod's global lock (seed 002, Decisions 4 and 8): the connection is the lock.
+"""The pod's global lock: the connection is the lock, and its grant wakes a standby.
 
 Public API for engines: ``acquire`` (blocks; returns a ``HeldLock`` whose open
 connection holds the lock, watched by a monitor thread) and ``status``.

@@ -4,7 +4,7 @@ Exit codes (also in README.md):
   0  done (``status`` answered; ``serve``/``acquire`` stopped by SIGTERM/SIGINT)
   1  the lock server is unreachable or refused the request
   2  bad command line
-  3  ``acquire``: the lock was granted, then lost (Decision 8)
+  3  ``acquire``: the lock was granted, then lost (its grant could not be resumed)
   4  ``acquire``: not granted within ``--timeout``
 """
 
@@ -135,7 +135,9 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     server_sub = server.add_subparsers(dest="lockserver_command", required=True, metavar="COMMAND")
     serve = server_sub.add_parser("serve", help="serve the lock on a Unix socket (and TCP)")
     serve.add_argument("--socket", required=True, help="Unix socket path")
-    serve.add_argument("--state-file", required=True, help="persisted lock state (Decision 8)")
+    serve.add_argument(
+        "--state-file", required=True, help="persisted lock state (read back on restart)"
+    )
     serve.add_argument(
         "--reconnect-window",
         type=float,

@@ -4,10 +4,11 @@
 connection *is* the lock, and a monitor thread watches it. When the server
 goes away (EOF / POLLHUP, seen within milliseconds on a Unix socket) the
 monitor reconnects and asks for the same grant back (``resume_epoch``) for up
-to ``reconnect_timeout`` seconds — longer than the server's reconnect window
-(Decision 8). If that fails, or the server granted another epoch meanwhile,
-``on_lost`` is called; its default terminates the process at once, because a
-holder that may have been replaced must not keep serving.
+to ``reconnect_timeout`` seconds — longer than the server's reconnect window,
+so a restarted server still sees its holder come back. If that fails, or the
+server granted another epoch meanwhile, ``on_lost`` is called; its default
+terminates the process at once, because a holder that may have been replaced
+must not keep serving.
 
 Blocking sockets and threads, not asyncio: engines (vLLM among them) are
 threaded programs, and the monitor must run whatever the engine's main thread
@@ -140,8 +141,8 @@ def _request(
 
 
 def _default_on_lost(reason: str) -> None:
-    # Fencing (Decision 4): a holder that may have been replaced must stop at
-    # once; no cleanup handler may keep it serving.
+    # Fencing: a holder that may have been replaced must stop at once; no
+    # cleanup handler may keep it serving next to the new holder.
     log_event(log, "lock_lost_exit", logging.CRITICAL, reason=reason, exit_code=EXIT_LOCK_LOST)
     sys.stderr.flush()
     os._exit(EXIT_LOCK_LOST)

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_RECONNECT_WINDOW_S = 10.0
-# The client keeps trying longer than the server's window (Decision 8), so a
-# restarted server can still see its holder come back.
+# The client keeps trying longer than the server's window, so a restarted
+# server can still see its holder come back.
 DEFAULT_CLIENT_RECONNECT_S = DEFAULT_RECONNECT_WINDOW_S + 5.0
 
 

@@ -1,12 +1,13 @@
 """The lock server's decision core: who holds the pod's lock, and who waits.
 
-Sans-IO (STYLE.md b1–b4): ``step(state, event) -> (state, actions)``. The shell
-feeds connection events and timer expiries and carries out the actions
-(reply, persist, clear). Everything that changes the lock's state is in this
-file, and ``TRANSITIONS`` is the one table of which events each phase accepts
-and which phases they may lead to.
+Sans-IO: ``step(state, event, now) -> (state, actions)``, the shape every core
+shares (``understudy.wire.machine``). The shell feeds connection events and
+timer expiries with the loop's time and carries out the actions (reply,
+persist, clear). Everything that changes the lock's state is in this file, and
+``TRANSITIONS`` is the one table of which events each phase accepts, the
+handler for each, and which phases it may lead to.
 
-Semantics (seed 002, Decisions 4 and 8):
+Semantics:
 - the connection is the lock: no release message, a holder's disconnect frees it;
 - every new grant gets an epoch (fencing token) higher than any before, also
   across restarts (the epoch is persisted, and a corrupt state file restarts
@@ -20,9 +21,11 @@ Semantics (seed 002, Decisions 4 and 8):
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import assert_never
+
+from understudy.wire import machine
+from understudy.wire.machine import Entry
 
 # ---------------------------------------------------------------- state ----
 
@@ -81,7 +84,6 @@ class Restored:
 
     record: PersistedRecord | None
     corrupt: bool
-    now: float
     window_s: float
     # Epoch to restart from when the file is corrupt: the shell passes wall
     # time in microseconds (about 1.8e15, still exact in a JSON double), which
@@ -99,19 +101,17 @@ class Connected:
 class AcquireRequested:
     conn: int
     engine_id: str
-    now: float
     resume_epoch: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Disconnected:
     conn: int
-    now: float
 
 
 @dataclass(frozen=True, slots=True)
 class WindowExpired:
-    now: float
+    """The shell's window timer fired (possibly a hair early)."""
 
 
 Event = Restored | Connected | AcquireRequested | Disconnected | WindowExpired
@@ -166,7 +166,7 @@ class WindowClosed:
 Action = Grant | Persist | Clear | Reject | WindowOpened | WindowClosed
 
 
-class InvalidTransition(Exception):
+class InvalidTransition(machine.InvalidTransition):
     """An event the current phase does not accept (a bug in the shell)."""
 
 
@@ -175,10 +175,10 @@ class InvalidTransition(Exception):
 Result = tuple[LockState, list[Action]]
 
 
-def _restored(s: LockState, e: Restored) -> Result:
+def _restored(s: LockState, e: Restored, now: float) -> Result:
     if e.corrupt:
         epoch = max(e.epoch_floor, s.epoch)
-        w = Window(holder=None, epoch=epoch, deadline=e.now + e.window_s)
+        w = Window(holder=None, epoch=epoch, deadline=now + e.window_s)
         return (
             replace(s, phase=Phase.WINDOW, epoch=epoch, window=w),
             [WindowOpened(None, epoch, w.deadline, corrupt=True)],
@@ -187,14 +187,14 @@ def _restored(s: LockState, e: Restored) -> Result:
         return replace(s, phase=Phase.FREE), []
     if e.record.holder is None:
         return replace(s, phase=Phase.FREE, epoch=e.record.epoch), []
-    w = Window(holder=e.record.holder, epoch=e.record.epoch, deadline=e.now + e.window_s)
+    w = Window(holder=e.record.holder, epoch=e.record.epoch, deadline=now + e.window_s)
     return (
         replace(s, phase=Phase.WINDOW, epoch=e.record.epoch, window=w, last_holder=w.holder),
         [WindowOpened(w.holder, w.epoch, w.deadline, corrupt=False)],
     )
 
 
-def _noop(s: LockState, e: Event) -> Result:
+def _noop(s: LockState, e: Event, now: float) -> Result:
     return s, []
 
 
@@ -262,33 +262,33 @@ def _release(s: LockState, now: float) -> Result:
     return _grant(s, nxt, now)
 
 
-def _acquire_free(s: LockState, e: AcquireRequested) -> Result:
-    w = Waiter(e.conn, e.engine_id, e.resume_epoch, e.now)
+def _acquire_free(s: LockState, e: AcquireRequested, now: float) -> Result:
+    w = Waiter(e.conn, e.engine_id, e.resume_epoch, now)
     if e.resume_epoch is not None and e.resume_epoch < s.epoch:
         return s, [Reject(e.conn, "superseded", _superseded(e.resume_epoch, s.epoch))]
-    return _grant(replace(s, waiters=(*s.waiters, w)), w, e.now)
+    return _grant(replace(s, waiters=(*s.waiters, w)), w, now)
 
 
-def _acquire_held(s: LockState, e: AcquireRequested) -> Result:
+def _acquire_held(s: LockState, e: AcquireRequested, now: float) -> Result:
     if (why := _known(s, e.conn)) is not None:
         return s, [Reject(e.conn, "bad_request", f"this connection {why}")]
     if e.resume_epoch is not None and e.resume_epoch < s.epoch:
         return s, [Reject(e.conn, "superseded", _superseded(e.resume_epoch, s.epoch))]
-    w = Waiter(e.conn, e.engine_id, e.resume_epoch, e.now)
+    w = Waiter(e.conn, e.engine_id, e.resume_epoch, now)
     return replace(s, waiters=(*s.waiters, w)), []
 
 
-def _acquire_window(s: LockState, e: AcquireRequested) -> Result:
+def _acquire_window(s: LockState, e: AcquireRequested, now: float) -> Result:
     assert s.window is not None
     if (why := _known(s, e.conn)) is not None:
         return s, [Reject(e.conn, "bad_request", f"this connection {why}")]
-    w = Waiter(e.conn, e.engine_id, e.resume_epoch, e.now)
+    w = Waiter(e.conn, e.engine_id, e.resume_epoch, now)
     if s.window.holder is not None and e.engine_id == s.window.holder:
         if e.resume_epoch is not None and e.resume_epoch != s.window.epoch:
             return s, [Reject(e.conn, "superseded", _superseded(e.resume_epoch, s.window.epoch))]
         # The persisted holder is back: same grant, same epoch, no failover.
         w = replace(w, resume_epoch=s.window.epoch)
-        new, actions = _grant(replace(s, waiters=(*s.waiters, w)), w, e.now)
+        new, actions = _grant(replace(s, waiters=(*s.waiters, w)), w, now)
         return new, [WindowClosed("reclaimed"), *actions]
     if e.resume_epoch is not None and e.resume_epoch < s.epoch:
         return s, [Reject(e.conn, "superseded", _superseded(e.resume_epoch, s.epoch))]
@@ -299,65 +299,55 @@ def _drop_waiter(s: LockState, conn: int) -> LockState:
     return replace(s, waiters=tuple(w for w in s.waiters if w.conn != conn))
 
 
-def _disconnect_held(s: LockState, e: Disconnected) -> Result:
+def _disconnect_held(s: LockState, e: Disconnected, now: float) -> Result:
     if s.holder is not None and s.holder.conn == e.conn:
-        return _release(s, e.now)
+        return _release(s, now)
     return _drop_waiter(s, e.conn), []
 
 
-def _disconnect_other(s: LockState, e: Disconnected) -> Result:
+def _disconnect_other(s: LockState, e: Disconnected, now: float) -> Result:
     return _drop_waiter(s, e.conn), []
 
 
-def _window_timer(s: LockState, e: WindowExpired) -> Result:
+def _window_timer(s: LockState, e: WindowExpired, now: float) -> Result:
     assert s.window is not None
-    if e.now < s.window.deadline:
+    if now < s.window.deadline:
         return s, []  # early wake-up of the shell's timer
-    new, actions = _release(s, e.now)
+    new, actions = _release(s, now)
     return new, [WindowClosed("expired"), *actions]
 
 
 # --------------------------------------------------------------- table -----
 
-Handler = Callable[[LockState, "Event"], Result]
+P = Phase
 
 # (phase, event type) -> (handler, phases it may lead to). A miss is an
 # InvalidTransition: the shell fed an event this phase cannot take.
-TRANSITIONS: dict[tuple[Phase, type], tuple[Callable[..., Result], frozenset[Phase]]] = {
-    (Phase.INIT, Restored): (_restored, frozenset({Phase.FREE, Phase.WINDOW})),
-    (Phase.INIT, Connected): (_noop, frozenset({Phase.INIT})),
-    (Phase.FREE, Connected): (_noop, frozenset({Phase.FREE})),
-    (Phase.FREE, AcquireRequested): (_acquire_free, frozenset({Phase.FREE, Phase.HELD})),
-    (Phase.FREE, Disconnected): (_disconnect_other, frozenset({Phase.FREE})),
-    (Phase.FREE, WindowExpired): (_noop, frozenset({Phase.FREE})),
-    (Phase.HELD, Connected): (_noop, frozenset({Phase.HELD})),
-    (Phase.HELD, AcquireRequested): (_acquire_held, frozenset({Phase.HELD})),
-    (Phase.HELD, Disconnected): (_disconnect_held, frozenset({Phase.HELD, Phase.FREE})),
-    (Phase.HELD, WindowExpired): (_noop, frozenset({Phase.HELD})),
-    (Phase.WINDOW, Connected): (_noop, frozenset({Phase.WINDOW})),
-    (Phase.WINDOW, AcquireRequested): (_acquire_window, frozenset({Phase.WINDOW, Phase.HELD})),
-    (Phase.WINDOW, Disconnected): (_disconnect_other, frozenset({Phase.WINDOW})),
-    (Phase.WINDOW, WindowExpired): (
-        _window_timer,
-        frozenset({Phase.WINDOW, Phase.HELD, Phase.FREE}),
-    ),
+TRANSITIONS: dict[tuple[Phase, type], Entry[LockState, Action, Phase]] = {
+    (P.INIT, Restored): Entry(_restored, frozenset({P.FREE, P.WINDOW})),
+    (P.INIT, Connected): Entry(_noop, frozenset({P.INIT})),
+    (P.FREE, Connected): Entry(_noop, frozenset({P.FREE})),
+    (P.FREE, AcquireRequested): Entry(_acquire_free, frozenset({P.FREE, P.HELD})),
+    (P.FREE, Disconnected): Entry(_disconnect_other, frozenset({P.FREE})),
+    (P.FREE, WindowExpired): Entry(_noop, frozenset({P.FREE})),
+    (P.HELD, Connected): Entry(_noop, frozenset({P.HELD})),
+    (P.HELD, AcquireRequested): Entry(_acquire_held, frozenset({P.HELD})),
+    (P.HELD, Disconnected): Entry(_disconnect_held, frozenset({P.HELD, P.FREE})),
+    (P.HELD, WindowExpired): Entry(_noop, frozenset({P.HELD})),
+    (P.WINDOW, Connected): Entry(_noop, frozenset({P.WINDOW})),
+    (P.WINDOW, AcquireRequested): Entry(_acquire_window, frozenset({P.WINDOW, P.HELD})),
+    (P.WINDOW, Disconnected): Entry(_disconnect_other, frozenset({P.WINDOW})),
+    (P.WINDOW, WindowExpired): Entry(_window_timer, frozenset({P.WINDOW, P.HELD, P.FREE})),
 }
 
 
-def step(state: LockState, event: Event) -> Result:
-    """Apply one event. Raises InvalidTransition (state unchanged) on a miss."""
-    entry = TRANSITIONS.get((state.phase, type(event)))
-    if entry is None:
-        raise InvalidTransition(
-            f"{type(event).__name__} is not accepted in phase {state.phase.value}"
-        )
-    handler, targets = entry
-    new, actions = handler(state, event)
-    if new.phase not in targets:  # the table is the contract; a handler broke it
-        raise InvalidTransition(
-            f"{type(event).__name__} in {state.phase.value} led to {new.phase.value}"
-        )
-    return new, actions
+def _phase(state: LockState, event: Event) -> Phase:
+    return state.phase
+
+
+def step(state: LockState, event: Event, now: float) -> Result:
+    """Apply one event at ``now``. Raises InvalidTransition (state unchanged) on a miss."""
+    return machine.run_step(TRANSITIONS, _phase, state, event, now, error=InvalidTransition)
 
 
 def next_deadline(state: LockState) -> float | None:

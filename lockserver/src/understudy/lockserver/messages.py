@@ -2,7 +2,8 @@
 
 Client → server: ``Acquire`` (blocks until ``Granted``), ``Status``.
 Server → client: ``Granted``, ``StatusReply``, ``Error``.
-There is no release message: closing the connection releases (Decision 4).
+There is no release message: closing the connection releases, so only a
+holder's death (or its own hang-up) can free the lock.
 """
 
 from __future__ import annotations
@@ -21,10 +22,6 @@ class LockProtocolError(Exception):
     """Base of lock protocol errors."""
 
 
-class LocalLockProtocolError(LockProtocolError):
-    """We broke the protocol (a bug on our side)."""
-
-
 class RemoteLockProtocolError(LockProtocolError):
     """The peer broke the protocol: reply with an error and close."""
 
@@ -37,9 +34,9 @@ class Acquire(pydantic.BaseModel):
     model_config = FROZEN
     type: Literal["acquire"] = "acquire"
     engine_id: EngineId
-    # Set when a holder that lost its connection tries to get the same grant
-    # back (Decision 8): re-granted with this epoch only if nobody else was
-    # granted in between, otherwise refused as superseded.
+    # Set when a holder that lost its connection (say, the server restarted)
+    # tries to get the same grant back: re-granted with this epoch only if
+    # nobody else was granted in between, otherwise refused as superseded.
     resume_epoch: int | None = None
     token: Token | None = None
 

@@ -1,6 +1,6 @@
 """The lock server's asyncio shell: sockets in, events to the core, actions out.
 
-One loop per connection (STYLE.md b8): read, decode, feed the core, carry out
+One loop per connection: read, decode, feed the core, carry out
 its actions. EOF or a reset becomes ``Disconnected``, which is how "the
 connection is the lock" reaches the core. Bad input gets an error reply and
 closes only that connection. The state file is written before a grant is
@@ -151,7 +151,6 @@ class LockServer:
             fsm.Restored(
                 record=result.record,
                 corrupt=result.corrupt,
-                now=self._now(),
                 window_s=self.config.reconnect_window_s,
                 epoch_floor=int(wall * 1_000_000),
             )
@@ -167,7 +166,7 @@ class LockServer:
     # ----------------------------------------------------------- the core
 
     def _feed(self, event: fsm.Event) -> None:
-        self.state, actions = fsm.step(self.state, event)
+        self.state, actions = fsm.step(self.state, event, self._now())
         for action in actions:
             self._execute(action)
         WAITERS.set(len(self.state.waiters))
@@ -225,7 +224,7 @@ class LockServer:
 
     def _on_timer(self) -> None:
         self._timer = None
-        self._feed(fsm.WindowExpired(now=self._now()))
+        self._feed(fsm.WindowExpired())
         deadline = fsm.next_deadline(self.state)
         if deadline is not None and self._timer is None:  # woke a hair early
             self._arm_timer(deadline)
@@ -295,7 +294,7 @@ class LockServer:
             self._writers.pop(conn, None)
             CONNECTIONS.dec()
             held = self.state.holder is not None and self.state.holder.conn == conn
-            self._feed(fsm.Disconnected(conn, self._now()))
+            self._feed(fsm.Disconnected(conn))
             log_event(
                 log,
                 "disconnected",
@@ -322,7 +321,7 @@ class LockServer:
                     engine_id=engine_id,
                     resume_epoch=resume_epoch,
                 )
-                self._feed(fsm.AcquireRequested(conn, engine_id, self._now(), resume_epoch))
+                self._feed(fsm.AcquireRequested(conn, engine_id, resume_epoch))
             case Status():
                 # Snapshot and StatusReply carry the same fields by design: the
                 # core decides what status says, the message is its wire form.

@@ -1,4 +1,4 @@
-"""The lock's persisted record (Decision 8): ``{holder, epoch, granted_at}``.
+"""The lock's persisted record ``{holder, epoch, granted_at}``: a restarted server reads it.
 
 Written on every grant and cleared (holder null, epoch kept) on release.
 Atomic: write a temp file, fsync it, rename over the record, fsync the

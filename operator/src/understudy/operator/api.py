@@ -4,7 +4,7 @@ The pydantic models below are the spec and status. ``crd.py`` generates the
 CRD's structural schema from them, including the defaults, enums, bounds and
 the CEL ``x-kubernetes-validations`` attached here with :func:`cel`. A test
 checks that the generated CRD equals the copies in ``manifests/`` and
-``charts/``, so the two cannot drift (DESIGN.md principle 4).
+``charts/``, so the schema and the model cannot drift.
 
 Field names are snake_case in Python and camelCase on the wire (alias
 generator); always dump with ``by_alias=True``.
@@ -252,7 +252,7 @@ class PlacementSpec(_Model):
 
 
 class ReplicasSpec(_Model):
-    """min / desired / max with the meaning of seed 001 (Skyward's Nodes).
+    """min / desired / max replicas: an elastic pool.
 
     ``min`` pods always exist. ``desired`` (default ``min``) is the readiness
     threshold: the instance is Ready when that many replicas serve. Without

@@ -1,8 +1,9 @@
 """``understudy operator run|crd`` and ``understudy render -f gpuinstance.yaml``.
 
-Thin (STYLE.md b14): parse arguments, build one frozen config, call one
-function. kopf is imported only by ``operator run``; ``render`` and ``crd``
-are pure and fast. Also runnable as ``python -m understudy.operator.cli``.
+Thin: parse arguments, build one frozen config, call one function; the
+decisions live in the modules it calls. kopf is imported only by
+``operator run``; ``render`` and ``crd`` are pure and fast. Also runnable as
+``python -m understudy.operator.cli``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 ``set_condition`` has the semantics of apimachinery's ``meta.SetStatusCondition``:
 upsert by type, ``lastTransitionTime`` moves only when the status flips,
 ``observedGeneration`` is always recorded, and the caller learns whether
-anything changed so that the status is patched only then (STYLE.md b13).
+anything changed so that the status is patched only then: a pass that
+changes nothing makes no API call.
 
 Core module: no I/O imports; ``now`` is passed in (epoch seconds) and
 converted to RFC 3339 here because conditions are persisted API fields.

@@ -1,9 +1,10 @@
 """The kopf handlers: thin, level-based, all feeding one reconcile pass.
 
 create / update / resume / the timer on a GpuInstance, and every event of a
-pod the operator owns, run the same pass: observe -> ``plan`` -> apply
-(STYLE.md b12). Passes of one instance never overlap: a :class:`Coalescer`
-runs at most one at a time per instance and, if anything asked for another
+pod the operator owns, run the same pass: observe -> ``plan`` -> apply. No
+logic depends on which event fired, so a missed or repeated event costs
+nothing. Passes of one instance never overlap: a :class:`Coalescer` runs at
+most one at a time per instance and, if anything asked for another
 meanwhile, runs exactly one more with the newest body from the index. No
 pass re-triggers itself: a pass that writes nothing generates no event, so
 there is no hot loop; the timer is the slow safety net and the deadline clock

@@ -1,7 +1,7 @@
 """Lifecycle of one GpuInstance replica: one transition table, one coordinator.
 
-Seed 000 (PyLet) gives the states and attempt fencing; seed 003 (Sokovan)
-gives the split of responsibilities:
+The states and attempt fencing follow PyLet's instance lifecycle; the split
+of responsibilities follows Backend.AI Sokovan's handlers and coordinator:
 
 * **handlers** look at one replica and its pod and only *report* an
   :class:`Outcome` (success / failure / skipped) for the replica's current
@@ -14,6 +14,12 @@ gives the split of responsibilities:
   the declared event through :func:`step`, the only function that changes a
   phase, which consults :data:`TRANSITIONS` and raises
   :class:`InvalidTransition` on a miss, leaving the record unchanged.
+
+``step(replica, event, now) -> (replica, actions)`` has the shape every core
+shares (``understudy.wire.machine``). Its action list is always empty: a
+phase change here has no effect of its own, and what the operator records of
+it (the :class:`HistoryEntry`) needs the handler and verdict that only
+:func:`judge` knows.
 
 Every judged report yields a :class:`HistoryEntry`; the history is bounded
 (:func:`append_history`) and each entry becomes a Kubernetes Event.
@@ -30,8 +36,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import Never
 
 from understudy.operator.api import ReplicaPhase
+from understudy.wire import machine
+from understudy.wire.machine import Entry
 
 P = ReplicaPhase
 
@@ -49,32 +58,58 @@ class Event(StrEnum):
     DELETE = "Delete"  # scale down or instance deletion
 
 
-# The one table. (phase, event) -> next phase; anything else is invalid.
-TRANSITIONS: dict[tuple[ReplicaPhase, Event], ReplicaPhase] = {
-    (P.PENDING, Event.PLACED): P.SCHEDULED,
-    (P.PENDING, Event.GAVE_UP): P.FAILED,
-    (P.PENDING, Event.DELETE): P.TERMINATING,
-    (P.SCHEDULED, Event.BOUND): P.STARTING,
-    (P.SCHEDULED, Event.POD_LOST): P.PENDING,
-    (P.SCHEDULED, Event.EXPIRED): P.PENDING,
-    (P.SCHEDULED, Event.GAVE_UP): P.PENDING,
-    (P.SCHEDULED, Event.DELETE): P.TERMINATING,
-    (P.STARTING, Event.STARTED): P.RUNNING,
-    (P.STARTING, Event.NODE_LOST): P.UNKNOWN,
-    (P.STARTING, Event.POD_LOST): P.PENDING,
-    (P.STARTING, Event.EXPIRED): P.PENDING,
-    (P.STARTING, Event.GAVE_UP): P.PENDING,
-    (P.STARTING, Event.DELETE): P.TERMINATING,
-    (P.RUNNING, Event.NODE_LOST): P.UNKNOWN,
-    (P.RUNNING, Event.POD_LOST): P.PENDING,
-    (P.RUNNING, Event.DELETE): P.TERMINATING,
-    (P.UNKNOWN, Event.NODE_BACK): P.RUNNING,
-    (P.UNKNOWN, Event.POD_LOST): P.PENDING,
-    (P.UNKNOWN, Event.EXPIRED): P.PENDING,
-    (P.UNKNOWN, Event.DELETE): P.TERMINATING,
-    (P.FAILED, Event.RESET): P.PENDING,
-    (P.FAILED, Event.EXPIRED): P.PENDING,
-    (P.FAILED, Event.DELETE): P.TERMINATING,
+@dataclass(frozen=True, slots=True)
+class Replica:
+    """The coordinator's record of one replica (persisted in status.replicas)."""
+
+    index: int
+    phase: ReplicaPhase = P.PENDING
+    attempt: int = 0
+    retries: int = 0
+    since: float = 0.0
+    node: str | None = None
+
+
+Result = tuple[Replica, list[Never]]
+
+
+def _to(target: ReplicaPhase, *, new_attempt: bool = False) -> Entry[Replica, Never, ReplicaPhase]:
+    """An entry that moves the replica to ``target``; a placement starts a new attempt."""
+
+    def handler(replica: Replica, event: Event, now: float) -> Result:
+        attempt = replica.attempt + 1 if new_attempt else replica.attempt
+        return replace(replica, phase=target, attempt=attempt, retries=0, since=now), []
+
+    return Entry(handler, frozenset({target}))
+
+
+# The one table. (phase, event) -> the entry moving to the next phase;
+# anything else is invalid.
+TRANSITIONS: dict[tuple[ReplicaPhase, Event], Entry[Replica, Never, ReplicaPhase]] = {
+    (P.PENDING, Event.PLACED): _to(P.SCHEDULED, new_attempt=True),
+    (P.PENDING, Event.GAVE_UP): _to(P.FAILED),
+    (P.PENDING, Event.DELETE): _to(P.TERMINATING),
+    (P.SCHEDULED, Event.BOUND): _to(P.STARTING),
+    (P.SCHEDULED, Event.POD_LOST): _to(P.PENDING),
+    (P.SCHEDULED, Event.EXPIRED): _to(P.PENDING),
+    (P.SCHEDULED, Event.GAVE_UP): _to(P.PENDING),
+    (P.SCHEDULED, Event.DELETE): _to(P.TERMINATING),
+    (P.STARTING, Event.STARTED): _to(P.RUNNING),
+    (P.STARTING, Event.NODE_LOST): _to(P.UNKNOWN),
+    (P.STARTING, Event.POD_LOST): _to(P.PENDING),
+    (P.STARTING, Event.EXPIRED): _to(P.PENDING),
+    (P.STARTING, Event.GAVE_UP): _to(P.PENDING),
+    (P.STARTING, Event.DELETE): _to(P.TERMINATING),
+    (P.RUNNING, Event.NODE_LOST): _to(P.UNKNOWN),
+    (P.RUNNING, Event.POD_LOST): _to(P.PENDING),
+    (P.RUNNING, Event.DELETE): _to(P.TERMINATING),
+    (P.UNKNOWN, Event.NODE_BACK): _to(P.RUNNING),
+    (P.UNKNOWN, Event.POD_LOST): _to(P.PENDING),
+    (P.UNKNOWN, Event.EXPIRED): _to(P.PENDING),
+    (P.UNKNOWN, Event.DELETE): _to(P.TERMINATING),
+    (P.FAILED, Event.RESET): _to(P.PENDING),
+    (P.FAILED, Event.EXPIRED): _to(P.PENDING),
+    (P.FAILED, Event.DELETE): _to(P.TERMINATING),
 }
 
 TERMINAL: frozenset[ReplicaPhase] = frozenset({P.TERMINATING})
@@ -84,13 +119,8 @@ class LifecycleError(Exception):
     """Base of lifecycle errors."""
 
 
-class InvalidTransition(LifecycleError):
+class InvalidTransition(machine.InvalidTransition, LifecycleError):
     """A (phase, event) pair absent from TRANSITIONS: a bug in a handler declaration."""
-
-    def __init__(self, phase: ReplicaPhase, event: Event) -> None:
-        super().__init__(f"no transition from {phase} on {event}")
-        self.phase = phase
-        self.event = event
 
 
 class Outcome(StrEnum):
@@ -202,18 +232,6 @@ class Policy:
 
 
 @dataclass(frozen=True, slots=True)
-class Replica:
-    """The coordinator's record of one replica (persisted in status.replicas)."""
-
-    index: int
-    phase: ReplicaPhase = P.PENDING
-    attempt: int = 0
-    retries: int = 0
-    since: float = 0.0
-    node: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class Report:
     handler: Handler
     replica: int
@@ -238,13 +256,19 @@ class HistoryEntry:
 HISTORY_LIMIT = 32
 
 
-def step(replica: Replica, event: Event, now: float) -> Replica:
+def _phase(replica: Replica, event: Event) -> ReplicaPhase:
+    return replica.phase
+
+
+def _itself(event: Event) -> Event:
+    return event  # events are enum members, not classes: the member is the key
+
+
+def step(replica: Replica, event: Event, now: float) -> Result:
     """The only phase change. Raises InvalidTransition (record unchanged) on a miss."""
-    nxt = TRANSITIONS.get((replica.phase, event))
-    if nxt is None:
-        raise InvalidTransition(replica.phase, event)
-    attempt = replica.attempt + 1 if event is Event.PLACED else replica.attempt
-    return replace(replica, phase=nxt, attempt=attempt, retries=0, since=now)
+    return machine.run_step(
+        TRANSITIONS, _phase, replica, event, now, kind_of=_itself, error=InvalidTransition
+    )
 
 
 def _event_for(verdict: Verdict, tr: Transitions) -> Event | None:
@@ -290,7 +314,7 @@ def judge(
     event = _event_for(verdict, spec.transitions)
     updated = replace(replica, retries=retries)
     if event is not None:
-        updated = step(updated, event, now)
+        updated, _ = step(updated, event, now)
         if event is Event.PLACED:
             updated = replace(updated, node=report.node)
     entry = HistoryEntry(
@@ -310,13 +334,13 @@ def delete(replica: Replica, now: float) -> Replica:
     """Scale-down or deletion: every non-terminal phase may be terminated."""
     if replica.phase in TERMINAL:
         return replica
-    return step(replica, Event.DELETE, now)
+    return step(replica, Event.DELETE, now)[0]
 
 
 def reset(replica: Replica, now: float) -> Replica:
     """A spec change gives a Failed replica another chance."""
     if replica.phase is P.FAILED:
-        return step(replica, Event.RESET, now)
+        return step(replica, Event.RESET, now)[0]
     return replica
 
 

@@ -3,7 +3,8 @@
 The shell (``handlers.py``) gathers :class:`Observed` (``observe.py``), calls
 :func:`plan`, and hands the :class:`Plan` to ``apply.py``. Nothing here
 depends on which kopf event fired: create, update, resume, the timer and pod
-events all run the same level-based pass (STYLE.md b12).
+events all run the same level-based pass: the outcome depends on what is
+observed, not on which events arrived.
 
 One pass:
 

@@ -262,7 +262,8 @@ def engine_env(inst: GpuInstance, name: str, i: int) -> list[dict[str, Any]]:
         "UNDERSTUDY_STARTUP_BUDGET_S": str(s.failover.startup_budget_seconds),
         "UNDERSTUDY_WAKE_TIMEOUT_S": str(s.failover.wake_timeout_seconds),
         "UNDERSTUDY_REMAP_TIMEOUT_S": str(s.failover.remap_timeout_seconds),
-        # Decision 8: the client waits longer than the server's window.
+        # The client waits longer than the server's reconnect window, so a
+        # restarted lock server still sees its holder come back.
         "UNDERSTUDY_LOCK_RECONNECT_S": str(s.failover.lock_reconnect_window_seconds + 5),
         # One BLAS thread: answers stay bit-identical across engines and nodes.
         "OPENBLAS_NUM_THREADS": "1",
@@ -329,7 +330,8 @@ def engine_container(inst: GpuInstance, cfg: RenderConfig, i: int) -> dict[str, 
 def _volumes(inst: GpuInstance) -> list[dict[str, Any]]:
     vols: list[dict[str, Any]] = [
         # Survives container restarts within the pod: the lock state file
-        # (Decision 8) and the sockets live here.
+        # (a restarted lock server reads its holder from it) and the sockets
+        # live here.
         # medium Memory: tmpfs makes the state file's fsync, which every grant
         # waits for, cost microseconds (docs/pod.md).
         {"name": "run", "emptyDir": {"medium": "Memory", "sizeLimit": "64Mi"}},

@@ -492,7 +492,7 @@ def sidecar_drill(
 ) -> dict[str, Any]:
     """Kill a sidecar (``lockserver`` or ``gms``) once under the request stream.
 
-    Expected outcomes (seed 002): the lock server's death causes no failover
+    Expected outcomes: the lock server's death causes no failover
     (the holder resumes its grant, same engine, same epoch); GMS's death ends
     the engines that hold sessions, and the pod serves again after they
     re-initialise. Reports what happened rather than judging it.

@@ -3,7 +3,7 @@
 A protocol module defines its frozen models, a discriminated union on ``type``
 and a ``TypeAdapter`` over it; ``MessageCodec`` pairs that adapter with the
 frame decoder so that ``feed(bytes) -> list[Message]`` either yields messages or
-raises the protocol's ``Remote…`` error (STYLE.md b6).
+raises the protocol's ``Remote…`` error, and never anything else.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Observability plumbing shared by the daemons: log lines and metrics.
 
 Every state transition becomes one log line (``event=... key=value``) and a
-metric (DESIGN.md principle 5). Metric objects live with each component; this
-module only configures logging and serves ``/metrics``.
+metric, so every change can be seen from outside the process. Metric objects
+live with each component; this module only configures logging and serves
+``/metrics``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Unix-domain (and TCP) socket helpers shared by the daemons and their clients.
 
-Hygiene (STYLE.md b9): sockets live in a 0700 directory, are bound 0660 with
+Hygiene: sockets live in a 0700 directory, are bound 0660 with
 CLOEXEC (Python's default: sockets are non-inheritable), a stale path is
 removed only if it is a socket nobody answers, peer credentials are read with
 SO_PEERCRED, at most one fd travels per frame in the same ``sendmsg`` as the

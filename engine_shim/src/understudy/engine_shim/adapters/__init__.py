@@ -1,1 +1,1 @@
-"""Engine adapters: the Engine Protocol and its implementations (see DESIGN.md)."""
+"""Engine adapters: the Engine Protocol (``base``) and its implementations."""

@@ -13,8 +13,9 @@ machine; an engine only moves weights and serves:
 - ``routes()``: the serving endpoint's handlers (bound only when Active);
 - ``health()``: whether the serving side works.
 
-Working memory is allocated by the engine itself, never through GMS
-(Decision 7 B), so the process's death frees it.
+Working memory is allocated by the engine itself, never through GMS (GPU
+memory cannot be force-freed while a process holds a handle to it), so the
+process's death frees it.
 """
 
 from __future__ import annotations

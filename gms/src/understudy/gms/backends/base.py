@@ -4,7 +4,7 @@ A server backend owns physical allocations and exports each as a file
 descriptor; a client mapper turns such an fd into memory at an address it
 chose (a reservation), and can drop the memory while keeping the address
 reserved, so that a later ``map`` at the same address makes old pointers and
-views valid again (sleep / wake, Decision 6).
+views valid again (an engine sleeps and wakes without rebuilding them).
 """
 
 from __future__ import annotations

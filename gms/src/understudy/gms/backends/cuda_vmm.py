@@ -19,7 +19,7 @@ fd, ``cuMemAddressReserve`` once per allocation, ``cuMemMap`` and
 ``cuMemSetAccess`` (READWRITE for the writer, READ after commit and for
 readers). Sleep is ``cuMemUnmap`` + ``cuMemRelease`` of the imported handle
 with the VA reservation kept; wake imports the new fd and maps it at the same
-address. Physical memory is reference-counted across processes (Decision 7):
+address. Physical memory is reference-counted across processes:
 the server's ``cuMemRelease`` frees nothing while an engine still holds an
 imported handle. The client needs a current context (the engine has one; if
 not, the device's primary context is retained and made current).

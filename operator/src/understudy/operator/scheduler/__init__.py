@@ -1,4 +1,4 @@
-"""Instance scheduler (seed 004): a filter chain, then scorers (pure)."""
+"""Instance scheduler: a filter chain, then scorers (pure)."""
 
 from understudy.operator.scheduler.filters import NodeInfo, Request, filter_nodes
 from understudy.operator.scheduler.scorers import Placement, score, select

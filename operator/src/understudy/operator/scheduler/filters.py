@@ -1,4 +1,4 @@
-"""Placement filters (seed 004's filter chain), pure.
+"""Placement filters: a chain that rejects nodes one reason at a time, pure.
 
 Each filter looks at one candidate node and returns None (keep) or the reason
 it is rejected. The chain runs in order and records the first rejection of

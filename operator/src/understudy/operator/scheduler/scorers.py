@@ -1,4 +1,4 @@
-"""Placement scorers (seed 004): binpack or spread, then the best candidate, pure.
+"""Placement scorers: binpack or spread, then the best candidate, pure.
 
 binpack prefers the node that is fullest after placement (fewest bins used);
 spread prefers the emptiest one and, above all, a node holding fewer replicas
