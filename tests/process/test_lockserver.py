@@ -208,7 +208,7 @@ def test_corrupt_state_file_waits_a_window_and_says_so(tmp_path):
     try:
         st = pod.status()
         assert st.window_open and st.window_holder is None
-        pod.acquire("b")
+        b = pod.acquire("b")
         pod.wait_waiting("b")
         assert b.no_line(0.5 * pod.window)
         epoch = granted(b, timeout=10)
