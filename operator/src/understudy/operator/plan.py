@@ -98,7 +98,7 @@ class PodView:
     deleting: bool = False
     unschedulable: str | None = None  # PodScheduled=False message
     routable_label: str | None = None
-    lockserver_ready: bool = False
+    front_ready: bool = False
     containers: tuple[ContainerView, ...] = ()
     engines: Mapping[str, EngineView] = field(default_factory=dict)
 
@@ -493,16 +493,16 @@ def plan(
             and not pod.deleting
             and name not in deleted
         )
-        # Routable unless the pod has neither a serving engine (the lock
-        # server's readiness probes :servingPort/health) nor a ready engine
+        # Routable unless the pod has neither a front that can serve (an
+        # Active engine, or a failover within its hold) nor a ready engine
         # container (Standby or Active): a restart of any one container —
-        # the killed engine, or the lock server sidecar itself — never takes
-        # the pod out of the Service; only a pod with nothing left does.
+        # the killed engine, or a sidecar — never takes the pod out of the
+        # Service; only a pod with nothing left does.
         routable = bool(
             current
             and pod is not None
             and rec.phase is P.RUNNING
-            and (pod.lockserver_ready or _any_engine_ready(inst, pod))
+            and (pod.front_ready or _any_engine_ready(inst, pod))
         )
         if pod is not None and not pod.deleting:
             want = "true" if routable else "false"

@@ -36,6 +36,7 @@ def _local_config(args: argparse.Namespace) -> Any:
         front_status_port=args.metrics_port + 2,
         hold_s=args.hold,
         hang_after_s=args.hang_after,
+        migration_limit=args.migration_limit,
         reconnect_window_s=args.reconnect_window,
         startup_budget_s=args.startup_budget,
         wake_timeout_s=args.wake_timeout,
@@ -265,6 +266,9 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     up.add_argument("--hold", type=float, default=30.0, help="front: seconds a request may wait")
     up.add_argument(
         "--hang-after", type=float, default=1.0, help="front: heartbeat silence that means hung"
+    )
+    up.add_argument(
+        "--migration-limit", type=int, default=3, help="front: moves allowed per request"
     )
     up.add_argument("--reconnect-window", type=float, default=10.0)
     up.add_argument("--startup-budget", type=float, default=600.0)

@@ -65,6 +65,7 @@ class LocalConfig:
     front_status_port: int = 9103
     hold_s: float = 30.0
     hang_after_s: float = 1.0
+    migration_limit: int = 3
     reconnect_window_s: float = 10.0
     startup_budget_s: float = 600.0
     wake_timeout_s: float = 30.0
@@ -125,6 +126,7 @@ def engine_env(cfg: LocalConfig, role: str, name: str, index: int) -> dict[str, 
         "UNDERSTUDY_REMAP_TIMEOUT_S": f"{cfg.remap_timeout_s:g}",
         "UNDERSTUDY_LOCK_RECONNECT_S": f"{cfg.reconnect_window_s + 5:g}",
         "OPENBLAS_NUM_THREADS": "1",
+        "UNDERSTUDY_DRAIN_S": "25",
         "POD_NAME": "local",
         "POD_NAMESPACE": "local",
     }
@@ -179,8 +181,12 @@ def containers(cfg: LocalConfig) -> list[Container]:
                 str(cfg.front_status_port),
                 "--hold",
                 f"{cfg.hold_s:g}",
+                "--migration-limit",
+                str(cfg.migration_limit),
                 "--hang-after",
                 f"{cfg.hang_after_s:g}",
+                "--drain",
+                "25",
             ),
             {},
         ),
