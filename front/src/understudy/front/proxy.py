@@ -52,9 +52,12 @@ _FORWARD = ("content-type", "accept", "authorization", "openai-organization", "u
 _HOP = frozenset(
     {"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server"}
 )
-# After a failed connect to the route (the engine is waking, or draining),
-# wait at most this long for the route to change before trying again.
+# After a failed connect to the route (the engine is still waking), wait at
+# most this long for the route to change before trying again.
 _RETRY_S = 0.005
+# After the engine refused (draining, or another epoch): the lock will name
+# another engine soon; until then, ask again only this often.
+_REFUSED_RETRY_S = 0.25
 
 
 class _Broken(Exception):
@@ -192,7 +195,11 @@ class Front:
         session = self._sessions.get(engine_id)
         if session is None:
             path = serving_socket(self.cfg.run_dir, engine_id)
-            connector = aiohttp.UnixConnector(path=str(path), limit=0)
+            # A new connection per request: a kept-alive one can be picked just
+            # as its engine exits, and a request sent on it would be lost in a
+            # way that looks like a death mid-request. Connecting over a Unix
+            # socket costs tens of microseconds.
+            connector = aiohttp.UnixConnector(path=str(path), limit=0, force_close=True)
             session = aiohttp.ClientSession(
                 connector=connector,
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=1.0),
@@ -218,14 +225,14 @@ class Front:
                     await changed.wait()
         return self.state.route
 
-    async def _await_change(self, route: fsm.Route, deadline: float) -> None:
-        """After an attempt the engine refused or could not take: wait a little
-        for the lock to name another route, then try again anyway."""
+    async def _await_change(self, route: fsm.Route, deadline: float, patience: float) -> None:
+        """After an attempt the engine refused or could not take: wait up to
+        ``patience`` for the lock to name another route, then try again anyway."""
         if self.state.route != route:
             return
         changed = self._changed
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(max(0.0, min(_RETRY_S, deadline - self._now()))):
+            async with asyncio.timeout(max(0.0, min(patience, deadline - self._now()))):
                 await changed.wait()
 
     # ----------------------------------------------------------- requests --
@@ -285,7 +292,9 @@ class Front:
                     self.feed(fsm.Served(route.engine_id))
                     return answer
                 case fsm.Verdict.WAIT:
-                    await self._await_change(route, deadline)
+                    refused = outcome is fsm.Outcome.NOT_ACTIVE
+                    patience = _REFUSED_RETRY_S if refused else _RETRY_S
+                    await self._await_change(route, deadline, patience)
                 case fsm.Verdict.MIGRATE_NEW | fsm.Verdict.MIGRATE_ONGOING:
                     req.migrations += 1
                     self.metrics.migrations.labels(kind=v.value).inc()
@@ -296,7 +305,7 @@ class Front:
                     )  # fmt: skip
                     # Each failover gets its own hold.
                     deadline = self._now() + self.cfg.hold_s
-                    await self._await_change(route, deadline)
+                    await self._await_change(route, deadline, _RETRY_S)
                 case fsm.Verdict.FAIL:
                     reason = "limit" if req.migrations >= self.policy.migration_limit else "state"
                     self.metrics.migrations_failed.labels(reason=reason).inc()
@@ -342,7 +351,8 @@ class Front:
         except (aiohttp.ClientError, _Broken, continuation.StreamError) as exc:
             log_event(
                 log, "attempt_broken", logging.WARNING, engine=route.engine_id,
-                error=type(exc).__name__, relayed=req.relayed, path=req.path,
+                error=type(exc).__name__, detail=str(exc)[:200], relayed=req.relayed,
+                path=req.path,
             )  # fmt: skip
             return fsm.Outcome.BROKEN, None
 
