@@ -204,9 +204,7 @@ def test_chaos_kill_active_engine_through_the_service(instance: Instance) -> Non
     restarts = cluster["restarts"]
     engine_restarts = sum(v for k, v in restarts.items() if "/engine-" in k)
     assert engine_restarts >= KILLS, restarts
-    assert all(
-        v == 0 for k, v in restarts.items() if k.endswith(("/lockserver", "/gms", "/front"))
-    )
+    assert all(v == 0 for k, v in restarts.items() if k.endswith(("/lockserver", "/gms", "/front")))
     assert not cluster["left_endpoints"], cluster["seconds_not_an_endpoint"]
     assert _embed(instance.url()) == before
 

@@ -31,11 +31,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, assert_never
 
-import aiohttp
 import prometheus_client as prom
 from aiohttp import web
 
-from understudy.front import continuation, fsm
+from understudy.front import continuation, fsm, upstream
 from understudy.front.config import FrontConfig
 from understudy.front.metrics import FrontMetrics
 from understudy.lockserver import Address, LockError, watch
@@ -60,8 +59,8 @@ _RETRY_S = 0.005
 _REFUSED_RETRY_S = 0.25
 
 
-class _Broken(Exception):
-    """The engine's connection died after the request was sent."""
+class _ClientGone(Exception):
+    """The client hung up while its answer was being relayed."""
 
 
 @dataclass
@@ -91,7 +90,7 @@ class Front:
         self.policy = fsm.Policy(cfg.hold_s, cfg.migration_limit)
         self.state = fsm.FrontState()
         self._changed = asyncio.Event()
-        self._sessions: dict[str, aiohttp.ClientSession] = {}
+        self._upstreams: dict[str, upstream.Upstream] = {}
         self._routed_at: float | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._runners: list[web.AppRunner] = []
@@ -99,7 +98,6 @@ class Front:
         self._held = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._closing: set[asyncio.Future[None]] = set()
 
     # ----------------------------------------------------------- the core --
 
@@ -191,27 +189,15 @@ class Front:
 
     # ------------------------------------------------------------ engines --
 
-    def _session(self, engine_id: str) -> aiohttp.ClientSession:
-        session = self._sessions.get(engine_id)
-        if session is None:
-            path = serving_socket(self.cfg.run_dir, engine_id)
-            # A new connection per request: a kept-alive one can be picked just
-            # as its engine exits, and a request sent on it would be lost in a
-            # way that looks like a death mid-request. Connecting over a Unix
-            # socket costs tens of microseconds.
-            connector = aiohttp.UnixConnector(path=str(path), limit=0, force_close=True)
-            session = aiohttp.ClientSession(
-                connector=connector,
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=1.0),
-                auto_decompress=False,
-            )
-            # Sessions of engines that are gone only hold dead connections.
-            for old in [k for k in self._sessions if k != engine_id]:
-                task = asyncio.ensure_future(self._sessions.pop(old).close())
-                self._closing.add(task)
-                task.add_done_callback(self._closing.discard)
-            self._sessions[engine_id] = session
-        return session
+    def _upstream(self, engine_id: str) -> upstream.Upstream:
+        up = self._upstreams.get(engine_id)
+        if up is None:
+            up = upstream.Upstream(str(serving_socket(self.cfg.run_dir, engine_id)))
+            # Connections to engines that are gone are only dead weight.
+            for old in [k for k in self._upstreams if k != engine_id]:
+                self._upstreams.pop(old).close()
+            self._upstreams[engine_id] = up
+        return up
 
     async def _route(self, deadline: float) -> fsm.Route | None:
         """The route to use now, waiting for one until ``deadline``."""
@@ -333,53 +319,81 @@ class Front:
     async def _attempt(
         self, req: _Request, route: fsm.Route, request: web.Request
     ) -> tuple[fsm.Outcome, web.StreamResponse | None]:
-        session = self._session(route.engine_id)
-        headers = {**req.headers, EPOCH_HEADER: str(route.epoch)}
-        url = f"http://engine{req.path}" + (f"?{req.query}" if req.query else "")
+        up = self._upstream(route.engine_id)
+        headers = [*req.headers.items(), (EPOCH_HEADER, str(route.epoch))]
+        target = req.path + (f"?{req.query}" if req.query else "")
         data = _payload(req)
         try:
-            async with session.request(req.method, url, data=data, headers=headers) as r:
-                if r.status == 409 and NOT_ACTIVE_HEADER in r.headers:
-                    await r.read()
-                    return fsm.Outcome.NOT_ACTIVE, None
-                if req.streaming and r.status == 200:
-                    return await self._relay_stream(req, r, request)
-                payload = await r.read()
-                return fsm.Outcome.ANSWERED, _answer(r, payload)
-        except aiohttp.ClientConnectorError:
+            r = await up.request(req.method, target, headers, data)
+        except upstream.Stale as stale:
+            # A kept-alive connection died before any answer: either it died
+            # idle, or its engine died with the request in it. A new
+            # connection tells which: it reaches the engine, or finds none
+            # (then the request may have run there: a migration).
+            try:
+                r = await up.request(req.method, target, headers, data)
+            except upstream.Unreachable:
+                return self._broken(req, route, stale)
+            except upstream.UpstreamError as exc:
+                return self._broken(req, route, exc)
+        except upstream.Unreachable:
             return fsm.Outcome.UNREACHABLE, None
-        except (aiohttp.ClientError, _Broken, continuation.StreamError) as exc:
-            log_event(
-                log, "attempt_broken", logging.WARNING, engine=route.engine_id,
-                error=type(exc).__name__, detail=str(exc)[:200], relayed=req.relayed,
-                path=req.path,
-            )  # fmt: skip
-            return fsm.Outcome.BROKEN, None
+        except upstream.UpstreamError as exc:
+            return self._broken(req, route, exc)
+        try:
+            if r.status == 409 and r.header(NOT_ACTIVE_HEADER) is not None:
+                await r.read()
+                up.drop_idle()  # its other connections are as good as gone
+                return fsm.Outcome.NOT_ACTIVE, None
+            if req.streaming and r.status == 200:
+                return await self._relay_stream(req, r, request)
+            payload = await r.read()
+            return fsm.Outcome.ANSWERED, _answer(r, payload)
+        except (upstream.UpstreamError, continuation.StreamError) as exc:
+            return self._broken(req, route, exc)
+        except _ClientGone:
+            assert req.response is not None
+            return fsm.Outcome.ANSWERED, req.response
+        finally:
+            r.close()
+
+    def _broken(
+        self, req: _Request, route: fsm.Route, exc: Exception
+    ) -> tuple[fsm.Outcome, web.StreamResponse | None]:
+        log_event(
+            log, "attempt_broken", logging.WARNING, engine=route.engine_id,
+            error=type(exc).__name__, detail=str(exc)[:200], relayed=req.relayed,
+            path=req.path,
+        )  # fmt: skip
+        return fsm.Outcome.BROKEN, None
 
     async def _relay_stream(
-        self, req: _Request, r: aiohttp.ClientResponse, request: web.Request
+        self, req: _Request, r: upstream.Response, request: web.Request
     ) -> tuple[fsm.Outcome, web.StreamResponse | None]:
         decoder = continuation.EventDecoder()
-        async for chunk in r.content.iter_any():
+        async for chunk in r.chunks():
             for ev in decoder.feed(chunk):
-                if req.response is None:
-                    resp = web.StreamResponse(
-                        status=200,
-                        headers={
-                            "Content-Type": "text/event-stream",
-                            "Cache-Control": "no-cache",
-                        },
-                    )
-                    await resp.prepare(request)
-                    req.response = resp
-                await req.response.write(ev.raw)
+                try:
+                    if req.response is None:
+                        resp = web.StreamResponse(
+                            status=200,
+                            headers={
+                                "Content-Type": "text/event-stream",
+                                "Cache-Control": "no-cache",
+                            },
+                        )
+                        await resp.prepare(request)
+                        req.response = resp
+                    await req.response.write(ev.raw)
+                except (ConnectionError, RuntimeError):
+                    raise _ClientGone from None
                 req.relayed = True
                 req.started = True
                 req.token_ids.extend(ev.token_ids)
                 if ev.done:
                     await req.response.write_eof()
                     return fsm.Outcome.ANSWERED, req.response
-        raise _Broken("the stream ended without [DONE]")
+        raise upstream.Broken("the stream ended without [DONE]")
 
     # ------------------------------------------------------------ surface --
 
@@ -463,8 +477,8 @@ class Front:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for runner in self._runners:
             await runner.cleanup()
-        for session in self._sessions.values():
-            await session.close()
+        for up in self._upstreams.values():
+            up.close()
 
 
 def _parse(request: web.Request, body: bytes) -> _Request:
@@ -497,8 +511,8 @@ def _payload(req: _Request) -> bytes:
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
-def _answer(r: aiohttp.ClientResponse, payload: bytes) -> web.Response:
-    headers = {k: v for k, v in r.headers.items() if k.lower() not in _HOP}
+def _answer(r: upstream.Response, payload: bytes) -> web.Response:
+    headers = {k: v for k, v in r.headers if k.lower() not in _HOP}
     return web.Response(status=r.status, body=payload, headers=headers)
 
 
