@@ -114,7 +114,7 @@ class HttpHost:
         self.loop.call_soon_threadsafe(beat)
 
     def bind_serving(
-        self, path: Path, routes: list[web.RouteDef], health: Health, epoch: int
+        self, path: Path, routes: list[web.RouteDef], health: Health, epoch: Callable[[], int]
     ) -> None:
         """Listen on the serving socket; raises OSError if it cannot."""
 
@@ -127,7 +127,7 @@ class HttpHost:
             request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
         ) -> web.StreamResponse:
             claimed = request.headers.get(EPOCH_HEADER)
-            if self.draining or (claimed is not None and claimed != str(epoch)):
+            if self.draining or (claimed is not None and claimed != str(epoch())):
                 why = "draining" if self.draining else f"epoch {claimed} is not this engine's"
                 return web.Response(status=409, text=why + "\n", headers={NOT_ACTIVE_HEADER: why})
             self.inflight += 1

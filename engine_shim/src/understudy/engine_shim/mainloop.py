@@ -269,6 +269,7 @@ class Shim:
                         cfg.engine_id,
                         None,
                         on_lost=lambda why: self.report(fsm.LockLost(why)),
+                        on_epoch=self._reissued,
                         reconnect_timeout=cfg.lock_reconnect_s,
                         connect_timeout=cfg.lock_reconnect_s,
                     )
@@ -297,7 +298,7 @@ class Shim:
                         cfg.serve_socket,
                         self.engine.routes(),
                         self.serving_health,
-                        self.s.epoch or 0,
+                        lambda: self.s.epoch or 0,
                     )
                 except OSError as exc:
                     return self.feed(fsm.Fatal(f"cannot listen on {cfg.serve_socket}: {exc}"))
@@ -318,6 +319,12 @@ class Shim:
                 return []  # carried out in feed()
             case _:
                 assert_never(action)
+
+    def _reissued(self, epoch: int) -> None:
+        """From the lock's monitor thread: our grant lives on under a new epoch."""
+        self.feed(fsm.EpochReissued(epoch))
+        self.metrics.epoch.labels(**self.metrics.labels).set(epoch)
+        log_event(log, "epoch_reissued", engine=self.cfg.engine_id, epoch=epoch)
 
     def _terminate(self) -> None:
         """SIGTERM, in the signal handler: the work goes to a thread of its own

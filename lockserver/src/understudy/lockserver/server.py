@@ -63,6 +63,11 @@ HANDOVER = prom.Histogram(
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
 WATCHERS = prom.Gauge("understudy_lock_watchers", "Connections watching the holder")
+WRITE_FAILURES = prom.Counter(
+    "understudy_lock_state_write_failures_total",
+    "State file writes that failed (a full or broken volume); a failed grant is retried",
+    ["record"],
+)
 
 _READ_CHUNK = 64 * 1024
 # asyncio re-listens with its own backlog (100 by default); a burst of clients
@@ -209,14 +214,42 @@ class LockServer:
     def _execute(self, action: fsm.Action) -> None:
         match action:
             case fsm.Persist(engine_id=engine_id, epoch=epoch):
-                statefile.write(self.config.state_file, engine_id, epoch, time.time())
+                try:
+                    statefile.write(self.config.state_file, engine_id, epoch, time.time())
+                except OSError as exc:
+                    WRITE_FAILURES.labels(record="grant").inc()
+                    self._feed(fsm.PersistFailed(f"{exc.strerror or exc} ({exc.errno})"))
+                else:
+                    self._feed(fsm.Persisted())
             case fsm.Clear(epoch=epoch):
-                statefile.write(self.config.state_file, None, epoch, time.time())
+                try:
+                    statefile.write(self.config.state_file, None, epoch, time.time())
+                except OSError as exc:
+                    # The file still names the last holder: a restart would
+                    # wait a reconnect window for it. Slower, never unsafe.
+                    WRITE_FAILURES.labels(record="release").inc()
+                    log_event(
+                        log, "state_write_failed", logging.ERROR, record="release",
+                        epoch=epoch, error=str(exc),
+                    )  # fmt: skip
                 log_event(log, "released", epoch=epoch)
+            case fsm.ArmRetry(deadline=deadline, reason=reason):
+                log_event(
+                    log, "grant_deferred", logging.ERROR, reason=reason,
+                    retry_in_ms=round((deadline - self._now()) * 1000),
+                    consequence="the grant waits until the state file can be written",
+                )  # fmt: skip
+                assert self._loop is not None
+                self._loop.call_at(deadline, lambda: self._feed(fsm.RetryGrant()))
             case fsm.Grant(conn=conn, engine_id=engine_id, epoch=epoch, resumed=resumed):
                 # The grant first (the record is already on disk): the log
                 # line and metrics are off the handover's critical path.
-                self._send(conn, Granted(engine_id=engine_id, epoch=epoch, resumed=resumed))
+                self._send(
+                    conn,
+                    Granted(
+                        engine_id=engine_id, epoch=epoch, resumed=resumed, reissued=action.reissued
+                    ),
+                )
                 if self._released_at is not None and not resumed:
                     HANDOVER.observe(self._now() - self._released_at)
                 self._released_at = None
