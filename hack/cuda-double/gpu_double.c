@@ -213,8 +213,10 @@ static void parse_faults(struct gd_faults *faults, const char *env,
         *colon = '\0';
         char *err = colon + 1;
         unsigned long from = 1;
-        char *at = strchr(err, '@');
+        int only = 0;
+        char *at = strpbrk(err, "@#");
         if (at != NULL) {
+            only = *at == '#';
             *at = '\0';
             from = strtoul(at + 1, NULL, 10);
             if (from == 0)
@@ -238,6 +240,7 @@ static void parse_faults(struct gd_faults *faults, const char *env,
         snprintf(r->fn, sizeof r->fn, "%s", item);
         r->code = code;
         r->from_call = from;
+        r->only = only;
         r->calls = 0;
     }
 }
@@ -251,6 +254,8 @@ int gd_fault(struct gd_faults *faults, const char *env, const struct gd_code *co
         if (strcmp(r->fn, fn) != 0)
             continue;
         r->calls++;
+        if (r->only)
+            return r->calls == r->from_call ? r->code : 0;
         return r->calls >= r->from_call ? r->code : 0;
     }
     return 0;

@@ -28,7 +28,8 @@
  *   UNDERSTUDY_CUDA_DOUBLE_FAIL      CUDA calls that fail, e.g.
  *                                    cuMemCreate:OUT_OF_MEMORY@3,cuMemMap:OUT_OF_MEMORY
  *                                    (name:ERROR[@N]: fails from the N-th
- *                                    call of this process on; default 1)
+ *                                    call of this process on, default 1;
+ *                                    name:ERROR#N fails the N-th call only)
  *   UNDERSTUDY_NVML_DOUBLE_FAIL      the same for NVML calls
  *                                    (nvmlInit:DRIVER_NOT_LOADED)
  *   UNDERSTUDY_CUDA_DOUBLE_TRACE     1: one stderr line per call
@@ -79,6 +80,7 @@ struct gd_rule {
     char fn[64];
     int code;
     unsigned long from_call;
+    int only; /* fail the from_call-th call only */
     unsigned long calls;
 };
 struct gd_faults {
