@@ -35,6 +35,7 @@ from typing import Any
 
 from understudy.gms.backends.base import BackendUnavailable
 from understudy.gms.messages import GmsError
+from understudy.wire.obs import log_event
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,25 @@ def _granularity(drv: Any, device: int) -> int:
     return int(gran)
 
 
+def uuid_string(raw: bytes) -> str:
+    """The 16 bytes of ``cuDeviceGetUuid`` as NVML spells them (``GPU-…``), the
+    key that finds the same device in NVML whatever the two enumerations' order."""
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+def _identity(drv: Any, dev: Any) -> tuple[str, str, int]:
+    """(name, UUID, driver version) of ``dev``, for the log and for NVML."""
+    result, raw_name = drv.cuDeviceGetName(256, dev)
+    _check(drv, result, "cuDeviceGetName")
+    result, uuid = drv.cuDeviceGetUuid(dev)
+    _check(drv, result, "cuDeviceGetUuid")
+    result, version = drv.cuDriverGetVersion()
+    _check(drv, result, "cuDriverGetVersion")
+    name = bytes(raw_name).split(b"\0", 1)[0].decode(errors="replace").strip()
+    return name, uuid_string(bytes(uuid.bytes)), int(version)
+
+
 def _retain_primary(drv: Any, dev: Any) -> Any:
     result, ctx = drv.cuDevicePrimaryCtxRetain(dev)
     _check(drv, result, "cuDevicePrimaryCtxRetain")
@@ -115,8 +135,18 @@ class CudaVmmBackend:
         self._dev = _init(self._drv, device)
         self.device = device
         self.granularity = _granularity(self._drv, device)
+        self.device_name, self.uuid, driver_version = _identity(self._drv, self._dev)
         self._handles: dict[int, Any] = {}
         self._ctx: Any = None
+        log_event(
+            log,
+            "cuda_device",
+            device=device,
+            name=self.device_name,
+            uuid=self.uuid,
+            driver_version=driver_version,
+            granularity=self.granularity,
+        )
 
     def create(self, alloc_id: int, size: int) -> None:
         drv = self._drv
