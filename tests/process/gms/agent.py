@@ -132,6 +132,9 @@ class Agent:
             a = self.c().allocations[cmd["index"]]
             devmem.write(self.c(), a.address, b"x")  # DeviceCopyError if read-only
             return {"wrote": True}
+        if op == "device_health":
+            healthy, reason = self.c().device_health()
+            return {"healthy": healthy, "reason": reason}
         if op == "cuda_context":
             # What an engine has before it connects: a current context on the device.
             from understudy.gms.backends.cuda_vmm import CudaVmmMapper
