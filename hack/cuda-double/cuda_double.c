@@ -30,6 +30,15 @@
  * current context; the VMM calls do not (UNDERSTUDY_CUDA_DOUBLE_CONTEXT_REQUIRED
  * lists calls that should). Faults: UNDERSTUDY_CUDA_DOUBLE_FAIL (gpu_double.h).
  *
+ * Error codes: the driver's documented ones. Where its documentation names
+ * none, the double's choice: a map over an already mapped range, an address
+ * free of a range still mapped, an unmap or access change that is not whole
+ * mappings, a copy touching unmapped memory, the import of an fd that is not
+ * this machine's device memory: CUDA_ERROR_INVALID_VALUE; a copy without the
+ * access it needs: CUDA_ERROR_ILLEGAL_ADDRESS (not sticky, unlike a GPU's
+ * fault); a device attribute the double does not model: INVALID_VALUE
+ * rather than an invented value.
+ *
  * Not modeled: kernels, streams, events, sticky errors, peer mappings of
  * another device's memory, partial unmaps, handle types other than POSIX fds.
  * It proves our calls against this model of the driver, not against the driver.

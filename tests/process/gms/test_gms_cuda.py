@@ -42,7 +42,7 @@ def _gpu_reason() -> str | None:
     )
     if out.returncode != 0:
         lines = out.stderr.strip().splitlines()
-        return lines[-1] if lines else f"exit {out.returncode}"
+        return lines[-1].rpartition("BackendUnavailable: ")[2][:120] if lines else "no answer"
     if "double" in out.stdout:
         return "the CUDA driver double is on the library path, not a GPU"
     return None

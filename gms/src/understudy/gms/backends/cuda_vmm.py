@@ -1,7 +1,10 @@
 """``cuda`` backend: CUDA virtual memory management through cuda-python.
 
-UNVERIFIED: written without a GPU in reach; the tests marked ``gpu`` exercise
-it where a driver is present.
+UNVERIFIED on a GPU: written without one in reach. CI runs every path below
+against the CUDA driver double (hack/cuda-double: host memory, not a GPU),
+which proves our calls and their semantics against our model of the driver,
+not against NVIDIA's; the tests marked ``gpu`` run the same scenarios where a
+driver and a device are present.
 
 Server (``CudaVmmBackend``): ``cuInit`` and ``cuMemCreate`` (pinned, on the
 device, POSIX-fd handle type), ``cuMemExportToShareableHandle`` per export,
