@@ -329,3 +329,32 @@ def test_a_failed_remap_can_be_retried_at_the_same_address(
     r.ok("remap", timeout=5)
     assert r.ok("addresses")["addresses"] == before
     assert r.ok("verify", index=0, seed=5)["equal"]
+
+
+def test_a_tp_engine_whose_device_runs_out_of_memory_fails_fast_and_leaks_nothing(
+    gms: Gms, cuda_double: GpuDouble
+) -> None:
+    gms.server(0, "--backend", "cuda")
+    cuda_double.fail("cuMemCreate:OUT_OF_MEMORY")
+    gms.server(1, "--backend", "cuda")  # device 1's memory is gone
+    cuda_double.fail()
+    engine = gms.engine()
+    t0 = time.monotonic()
+    for device in (0, 1):
+        engine.send(
+            op="worker",
+            trial=1,
+            device=device,
+            devices=2,
+            socket=str(gms.path(device)),
+            mode="RW_OR_RO",
+            timeout=10,
+            size=4 * MiB,
+        )
+    err = engine.wait_event(30, event="error", device=1)
+    assert err["error"] == "GmsRefused" and "out of memory" in err["message"], err
+    assert time.monotonic() - t0 < 10  # an answer, not a timeout
+    engine.send(op="close_trial", trial=1)
+    engine.wait_event(10, event="closed", trial=1)
+    assert cuda_double.used_bytes(1) == 0, cuda_double.holders()
+    assert gms.state(1)["allocations"] == 0 and gms.state(1)["sessions"]["RW"] == 0
