@@ -492,6 +492,15 @@ class GmsClient:
         with self._lock:
             return self._request(m.GetState(), m.StateReport)
 
+    def device_health(self) -> tuple[bool, str]:
+        """(healthy, reason) of the GPU behind this session, as GMS sees it
+        through NVML: an engine's health reason. Healthy with no reason where
+        GMS has no NVML (no driver, the host backend on a CPU machine)."""
+        gpu = self.state().gpu
+        if gpu is None or gpu.healthy:
+            return True, ""
+        return False, f"device {self.device} ({gpu.uuid}): {gpu.reason}"
+
     # --- sleep and wake ----------------------------------------------------
 
     def unmap(self) -> None:

@@ -217,6 +217,17 @@ class LayoutHash(_Msg):
     layout_hash: str | None
 
 
+class DeviceReport(_Msg):
+    """The GPU behind a server, from NVML (absent where there is no NVML)."""
+
+    uuid: str
+    name: str
+    memory_total: int  # bytes on the device
+    memory_used: int  # in use by every process, not only GMS
+    healthy: bool
+    reason: str  # why not healthy; "" when healthy
+
+
 class StateReport(_Msg):
     type: Literal["state"] = "state"
     state: LockState
@@ -230,6 +241,7 @@ class StateReport(_Msg):
     device: int
     tag: str
     backend: str
+    gpu: DeviceReport | None = None  # filled in by the server's shell (health.py)
 
 
 class ErrorReply(_Msg):
