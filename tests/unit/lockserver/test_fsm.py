@@ -331,7 +331,8 @@ class LockMachine(RuleBasedStateMachine):
                     or before.holder.conn == a.conn
                     or (isinstance(event, Disconnected) and before.holder.conn == event.conn)
                 )
-                if before.window is not None and not isinstance(event, WindowExpired):
+                ends_window = isinstance(event, WindowExpired | fsm.HolderGone)
+                if before.window is not None and not ends_window:
                     if before.window.holder is not None:
                         # ...during a window only the persisted holder, with its epoch
                         assert a.engine_id == before.window.holder
@@ -381,6 +382,13 @@ class LockMachine(RuleBasedStateMachine):
     def time_passes(self, dt):
         self.now += dt
         self.apply(WindowExpired())
+
+    @precondition(lambda self: self.state.window is not None and self.state.window.holder)
+    @rule()
+    def holder_seen_gone(self):
+        w = self.state.window
+        self.now += 0.05
+        self.apply(fsm.HolderGone(w.holder, "gone"))
 
     @rule(full=st.booleans())
     def volume(self, full):
@@ -448,3 +456,14 @@ def test_snapshot_reports_window_then_holder():
         window_holder=None,
         window_remaining_s=None,
     )
+
+
+def test_a_window_ends_early_when_its_holder_is_seen_gone():
+    s, _ = restored(PersistedRecord("a", 4), now=0.0)
+    s, _ = step(s, AcquireRequested(1, "b"), 0.1)
+    assert s.phase is Phase.WINDOW
+    same, actions = step(s, fsm.HolderGone("someone-else", "pid gone"), 0.2)
+    assert (same, actions) == (s, [])
+    s, actions = step(s, fsm.HolderGone("a", "its process 42 is gone"), 0.2)
+    assert actions[0] == fsm.WindowClosed("holder_gone")
+    assert [(g.engine_id, g.epoch) for g in grants(actions)] == [("b", 5)]

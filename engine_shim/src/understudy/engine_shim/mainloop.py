@@ -28,6 +28,7 @@ from understudy.engine_shim.fsm import Budgets, State
 from understudy.engine_shim.http import HttpHost
 from understudy.engine_shim.probes import Probe, Verdict, verdict
 from understudy.engine_shim.weights import Weights
+from understudy.gms.client import GmsError
 from understudy.lockserver import client as lock_client
 from understudy.wire.obs import log_event
 
@@ -197,7 +198,19 @@ class Shim:
     def serving_health(self) -> tuple[bool, str]:
         if not self._serving:
             return False, "serving endpoint not bound"
-        return self.engine.health()
+        ok, why = self.engine.health()
+        if not ok:
+            return ok, why
+        # The GPU itself, as GMS sees it through NVML (a pending Xid, ECC
+        # errors, a lost device); always healthy where there is no NVML.
+        for session in list(self.weights.sessions.values()):
+            try:
+                ok, why = session.device_health()
+            except GmsError:
+                continue  # GMS itself gone: its monitor ends the engine
+            if not ok:
+                return ok, why
+        return True, "ok"
 
     def state_view(self) -> dict[str, Any]:
         with self._mutex:

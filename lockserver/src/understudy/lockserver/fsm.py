@@ -130,6 +130,16 @@ class WindowExpired:
 
 
 @dataclass(frozen=True, slots=True)
+class HolderGone:
+    """During a reconnect window, the shell saw the persisted holder's process
+    gone (its heartbeat names a pid that no longer runs, or stopped moving):
+    it will never reclaim, so waiting out the window only delays the failover."""
+
+    engine_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class Persisted:
     """The state file holds the pending grant: it may be sent."""
 
@@ -152,6 +162,7 @@ Event = (
     | AcquireRequested
     | Disconnected
     | WindowExpired
+    | HolderGone
     | Persisted
     | PersistFailed
     | RetryGrant
@@ -204,7 +215,7 @@ class WindowOpened:
 
 @dataclass(frozen=True, slots=True)
 class WindowClosed:
-    reason: str  # "reclaimed" | "expired"
+    reason: str  # "reclaimed" | "expired" | "holder_gone"
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,6 +327,13 @@ def _grant(s: LockState, w: Waiter, now: float) -> Result:
         pending=Pending(w, s.epoch, s.last_holder, resumed, claim == "reissue"),
     )
     return new, [Persist(w.engine_id, epoch)]
+
+
+def _holder_gone(s: LockState, e: HolderGone, now: float) -> Result:
+    if s.window is None or s.window.holder != e.engine_id:
+        return s, []
+    new, actions = _release(s, now)
+    return new, [WindowClosed("holder_gone"), *actions]
 
 
 def _persisted(s: LockState, e: Persisted, now: float) -> Result:
@@ -480,6 +498,9 @@ TRANSITIONS: dict[tuple[Phase, type], Entry[LockState, Action, Phase]] = {
     (P.WINDOW, AcquireRequested): Entry(_acquire_window, frozenset({P.WINDOW, P.HELD})),
     (P.WINDOW, Disconnected): Entry(_disconnect_other, frozenset({P.WINDOW})),
     (P.WINDOW, WindowExpired): Entry(_window_timer, frozenset({P.WINDOW, P.HELD, P.FREE})),
+    (P.WINDOW, HolderGone): Entry(_holder_gone, frozenset({P.WINDOW, P.HELD, P.FREE})),
+    (P.FREE, HolderGone): Entry(_noop, frozenset({P.FREE})),
+    (P.HELD, HolderGone): Entry(_noop, frozenset({P.HELD})),
     (P.HELD, Persisted): Entry(_persisted, frozenset({P.HELD})),
     (P.HELD, PersistFailed): Entry(_persist_failed, frozenset({P.FREE})),
     (P.FREE, RetryGrant): Entry(_retry, frozenset({P.FREE, P.HELD})),

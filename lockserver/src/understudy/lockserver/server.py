@@ -15,6 +15,7 @@ import dataclasses
 import hmac
 import itertools
 import logging
+import os
 import socket
 import time
 from collections.abc import Coroutine
@@ -38,6 +39,7 @@ from understudy.lockserver.messages import (
     server_codec,
 )
 from understudy.wire.obs import log_event, start_metrics_server
+from understudy.wire.serving import heartbeat_path, read_beat
 from understudy.wire.uds import bind_unix, peer_credentials, set_keepalive
 
 log = logging.getLogger("understudy.lockserver")
@@ -70,6 +72,10 @@ WRITE_FAILURES = prom.Counter(
 )
 
 _READ_CHUNK = 64 * 1024
+# How often a window looks at its holder's heartbeat, and how old a heartbeat
+# may be before its engine counts as gone (engines beat every 0.1 s).
+HOLDER_CHECK_S = 0.05
+HOLDER_SILENT_S = 2.0
 # asyncio re-listens with its own backlog (100 by default); a burst of clients
 # (every engine and probe of a pod restarting at once) must not see EAGAIN.
 _BACKLOG = 4096
@@ -91,6 +97,7 @@ class LockServer:
         self._watchers: set[int] = set()
         self._published: Holder | None = None
         self._released_at: float | None = None  # loop time the last holder went away
+        self._holder_check: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -123,6 +130,8 @@ class LockServer:
     async def __aexit__(self, *exc: object) -> None:
         if self._timer is not None:
             self._timer.cancel()
+        if self._holder_check is not None:
+            self._holder_check.cancel()
         for server in self._servers:
             server.close()
         for writer, _ in list(self._writers.values()):
@@ -289,6 +298,34 @@ class LockServer:
     def _arm_timer(self, deadline: float) -> None:
         assert self._loop is not None
         self._timer = self._loop.call_at(deadline, self._on_timer)
+        if self._holder_check is None:
+            self._holder_check = self._loop.call_later(HOLDER_CHECK_S, self._check_holder)
+
+    def _check_holder(self) -> None:
+        """While a window waits for a persisted holder, look at its heartbeat
+        (engines in the pod write one next to our socket): a pid that no longer
+        runs, or a record that stopped moving, means it will never come back."""
+        self._holder_check = None
+        w = self.state.window
+        if w is None or w.holder is None:
+            return
+        beat = read_beat(heartbeat_path(self.config.socket_path.parent, w.holder))
+        reason = None
+        if beat is not None:
+            try:
+                os.kill(beat.pid, 0)
+            except ProcessLookupError:
+                reason = f"its process {beat.pid} is gone"
+            except PermissionError:
+                pass  # alive, someone else's
+            if reason is None and time.monotonic() - beat.monotonic > HOLDER_SILENT_S:
+                reason = f"its heartbeat stopped {time.monotonic() - beat.monotonic:.1f}s ago"
+        if reason is not None:
+            log_event(log, "holder_gone", logging.WARNING, holder=w.holder, reason=reason)
+            self._feed(fsm.HolderGone(w.holder, reason))
+            return
+        assert self._loop is not None
+        self._holder_check = self._loop.call_later(HOLDER_CHECK_S, self._check_holder)
 
     def _on_timer(self) -> None:
         self._timer = None

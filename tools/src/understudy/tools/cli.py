@@ -177,7 +177,10 @@ def cmd_local_down(args: argparse.Namespace) -> int:
 def cmd_drill(args: argparse.Namespace) -> int:
     from understudy.tools import drill as drill_mod
 
-    sig = getattr(signal, f"SIG{args.signal.upper().removeprefix('SIG')}")
+    sig = [
+        getattr(signal, f"SIG{name.strip().upper().removeprefix('SIG')}")
+        for name in args.signal.split(",")
+    ]
     target: Any
     observer = None
     if args.kube:
@@ -213,6 +216,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             log=say,
             check_serving=not args.target,
+            scenario=args.scenario,
             clients=args.clients,
             max_tokens=args.max_tokens,
         )
@@ -292,7 +296,17 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
     dr = sub.add_parser("drill", help="kill the active engine under load and measure failovers")
     dr.add_argument("--kills", type=int, default=10)
-    dr.add_argument("--signal", default="KILL", help="KILL, STOP (hang) or SEGV")
+    dr.add_argument(
+        "--signal",
+        default="KILL",
+        help="KILL, STOP (hang) or SEGV, or a list (KILL,SEGV,STOP) cycled through the rounds",
+    )
+    dr.add_argument(
+        "--scenario",
+        choices=("takeover-kill", "lockserver", "gms"),
+        help="a second fault in every round: kill the engine that took over as soon as it "
+        "serves; or kill the lock server, or GMS, during the failover",
+    )
     dr.add_argument("--dir", default=str(DEFAULT_DIR), help="the local pod to drill")
     dr.add_argument("--target", help="serving URL to load (default: the local pod's)")
     dr.add_argument(
