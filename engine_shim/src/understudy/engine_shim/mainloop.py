@@ -295,7 +295,7 @@ class Shim:
                 t0 = time.monotonic()
                 try:
                     _fault(cfg, "WAKE")
-                    self.weights.wake(cfg.remap_timeout_s)
+                    self.weights.wake(cfg.remap_timeout_s, self.s.epoch)
                     self.engine.wake()
                 except Exception as exc:  # a failed remap is fatal: restart and re-init
                     return self.feed(fsm.Fatal(f"wake failed: {type(exc).__name__}: {exc}"))

@@ -68,6 +68,7 @@ class ErrorCode(enum.StrEnum):
     NOT_FOUND = "not_found"  # unknown allocation id or metadata key
     INVALID = "invalid"  # a well-formed request with a bad argument
     NO_MEMORY = "no_memory"  # the backend could not create the allocation
+    STALE_EPOCH = "stale_epoch"  # a writer whose lock epoch is older than one GMS has seen
     PROTOCOL = "protocol"  # undecodable input; the server closes the connection
 
 
@@ -88,6 +89,10 @@ class Hello(_Msg):
     mode: Mode
     timeout_s: Annotated[float, pydantic.Field(ge=0, le=MAX_TIMEOUT_S)]
     client: Annotated[str, pydantic.StringConstraints(max_length=128)] = ""
+    # The pod lock's epoch the engine holds, once it holds one: GMS refuses to
+    # let an engine write whose epoch is older than the newest it has seen (a
+    # fencing token; engines that hold no lock yet send none).
+    epoch: Annotated[int, pydantic.Field(ge=0, le=2**53 - 1)] | None = None
 
 
 class Allocate(_Msg):
