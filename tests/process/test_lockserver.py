@@ -202,7 +202,7 @@ def _both_crash(pod):
 
 
 def test_corrupt_state_file_waits_a_window_and_says_so(tmp_path):
-    pod = Pod(tmp_path)
+    pod = Pod(tmp_path, window=3.0)
     pod.state.write_text('{"holder": "a", "epo')  # torn by hand: never by us
     pod.start_server()
     try:
