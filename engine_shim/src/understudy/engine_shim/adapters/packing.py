@@ -47,7 +47,7 @@ ALIGNMENT: Final = 64
 WEIGHTS_FILE: Final = "model.safetensors"
 
 # safetensors dtype tag -> numpy dtype name. The format is little-endian; numpy
-# has no bfloat16, and this model is float32 (plus one int64 buffer).
+# has no bfloat16 (the reference models are float32, MiniLM plus one int64 buffer).
 _DTYPES: Final[Mapping[str, str]] = {
     "F64": "float64",
     "F32": "float32",
