@@ -33,11 +33,13 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import math
 import os
 import random
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
@@ -48,6 +50,7 @@ from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from understudy.engine_shim.adapters.llama_model import LlamaConfig
+from understudy.wire.obs import log_event
 
 __all__ = [
     "BUILTIN",
@@ -60,6 +63,8 @@ __all__ = [
     "corpus",
     "resolve",
 ]
+
+log = logging.getLogger("understudy.engine_shim.tiny_llama")
 
 BUILTIN: Final = "builtin:tiny-llama"
 DEFAULT_SEED: Final = 0
@@ -332,6 +337,7 @@ def build(out: Path | str, seed: int = DEFAULT_SEED) -> Path:
         # One key: safetensors writes the metadata map in hash order.
         metadata={"format": "pt"},
     )
+    (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600; a cache is shared
     return out
 
 
@@ -365,8 +371,10 @@ def cached(seed: int = DEFAULT_SEED, root: Path | None = None) -> Path:
     if final.is_dir():
         return final
     root.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
     with _exclusive(root / f".tiny-llama-f{FORMAT}-s{seed}.lock"):
-        if final.is_dir():
+        if final.is_dir():  # another process built it while we waited
+            log_event(log, "model_cached", path=final, waited_s=round(time.monotonic() - t0, 3))
             return final
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
         try:
@@ -376,6 +384,7 @@ def cached(seed: int = DEFAULT_SEED, root: Path | None = None) -> Path:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+    log_event(log, "model_built", path=final, seconds=round(time.monotonic() - t0, 3))
     return final
 
 
