@@ -38,6 +38,10 @@ def cmd_engine_run(args: argparse.Namespace) -> int:
             from understudy.engine_shim.adapters.reference import ReferenceEngine
 
             engine = ReferenceEngine(cfg.model)
+        elif cfg.adapter == "llama":
+            from understudy.engine_shim.adapters.llama import LlamaEngine
+
+            engine = LlamaEngine(cfg.model, cfg.engine_args)
         else:
             from understudy.engine_shim.adapters.synthetic import SyntheticEngine
 
