@@ -176,7 +176,9 @@ async def test_sleep_fails_streams_and_wake_serves_again(engine: LlamaEngine):
     assert ids(await run(engine, prompt, GREEDY)) == before
 
 
-def test_engine_arguments_and_model_are_checked(tiny_llama_dir: Path, tmp_path: Path):
+def test_engine_arguments_and_model_are_checked(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
     with pytest.raises(AdapterError, match="unknown"):
         LlamaEngine(str(tiny_llama_dir), ("--tensor-parallel", "2"))
     with pytest.raises(AdapterError, match="max-model-len"):
@@ -187,3 +189,7 @@ def test_engine_arguments_and_model_are_checked(tiny_llama_dir: Path, tmp_path: 
     assert engine.max_model_len == 2048 and engine.model_id == str(tiny_llama_dir)
     with pytest.raises(AdapterError, match="before attach"):
         engine.wake()
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("UNDERSTUDY_MODEL_CACHE", str(tmp_path / "a-file" / "models"))
+    with pytest.raises(AdapterError, match="UNDERSTUDY_MODEL_CACHE"):
+        LlamaEngine("builtin:tiny-llama")

@@ -283,6 +283,11 @@ class LlamaEngine:
             self.model_dir = tiny_llama.resolve(model)
         except ValueError as exc:
             raise AdapterError(str(exc)) from None
+        except OSError as exc:  # e.g. no writable model cache: say where it looked
+            raise AdapterError(
+                f"model {model!r}: cannot build it in {tiny_llama.cache_dir()} "
+                f"(UNDERSTUDY_MODEL_CACHE): {exc}"
+            ) from exc
         if not (self.model_dir / WEIGHTS_FILE).is_file():
             raise AdapterError(f"model {model!r}: no {WEIGHTS_FILE} in {self.model_dir}")
         try:
