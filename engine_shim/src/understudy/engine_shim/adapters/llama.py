@@ -9,15 +9,15 @@ memory, so the process's death frees them — warms the model up and starts
 the batching worker; ``sleep`` stops the worker and drops the cache before
 the shim unmaps the weights.
 
-The engine is a ``generation.Generator``. `Batcher` runs continuous batching
-on one worker thread: every iteration admits waiting requests into free
-cache slots (a prefill each, which yields their first token), samples the
-next token of every running sequence, and appends all of those tokens in
-one `LlamaModel.decode` call. A request that continues a migrated stream
-(``resume``) is prefilled with its prompt only; its resumed ids go through
-``decode`` as the first engine's did, which keeps the continuation
-identical (see `llama_model`). Tokens reach the asyncio side through
-``loop.call_soon_threadsafe`` into one queue per request.
+The engine is a ``generation.Generator``, served by ``openai_api``.
+`Batcher` runs continuous batching on one worker thread: every iteration
+admits waiting requests into free cache slots (a prefill each, which yields
+their first token), samples the next token of every running sequence, and
+appends all of those tokens in one `LlamaModel.decode` call. A request that
+continues a migrated stream (``resume``) is prefilled with its prompt only;
+its resumed ids go through ``decode`` as the first engine's did, which keeps
+the continuation identical (see `llama_model`). Tokens reach the asyncio
+side through ``loop.call_soon_threadsafe`` into one queue per request.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import numpy as np
 import numpy.typing as npt
 from aiohttp import web
 
+from understudy.engine_shim import openai_api
 from understudy.engine_shim.adapters import tiny_llama
 from understudy.engine_shim.adapters.base import AdapterError, Engine
 from understudy.engine_shim.adapters.llama_model import (
@@ -385,10 +386,9 @@ class LlamaEngine:
         return True, "ok"
 
     def routes(self) -> list[web.RouteDef]:
-        # The OpenAI surface (chat and text completions, streaming, continuation)
-        # is written once over the Generator protocol and comes from
-        # understudy.engine_shim.openai_api.routes(generator); this engine adds none.
-        return []
+        # The OpenAI surface (completions, chat completions, streaming, the
+        # front's continuation) is written once over the Generator protocol.
+        return openai_api.routes(self)
 
     # --- the Generator ------------------------------------------------------------
 
