@@ -29,7 +29,9 @@ from typing import Any
 
 from aiohttp import web
 
-from understudy.engine_shim.generation import Generator, SamplingParams, Step
+from understudy.engine_shim.generation import Generator, NotServing, SamplingParams, Step
+
+NOT_ACTIVE_HEADER = "X-Understudy-Not-Active"
 
 # Beyond this many requests being generated or waiting, new ones get 429.
 MAX_PENDING = 256
@@ -306,9 +308,20 @@ class OpenAIServer:
         self.pending += 1
         try:
             steps = self.gen.generate(req.prompt_ids, req.params, req.resume)
+            # The first step before any byte of the answer: a request the
+            # generator refuses gets a status, never a broken stream.
+            try:
+                first = await anext(aiter(steps))
+            except ValueError as exc:
+                return ApiError(400, str(exc)).response()
+            except NotServing as exc:
+                return web.Response(
+                    status=409, text=f"{exc}\n", headers={NOT_ACTIVE_HEADER: str(exc)}
+                )
+            chained = _chain(first, steps)
             if req.stream:
-                return await self._stream(request, req, steps)
-            return await self._whole(req, steps)
+                return await self._stream(request, req, chained)
+            return await self._whole(req, chained)
         finally:
             self.pending -= 1
 
@@ -377,6 +390,19 @@ class OpenAIServer:
                 with contextlib.suppress(Exception):
                     await closer()
         return resp
+
+
+async def _chain(first: Step, rest: AsyncIterator[Step]) -> AsyncIterator[Step]:
+    try:
+        yield first
+        if first.finish_reason is None:
+            async for step in rest:
+                yield step
+    finally:
+        # Closing the chain (the client left) must stop the generation too.
+        closer = getattr(rest, "aclose", None)
+        if closer is not None:
+            await closer()
 
 
 def routes(gen: Generator) -> list[web.RouteDef]:

@@ -185,13 +185,11 @@ def kinds_for(adapter: str, max_tokens: int = 32) -> list[Kind]:
     if adapter == "reference":
         return [Kind("embeddings", "/v1/embeddings", REQUEST)]
     chat = {
-        "model": "default",
         "messages": [{"role": "user", "content": "Tell me about understudies."}],
         "max_tokens": max_tokens,
         "temperature": 0,
     }
     completion = {
-        "model": "default",
         "prompt": "An understudy learns the lines of",
         "max_tokens": max_tokens,
         "temperature": 0,

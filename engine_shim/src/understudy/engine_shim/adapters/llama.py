@@ -55,7 +55,7 @@ from understudy.engine_shim.adapters.packing import (
     packed_size,
     views_from,
 )
-from understudy.engine_shim.generation import Generator, SamplingParams, Step
+from understudy.engine_shim.generation import Generator, NotServing, SamplingParams, Step
 from understudy.gms.client import GmsClient
 
 __all__ = ["Batcher", "LlamaEngine", "NotServing", "Request"]
@@ -68,10 +68,6 @@ WARMUP_IDS: Final = (0, 5, 6, 7)
 
 F32 = npt.NDArray[np.float32]
 Deliver = Callable[[Step | BaseException], None]
-
-
-class NotServing(RuntimeError):
-    """The engine is asleep, closed or failed: it takes no requests."""
 
 
 @dataclass(eq=False, slots=True)
