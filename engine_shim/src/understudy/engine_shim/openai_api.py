@@ -259,8 +259,9 @@ def _choice(req: Request, text: str | None, finish: str | None, first: bool) -> 
 class OpenAIServer:
     """The routes of one generative engine."""
 
-    def __init__(self, gen: Generator) -> None:
+    def __init__(self, gen: Generator, max_pending: int = MAX_PENDING) -> None:
         self.gen = gen
+        self.max_pending = max_pending
         self.pending = 0
 
     def routes(self) -> list[web.RouteDef]:
@@ -301,8 +302,10 @@ class OpenAIServer:
             except ValueError:
                 raise ApiError(400, "the request body is not JSON") from None
             req = parse(self.gen, body, chat)
-            if self.pending >= MAX_PENDING:
-                raise ApiError(429, f"more than {MAX_PENDING} requests in progress; retry later")
+            if self.pending >= self.max_pending:
+                raise ApiError(
+                    429, f"{self.max_pending} requests are in progress already; retry later"
+                )
         except ApiError as exc:
             return exc.response()
         self.pending += 1
@@ -405,6 +408,6 @@ async def _chain(first: Step, rest: AsyncIterator[Step]) -> AsyncIterator[Step]:
             await closer()
 
 
-def routes(gen: Generator) -> list[web.RouteDef]:
+def routes(gen: Generator, max_pending: int = MAX_PENDING) -> list[web.RouteDef]:
     """The OpenAI routes of ``gen`` (what a generative adapter's ``routes()`` returns)."""
-    return OpenAIServer(gen).routes()
+    return OpenAIServer(gen, max_pending).routes()

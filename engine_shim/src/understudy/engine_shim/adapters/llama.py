@@ -257,6 +257,8 @@ def _parse_args(args: Sequence[str], context: int) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="llama engine", add_help=False, exit_on_error=False)
     parser.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
     parser.add_argument("--max-model-len", type=int, default=context)
+    # Requests generating or waiting beyond this get 429 (OpenAI's "slow down").
+    parser.add_argument("--max-pending", type=int, default=openai_api.MAX_PENDING)
     try:
         ns, unknown = parser.parse_known_args(list(args))
     except (argparse.ArgumentError, SystemExit) as exc:
@@ -265,6 +267,8 @@ def _parse_args(args: Sequence[str], context: int) -> argparse.Namespace:
         raise AdapterError(f"unknown llama engine arguments {unknown}")
     if ns.max_num_seqs < 1:
         raise AdapterError("--max-num-seqs must be at least 1")
+    if ns.max_pending < 1:
+        raise AdapterError("--max-pending must be at least 1")
     if not 1 < ns.max_model_len <= context:
         raise AdapterError(f"--max-model-len must be in 2..{context} (the model's context)")
     return ns
@@ -298,6 +302,7 @@ class LlamaEngine:
         )
         self.max_model_len: int = args.max_model_len
         self.max_num_seqs: int = args.max_num_seqs
+        self.max_pending: int = args.max_pending
         self.model: LlamaModel | None = None
         self._digest = config_digest(self.model_dir)
         self._private: bytearray | None = None
@@ -384,7 +389,7 @@ class LlamaEngine:
     def routes(self) -> list[web.RouteDef]:
         # The OpenAI surface (completions, chat completions, streaming, the
         # front's continuation) is written once over the Generator protocol.
-        return openai_api.routes(self)
+        return openai_api.routes(self, self.max_pending)
 
     # --- the Generator ------------------------------------------------------------
 
