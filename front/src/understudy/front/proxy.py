@@ -211,6 +211,24 @@ class Front:
                     await changed.wait()
         return self.state.route
 
+    async def _hold(self, deadline: float) -> fsm.Route | None:
+        """The route now, or after holding the request until one exists (or the
+        deadline); counted as held while it waits, whatever ends the wait."""
+        if self.state.route is not None:
+            return self.state.route
+        since = self._now()
+        self._held += 1
+        self.metrics.held.set(self._held)
+        self.metrics.held_total.inc()
+        try:
+            route = await self._route(deadline)
+        finally:  # a client that hangs up while held is no longer held
+            self._held -= 1
+            self.metrics.held.set(self._held)
+        if route is not None:
+            self.metrics.hold.observe(self._now() - since)
+        return route
+
     async def _await_change(self, route: fsm.Route, deadline: float, patience: float) -> None:
         """After an attempt the engine refused or could not take: wait up to
         ``patience`` for the lock to name another route, then try again anyway."""
@@ -246,25 +264,9 @@ class Front:
 
     async def _serve(self, req: _Request, request: web.Request) -> web.StreamResponse:
         deadline = self._now() + self.cfg.hold_s
-        waited_since: float | None = None
         while True:
-            route = self.state.route
+            route = await self._hold(deadline)
             if route is None:
-                if waited_since is None:
-                    waited_since = self._now()
-                    self._held += 1
-                    self.metrics.held.set(self._held)
-                    self.metrics.held_total.inc()
-                route = await self._route(deadline)
-            if waited_since is not None and route is not None:
-                self._held -= 1
-                self.metrics.held.set(self._held)
-                self.metrics.hold.observe(self._now() - waited_since)
-                waited_since = None
-            if route is None:
-                if waited_since is not None:
-                    self._held -= 1
-                    self.metrics.held.set(self._held)
                 self.metrics.hold_expired.inc()
                 return await self._give_up(
                     req, 503, f"no engine became active within the hold of {self.cfg.hold_s}s"
