@@ -159,11 +159,15 @@ def test_a_greedy_stream_is_identical_with_its_engine_killed_mid_stream(
         before = _migrations(pod)
         stream = client.chat.completions.create(**kwargs)
         got, killed = [], False
-        for chunk in stream:
-            got.append(chunk.model_dump(exclude_none=True))
-            if len(got) == 3 and not killed:
-                os.kill(active["pid"], signal.SIGKILL)
-                killed = True
+        try:
+            for chunk in stream:
+                got.append(chunk.model_dump(exclude_none=True))
+                if len(got) == 3 and not killed:
+                    os.kill(active["pid"], signal.SIGKILL)
+                    killed = True
+        except openai.APIError:
+            print(pod.diagnostics(), pod.log("front")[-6000:])
+            raise
         if _migrations(pod) > before:
             break
         time.sleep(1)

@@ -57,6 +57,9 @@ _RETRY_S = 0.005
 # After the engine refused (draining, or another epoch): the lock will name
 # another engine soon; until then, ask again only this often.
 _REFUSED_RETRY_S = 0.25
+# A heartbeat check that comes this much later than asked means the front was
+# not scheduled either: no verdict on the engine from it.
+_STALL_S = 0.25
 
 
 class _ClientGone(Exception):
@@ -175,15 +178,24 @@ class Front:
                 await asyncio.sleep(0.05)
 
     async def _check_beats(self) -> None:
+        last = time.monotonic()
         while True:
             await asyncio.sleep(self.cfg.beat_check_s)
+            now = time.monotonic()
+            late, last = now - last - self.cfg.beat_check_s, now
+            if late > _STALL_S:
+                # The front itself did not run for a while: the whole machine
+                # stalled (CPU starvation, a VM pause), so a silent engine now
+                # proves nothing. Judge again on the next, punctual check.
+                log_event(log, "beat_check_skipped", logging.WARNING, late_ms=round(late * 1000))
+                continue
             route = self.state.route
             if route is None:
                 continue
             beat = read_beat(heartbeat_path(self.cfg.run_dir, route.engine_id))
             if beat is None:
                 continue
-            silent = time.monotonic() - beat.monotonic
+            silent = now - beat.monotonic
             if silent > self.cfg.hang_after_s:
                 self.feed(fsm.Hung(route.engine_id, silent))
 
