@@ -207,3 +207,34 @@ def _answers(port: int) -> bool:
         return http_json(port, "/live", timeout=0.5)[0] == 200
     except OSError:
         return False
+
+
+def exchange(pod: LocalPod, head: str, body: bytes = b"", method: str = "") -> tuple[int, bytes]:
+    """One raw request to the serving port, its bytes exactly as given."""
+    with socket.create_connection(("127.0.0.1", pod.serve_port), timeout=10) as s:
+        s.sendall(head.encode("utf-8", "surrogateescape") + b"\r\n\r\n" + body)
+        resp = http.client.HTTPResponse(s, method=method or head.split(" ", 1)[0])
+        resp.begin()
+        return resp.status, resp.read()
+
+
+def test_the_request_head_reaches_the_engine_byte_for_byte(pod):
+    """A UTF-8 header value or a percent-encoded path is forwarded as it came:
+    the front used to re-encode what aiohttp had decoded, as Latin-1 (a 500 for
+    a User-Agent of "€") and from the decoded path (a 500 for %E2%82%AC, and a
+    CR LF from %0D%0A in the engine's request line). Found by
+    tests/process/fuzz/test_fuzz_http.py."""
+    pod.wait_armed()
+    _, expected = checksum(pod)
+    body = b"{}"
+    for agent in ("€uro", "caf\udce9"):  # UTF-8, and a lone Latin-1 byte
+        head = f"POST /v1/checksum HTTP/1.1\r\nHost: x\r\nUser-Agent: {agent}\r\nContent-Length: 2"
+        status, answer = exchange(pod, head, body)
+        assert status == 200 and json.loads(answer) == expected, answer[:200]
+    head = "POST /v1/checksum?q=%E2%82%AC HTTP/1.1\r\nHost: x\r\nContent-Length: 2"
+    status, answer = exchange(pod, head, body)
+    assert status == 200 and json.loads(answer) == expected, answer[:200]
+    for path in ("/v1/%E2%82%AC", "/v1/checksum%0D%0AX-Injected:%201", "/v1/%FF"):
+        status, _ = exchange(pod, f"GET {path} HTTP/1.1\r\nHost: x")
+        assert status == 404, path  # the engine's answer for a path it does not serve
+    assert checksum(pod) == (200, expected)

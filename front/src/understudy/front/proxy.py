@@ -68,8 +68,8 @@ class _Request:
     """One client request across its attempts."""
 
     method: str
-    path: str
-    query: str
+    path: str  # decoded: for matching and logs
+    target: str  # the request-target as the client sent it: what the engine gets
     headers: dict[str, str]
     body: bytes
     doc: dict[str, Any] | None  # the JSON body of a completion request
@@ -321,17 +321,16 @@ class Front:
     ) -> tuple[fsm.Outcome, web.StreamResponse | None]:
         up = self._upstream(route.engine_id)
         headers = [*req.headers.items(), (EPOCH_HEADER, str(route.epoch))]
-        target = req.path + (f"?{req.query}" if req.query else "")
         data = _payload(req)
         try:
-            r = await up.request(req.method, target, headers, data)
+            r = await up.request(req.method, req.target, headers, data)
         except upstream.Stale as stale:
             # A kept-alive connection died before any answer: either it died
             # idle, or its engine died with the request in it. A new
             # connection tells which: it reaches the engine, or finds none
             # (then the request may have run there: a migration).
             try:
-                r = await up.request(req.method, target, headers, data)
+                r = await up.request(req.method, req.target, headers, data)
             except upstream.Unreachable:
                 return self._broken(req, route, stale)
             except upstream.UpstreamError as exc:
@@ -491,9 +490,10 @@ def _parse(request: web.Request, body: bytes) -> _Request:
             if isinstance(parsed, dict):
                 doc = parsed
                 streaming = parsed.get("stream") is True
-    req = _Request(
-        request.method, request.path, request.query_string, headers, body, doc, streaming
-    )
+    # The target as it came (percent-encoding, query and all): the decoded path
+    # could hold bytes that are not Latin-1 or even CR LF, which the engine's
+    # request line must never see.
+    req = _Request(request.method, request.path, request.raw_path, headers, body, doc, streaming)
     if doc is not None:
         prefix = "chatcmpl" if request.path.endswith("chat/completions") else "cmpl"
         req.request_id = f"{prefix}-{uuid.uuid4().hex}"

@@ -20,6 +20,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 _HEAD_LIMIT = 64 * 1024
+# aiohttp decodes a request's target and header values as UTF-8 with
+# surrogateescape, so encoding them back the same way forwards the client's
+# bytes exactly (Latin-1 failed on any other character: a 500 for a UTF-8
+# User-Agent).
+_HEAD_CODEC = ("utf-8", "surrogateescape")
 _IDLE_MAX = 64  # kept-alive connections per engine
 
 
@@ -150,7 +155,7 @@ class Upstream:
         head = [f"{method} {target} HTTP/1.1", "Host: engine", f"Content-Length: {len(body)}"]
         head += [f"{k}: {v}" for k, v in headers]
         try:
-            conn.writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
+            conn.writer.write(("\r\n".join(head) + "\r\n\r\n").encode(*_HEAD_CODEC) + body)
             await conn.writer.drain()
             raw = await conn.reader.readuntil(b"\r\n\r\n")
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
