@@ -238,3 +238,15 @@ def test_the_request_head_reaches_the_engine_byte_for_byte(pod):
         status, _ = exchange(pod, f"GET {path} HTTP/1.1\r\nHost: x")
         assert status == 404, path  # the engine's answer for a path it does not serve
     assert checksum(pod) == (200, expected)
+
+
+def test_a_head_request_is_answered(pod):
+    """A HEAD's answer has no body, whatever its Content-Length says: the front
+    waited for one, so a HEAD hung until the engine closed the connection.
+    Found by tests/process/fuzz/test_fuzz_http.py."""
+    pod.wait_armed()
+    _, expected = checksum(pod)
+    for path, status in (("/health", 200), ("/v1/checksum", 405), ("/nothing", 404)):
+        assert exchange(pod, f"HEAD {path} HTTP/1.1\r\nHost: x") == (status, b""), path
+    assert checksum(pod) == (200, expected)  # and the kept-alive connections still work
+    assert http_json(pod.front_port, "/state")[1]["inflight"] == 0

@@ -164,12 +164,12 @@ class Upstream:
                 raise Stale(repr(exc)) from None
             raise Broken(f"no answer: {exc!r}") from None
         try:
-            return self._response(conn, raw)
+            return self._response(conn, raw, head_only=method == "HEAD")
         except ValueError as exc:
             conn.close()
             raise Broken(f"not an HTTP answer: {exc}") from None
 
-    def _response(self, conn: _Conn, raw: bytes) -> Response:
+    def _response(self, conn: _Conn, raw: bytes, head_only: bool) -> Response:
         lines = raw[:-4].decode("latin-1").split("\r\n")
         version, _, rest = lines[0].partition(" ")
         if not version.startswith("HTTP/1."):
@@ -185,6 +185,8 @@ class Upstream:
         chunked = "chunked" in low.get("transfer-encoding", "").lower()
         length = None if chunked or "content-length" not in low else int(low["content-length"])
         keep = low.get("connection", "").lower() != "close" and (chunked or length is not None)
-        if status in (204, 304) or (100 <= status < 200):
+        # No body follows, whatever Content-Length says (RFC 9112 6.3): waiting
+        # for one hung a HEAD until the engine closed the connection.
+        if head_only or status in (204, 304) or (100 <= status < 200):
             length, chunked = 0, False
         return Response(status, headers, conn, self, length, chunked, keep)
