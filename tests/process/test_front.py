@@ -250,3 +250,24 @@ def test_a_head_request_is_answered(pod):
         assert exchange(pod, f"HEAD {path} HTTP/1.1\r\nHost: x") == (status, b""), path
     assert checksum(pod) == (200, expected)  # and the kept-alive connections still work
     assert http_json(pod.front_port, "/state")[1]["inflight"] == 0
+
+
+def test_a_client_that_hangs_up_mid_body_is_no_error(pod):
+    """A request whose client hangs up before its body is complete is nobody's
+    error: the front and the engine logged it as one, with a traceback (what
+    aiohttp does with the ConnectionResetError of an unread body). Found by
+    tests/process/fuzz/test_fuzz_http.py."""
+    active = pod.wait_armed()
+    _, expected = checksum(pod)
+    head = b"POST /v1/checksum HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"
+    with socket.create_connection(("127.0.0.1", pod.serve_port), timeout=5) as s:
+        s.sendall(head)
+        time.sleep(0.2)  # the front now waits for the rest
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(active["serving_socket"])
+        s.sendall(head)
+        time.sleep(0.2)
+    assert checksum(pod) == (200, expected)
+    wait_for(lambda: http_json(pod.front_port, "/state")[1]["inflight"] == 0, 5, what="idle")
+    for name in ("front", active["name"]):
+        assert "Traceback" not in pod.log(name), pod.log(name)[-2000:]

@@ -135,6 +135,13 @@ class HttpHost:
             self._idle.clear()
             try:
                 return await handler(request)
+            except ConnectionResetError:
+                if request.transport is not None and not request.transport.is_closing():
+                    raise  # not the client's: an error of ours
+                # The client hung up, say before its body arrived: nobody to
+                # answer, nothing wrong here (aiohttp would log an error and a
+                # traceback).
+                return web.Response(status=400, text="the client hung up\n")
             finally:
                 self.inflight -= 1
                 if not self.inflight:

@@ -229,6 +229,11 @@ class Front:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return _error(413, f"request body larger than {self.cfg.max_body} bytes")
+        except ConnectionResetError:
+            # The client hung up before its body arrived: nobody to answer, and
+            # nothing wrong here (aiohttp would log it as an error, traceback and all).
+            log_event(log, "client_gone", logging.DEBUG, path=request.path)
+            return _error(400, "the client hung up before its request body arrived")
         req = _parse(request, body)
         self._inflight += 1
         self._idle.clear()
