@@ -271,3 +271,15 @@ def test_a_client_that_hangs_up_mid_body_is_no_error(pod):
     wait_for(lambda: http_json(pod.front_port, "/state")[1]["inflight"] == 0, 5, what="idle")
     for name in ("front", active["name"]):
         assert "Traceback" not in pod.log(name), pod.log(name)[-2000:]
+
+
+def test_json_nested_too_deep_is_a_400_not_a_500(pod):
+    """Python's json raises RecursionError, not ValueError, for an array nested
+    a thousand deep: the engine answered its checksum with a 500, and the front
+    failed a completion request with one before forwarding it. Found by
+    tests/process/fuzz/test_fuzz_http.py."""
+    pod.wait_armed()
+    deep = b"[" * 5000 + b"]" * 5000
+    for path, status in (("/v1/checksum", 400), ("/v1/completions", 404)):
+        head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(deep)}"
+        assert exchange(pod, head, deep)[0] == status, path  # 404: no completions here

@@ -490,7 +490,8 @@ def _parse(request: web.Request, body: bytes) -> _Request:
     doc: dict[str, Any] | None = None
     streaming = False
     if request.method == "POST" and request.path in COMPLETIONS:
-        with contextlib.suppress(ValueError):
+        # Not JSON to us (nested too deep included): forwarded as it came.
+        with contextlib.suppress(ValueError, RecursionError):
             parsed = json.loads(body)
             if isinstance(parsed, dict):
                 doc = parsed
