@@ -207,3 +207,79 @@ def _answers(port: int) -> bool:
         return http_json(port, "/live", timeout=0.5)[0] == 200
     except OSError:
         return False
+
+
+def exchange(pod: LocalPod, head: str, body: bytes = b"", method: str = "") -> tuple[int, bytes]:
+    """One raw request to the serving port, its bytes exactly as given."""
+    with socket.create_connection(("127.0.0.1", pod.serve_port), timeout=10) as s:
+        s.sendall(head.encode("utf-8", "surrogateescape") + b"\r\n\r\n" + body)
+        resp = http.client.HTTPResponse(s, method=method or head.split(" ", 1)[0])
+        resp.begin()
+        return resp.status, resp.read()
+
+
+def test_the_request_head_reaches_the_engine_byte_for_byte(pod):
+    """A UTF-8 header value or a percent-encoded path is forwarded as it came:
+    the front used to re-encode what aiohttp had decoded, as Latin-1 (a 500 for
+    a User-Agent of "€") and from the decoded path (a 500 for %E2%82%AC, and a
+    CR LF from %0D%0A in the engine's request line). Found by
+    tests/process/fuzz/test_fuzz_http.py."""
+    pod.wait_armed()
+    _, expected = checksum(pod)
+    body = b"{}"
+    for agent in ("€uro", "caf\udce9"):  # UTF-8, and a lone Latin-1 byte
+        head = f"POST /v1/checksum HTTP/1.1\r\nHost: x\r\nUser-Agent: {agent}\r\nContent-Length: 2"
+        status, answer = exchange(pod, head, body)
+        assert status == 200 and json.loads(answer) == expected, answer[:200]
+    head = "POST /v1/checksum?q=%E2%82%AC HTTP/1.1\r\nHost: x\r\nContent-Length: 2"
+    status, answer = exchange(pod, head, body)
+    assert status == 200 and json.loads(answer) == expected, answer[:200]
+    for path in ("/v1/%E2%82%AC", "/v1/checksum%0D%0AX-Injected:%201", "/v1/%FF"):
+        status, _ = exchange(pod, f"GET {path} HTTP/1.1\r\nHost: x")
+        assert status == 404, path  # the engine's answer for a path it does not serve
+    assert checksum(pod) == (200, expected)
+
+
+def test_a_head_request_is_answered(pod):
+    """A HEAD's answer has no body, whatever its Content-Length says: the front
+    waited for one, so a HEAD hung until the engine closed the connection.
+    Found by tests/process/fuzz/test_fuzz_http.py."""
+    pod.wait_armed()
+    _, expected = checksum(pod)
+    for path, status in (("/health", 200), ("/v1/checksum", 405), ("/nothing", 404)):
+        assert exchange(pod, f"HEAD {path} HTTP/1.1\r\nHost: x") == (status, b""), path
+    assert checksum(pod) == (200, expected)  # and the kept-alive connections still work
+    assert http_json(pod.front_port, "/state")[1]["inflight"] == 0
+
+
+def test_a_client_that_hangs_up_mid_body_is_no_error(pod):
+    """A request whose client hangs up before its body is complete is nobody's
+    error: the front and the engine logged it as one, with a traceback (what
+    aiohttp does with the ConnectionResetError of an unread body). Found by
+    tests/process/fuzz/test_fuzz_http.py."""
+    active = pod.wait_armed()
+    _, expected = checksum(pod)
+    head = b"POST /v1/checksum HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"
+    with socket.create_connection(("127.0.0.1", pod.serve_port), timeout=5) as s:
+        s.sendall(head)
+        time.sleep(0.2)  # the front now waits for the rest
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(active["serving_socket"])
+        s.sendall(head)
+        time.sleep(0.2)
+    assert checksum(pod) == (200, expected)
+    wait_for(lambda: http_json(pod.front_port, "/state")[1]["inflight"] == 0, 5, what="idle")
+    for name in ("front", active["name"]):
+        assert "Traceback" not in pod.log(name), pod.log(name)[-2000:]
+
+
+def test_json_nested_too_deep_is_a_400_not_a_500(pod):
+    """Python's json raises RecursionError, not ValueError, for an array nested
+    a thousand deep: the engine answered its checksum with a 500, and the front
+    failed a completion request with one before forwarding it. Found by
+    tests/process/fuzz/test_fuzz_http.py."""
+    pod.wait_armed()
+    deep = b"[" * 5000 + b"]" * 5000
+    for path, status in (("/v1/checksum", 400), ("/v1/completions", 404)):
+        head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(deep)}"
+        assert exchange(pod, head, deep)[0] == status, path  # 404: no completions here

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from gmsprocs import Gms, memfd_holders
+from procs import wait_for
 
 from understudy.gms import messages as m
 from understudy.wire.uds import recv_frame, send_frame
@@ -155,3 +156,22 @@ def test_hello_that_cannot_be_granted_times_out_on_the_server(gms: Gms) -> None:
         reply = ask(s, {"type": "hello", "mode": "RO", "timeout_s": 0.3})
         assert reply["type"] == "error" and reply["code"] == "timeout"
         assert ask(s, {"type": "get_state"})["waiting"] == 0
+
+
+def test_a_reply_that_cannot_be_sent_ends_the_session(gms: Gms) -> None:
+    """A reply the server fails to send ends that session, and only that one.
+
+    The client stops reading (its SHUT_RD fails the server's sends, as a client
+    that dies just as its reply goes out does). The server used to close the
+    socket under its own pending read, which then never woke: the writer's
+    session, and its lock, outlived the client for good. Found by
+    tests/process/fuzz/test_fuzz_gms.py."""
+    gms.server()
+    with raw(gms.path()) as s:
+        assert ask(s, {"type": "hello", "mode": "RW", "timeout_s": 5})["granted"] == "RW"
+        s.shutdown(socket.SHUT_RD)
+        s.sendall(frame({"type": "get_state"}))  # its reply cannot be sent
+        wait_for(lambda: gms.state()["sessions"]["RW"] == 0, 5, what="the session ended")
+    for _ in range(3):  # whichever fd number the next clients are given
+        with raw(gms.path()) as t:
+            assert ask(t, {"type": "hello", "mode": "RW", "timeout_s": 5})["granted"] == "RW"

@@ -149,6 +149,13 @@ class HttpHost:
                     await response.prepare(request)
                 await response.write_eof()
                 return response
+            except ConnectionResetError:
+                if request.transport is not None and not request.transport.is_closing():
+                    raise  # not the client's: an error of ours
+                # The client hung up, say before its body arrived: nobody to
+                # answer, nothing wrong here (aiohttp would log an error and a
+                # traceback).
+                return web.Response(status=400, text="the client hung up\n")
             finally:
                 self.inflight -= 1
                 if not self.inflight:

@@ -299,7 +299,7 @@ class OpenAIServer:
                 body = await request.json()
             except web.HTTPRequestEntityTooLarge:
                 raise ApiError(413, f"request body larger than {MAX_BODY} bytes") from None
-            except ValueError:
+            except (ValueError, RecursionError):  # nested too deep is not JSON to us
                 raise ApiError(400, "the request body is not JSON") from None
             req = parse(self.gen, body, chat)
             if self.pending >= self.max_pending:

@@ -71,8 +71,8 @@ class _Request:
     """One client request across its attempts."""
 
     method: str
-    path: str
-    query: str
+    path: str  # decoded: for matching and logs
+    target: str  # the request-target as the client sent it: what the engine gets
     headers: dict[str, str]
     body: bytes
     doc: dict[str, Any] | None  # the JSON body of a completion request
@@ -259,6 +259,11 @@ class Front:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return _error(413, f"request body larger than {self.cfg.max_body} bytes")
+        except ConnectionResetError:
+            # The client hung up before its body arrived: nobody to answer, and
+            # nothing wrong here (aiohttp would log it as an error, traceback and all).
+            log_event(log, "client_gone", logging.DEBUG, path=request.path)
+            return _error(400, "the client hung up before its request body arrived")
         req = _parse(request, body)
         self._inflight += 1
         self._idle.clear()
@@ -335,17 +340,16 @@ class Front:
     ) -> tuple[fsm.Outcome, web.StreamResponse | None]:
         up = self._upstream(route.engine_id)
         headers = [*req.headers.items(), (EPOCH_HEADER, str(route.epoch))]
-        target = req.path + (f"?{req.query}" if req.query else "")
         data = _payload(req)
         try:
-            r = await up.request(req.method, target, headers, data)
+            r = await up.request(req.method, req.target, headers, data)
         except upstream.Stale as stale:
             # A kept-alive connection died before any answer: either it died
             # idle, or its engine died with the request in it. A new
             # connection tells which: it reaches the engine, or finds none
             # (then the request may have run there: a migration).
             try:
-                r = await up.request(req.method, target, headers, data)
+                r = await up.request(req.method, req.target, headers, data)
             except upstream.Unreachable:
                 return self._broken(req, route, stale)
             except upstream.UpstreamError as exc:
@@ -500,14 +504,16 @@ def _parse(request: web.Request, body: bytes) -> _Request:
     doc: dict[str, Any] | None = None
     streaming = False
     if request.method == "POST" and request.path in COMPLETIONS:
-        with contextlib.suppress(ValueError):
+        # Not JSON to us (nested too deep included): forwarded as it came.
+        with contextlib.suppress(ValueError, RecursionError):
             parsed = json.loads(body)
             if isinstance(parsed, dict):
                 doc = parsed
                 streaming = parsed.get("stream") is True
-    req = _Request(
-        request.method, request.path, request.query_string, headers, body, doc, streaming
-    )
+    # The target as it came (percent-encoding, query and all): the decoded path
+    # could hold bytes that are not Latin-1 or even CR LF, which the engine's
+    # request line must never see.
+    req = _Request(request.method, request.path, request.raw_path, headers, body, doc, streaming)
     if doc is not None:
         prefix = "chatcmpl" if request.path.endswith("chat/completions") else "cmpl"
         req.request_id = f"{prefix}-{uuid.uuid4().hex}"

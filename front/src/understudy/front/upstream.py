@@ -20,6 +20,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 _HEAD_LIMIT = 64 * 1024
+# aiohttp decodes a request's target and header values as UTF-8 with
+# surrogateescape, so encoding them back the same way forwards the client's
+# bytes exactly (Latin-1 failed on any other character: a 500 for a UTF-8
+# User-Agent).
+_HEAD_CODEC = ("utf-8", "surrogateescape")
 _IDLE_MAX = 64  # kept-alive connections per engine
 
 
@@ -150,7 +155,7 @@ class Upstream:
         head = [f"{method} {target} HTTP/1.1", "Host: engine", f"Content-Length: {len(body)}"]
         head += [f"{k}: {v}" for k, v in headers]
         try:
-            conn.writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
+            conn.writer.write(("\r\n".join(head) + "\r\n\r\n").encode(*_HEAD_CODEC) + body)
             await conn.writer.drain()
             raw = await conn.reader.readuntil(b"\r\n\r\n")
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
@@ -159,12 +164,12 @@ class Upstream:
                 raise Stale(repr(exc)) from None
             raise Broken(f"no answer: {exc!r}") from None
         try:
-            return self._response(conn, raw)
+            return self._response(conn, raw, head_only=method == "HEAD")
         except ValueError as exc:
             conn.close()
             raise Broken(f"not an HTTP answer: {exc}") from None
 
-    def _response(self, conn: _Conn, raw: bytes) -> Response:
+    def _response(self, conn: _Conn, raw: bytes, head_only: bool) -> Response:
         lines = raw[:-4].decode("latin-1").split("\r\n")
         version, _, rest = lines[0].partition(" ")
         if not version.startswith("HTTP/1."):
@@ -180,6 +185,8 @@ class Upstream:
         chunked = "chunked" in low.get("transfer-encoding", "").lower()
         length = None if chunked or "content-length" not in low else int(low["content-length"])
         keep = low.get("connection", "").lower() != "close" and (chunked or length is not None)
-        if status in (204, 304) or (100 <= status < 200):
+        # No body follows, whatever Content-Length says (RFC 9112 6.3): waiting
+        # for one hung a HEAD until the engine closed the connection.
+        if head_only or status in (204, 304) or (100 <= status < 200):
             length, chunked = 0, False
         return Response(status, headers, conn, self, length, chunked, keep)

@@ -213,17 +213,27 @@ class GmsServer:
             conn.outbox.put_nowait(None)
 
     async def _writer(self, conn: _Conn) -> None:
+        """Send what the core queued, in order, until the reader's ``None``.
+
+        Only this task closes the socket, and only once the reader has ended: a
+        socket closed under the reader's pending ``sock_recv`` never wakes it
+        (the kernel drops a closed fd from epoll; asyncio keeps waiting), so
+        the session would outlive its client (a writer's lock with it) and the
+        fd number would stay dead for the next client given it. A failed send
+        only shuts the socket down, which the reader sees as EOF.
+        """
+        failed = False
         try:
-            while True:
-                item = await conn.outbox.get()
-                if item is None:
-                    break
+            while (item := await conn.outbox.get()) is not None:
                 frame, fd = item
                 try:
-                    await sock_send_frame(conn.sock, frame, fd)
+                    if not failed:
+                        await sock_send_frame(conn.sock, frame, fd)
                 except OSError as exc:
+                    failed = conn.closing = True
                     log_event(log, "send_failed", logging.INFO, sid=conn.sid, error=exc)
-                    break
+                    with contextlib.suppress(OSError):
+                        conn.sock.shutdown(socket.SHUT_RDWR)
                 finally:
                     if fd is not None:
                         os.close(fd)

@@ -121,7 +121,7 @@ class ReferenceEngine:
     async def embeddings(self, request: web.Request) -> web.Response:
         try:
             body: Any = await request.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # nested too deep is not JSON to us
             return _error(400, "request body is not JSON")
         if not isinstance(body, dict):
             return _error(400, "request body must be a JSON object")

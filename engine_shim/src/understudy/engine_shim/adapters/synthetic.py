@@ -139,7 +139,7 @@ class SyntheticEngine:
         if request.can_read_body:
             try:
                 body = await request.json()
-            except ValueError:
+            except (ValueError, RecursionError):  # nested too deep is not JSON to us
                 return web.json_response({"error": {"message": "body is not JSON"}}, status=400)
         if not isinstance(body, dict):
             return web.json_response({"error": {"message": "body must be an object"}}, status=400)
