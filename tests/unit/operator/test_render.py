@@ -266,3 +266,22 @@ def test_render_cli_prints_a_yaml_stream() -> None:
     assert [d["kind"] for d in docs] == ["ResourceClaimTemplate", "Service", "Pod"]
     for d in docs:
         kubernetes_validate.validate(d, "1.34.0", strict=True)
+
+
+def test_tolerations_are_rendered_into_the_pod() -> None:
+    inst = GpuInstance.from_body(
+        {
+            "metadata": {"name": "d", "uid": "u"},
+            "spec": {
+                "model": {"source": "x"},
+                "placement": {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]},
+            },
+        }
+    )
+    assert render.pod_spec(inst, render.RenderConfig())["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists"}
+    ]
+    plain = GpuInstance.from_body(
+        {"metadata": {"name": "d", "uid": "u"}, "spec": {"model": {"source": "x"}}}
+    )
+    assert "tolerations" not in render.pod_spec(plain, render.RenderConfig())

@@ -371,6 +371,10 @@ def pod_spec(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]:
     }
     if inst.spec.placement.node_selector:
         spec["nodeSelector"] = dict(inst.spec.placement.node_selector)
+    if inst.spec.placement.tolerations:
+        spec["tolerations"] = [
+            t.model_dump(by_alias=True, exclude_none=True) for t in inst.spec.placement.tolerations
+        ]
     return spec
 
 
