@@ -20,11 +20,38 @@ from understudy.operator.api import PlacementStrategy
 
 
 @dataclass(frozen=True, slots=True)
+class Taint:
+    key: str
+    value: str = ""
+    effect: str = "NoSchedule"
+
+
+@dataclass(frozen=True, slots=True)
+class Toleration:
+    key: str | None = None  # None with Exists: tolerates every taint
+    operator: str = "Equal"  # Equal | Exists
+    value: str | None = None
+    effect: str | None = None  # None: every effect
+
+    def tolerates(self, taint: Taint) -> bool:
+        """core/v1 semantics (``Toleration.ToleratesTaint``)."""
+        if self.effect is not None and self.effect != taint.effect:
+            return False
+        if self.key is not None and self.key != taint.key:
+            return False
+        if self.operator == "Exists":
+            return True
+        return (self.value or "") == taint.value
+
+
+@dataclass(frozen=True, slots=True)
 class NodeInfo:
     name: str
     labels: Mapping[str, str] = field(default_factory=dict)
     ready: bool = True
     schedulable: bool = True
+    taints: tuple[Taint, ...] = ()
+    images: frozenset[str] = frozenset()  # image names the node holds (status.images)
     # Device indices of the requested class on this node (ResourceSlices) and
     # those allocated to any claim. None: unknown (no ResourceSlice access).
     devices: frozenset[int] | None = None
@@ -47,6 +74,10 @@ class Request:
     target_node: str | None = None
     node_selector: Mapping[str, str] = field(default_factory=dict)
     exclusive: bool = True
+    tolerations: tuple[Toleration, ...] = ()
+    # Locality (scorers.locality_score): the engine image, and node labels preferred.
+    image: str | None = None
+    preferred_labels: Mapping[str, str] = field(default_factory=dict)
 
 
 Filter = Callable[[Request, NodeInfo], str | None]
@@ -73,6 +104,17 @@ def status_filter(req: Request, node: NodeInfo) -> str | None:
     return None
 
 
+# Taint effects that keep a pod off a node (PreferNoSchedule only discourages).
+HARD_EFFECTS = frozenset({"NoSchedule", "NoExecute"})
+
+
+def taint_filter(req: Request, node: NodeInfo) -> str | None:
+    for taint in node.taints:
+        if taint.effect in HARD_EFFECTS and not any(t.tolerates(taint) for t in req.tolerations):
+            return f"untolerated taint {taint.key}={taint.value}:{taint.effect}"
+    return None
+
+
 def device_filter(req: Request, node: NodeInfo) -> str | None:
     if node.devices is None:
         return None  # unknown: leave it to kube-scheduler and DRA
@@ -91,7 +133,13 @@ def device_filter(req: Request, node: NodeInfo) -> str | None:
     return None
 
 
-CHAIN: tuple[Filter, ...] = (target_node_filter, node_selector_filter, status_filter, device_filter)
+CHAIN: tuple[Filter, ...] = (
+    target_node_filter,
+    node_selector_filter,
+    status_filter,
+    taint_filter,
+    device_filter,
+)
 
 
 def filter_nodes(
@@ -101,9 +149,11 @@ def filter_nodes(
     kept: list[NodeInfo] = []
     rejected: dict[str, str] = {}
     for node in nodes:
-        reason = next((r for f in chain if (r := f(req, node)) is not None), None)
-        if reason is None:
-            kept.append(node)
+        for check in chain:
+            reason = check(req, node)
+            if reason is not None:
+                rejected[node.name] = reason
+                break
         else:
-            rejected[node.name] = reason
+            kept.append(node)
     return kept, rejected
