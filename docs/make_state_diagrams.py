@@ -6,7 +6,7 @@
 The diagrams come from each core's ``TRANSITIONS`` (through
 ``understudy.wire.machine.mermaid``), so they cannot drift from the code;
 tests/unit/test_state_diagrams.py fails when the committed file is stale.
-This script lives here, not in a component, because it reads all four
+This script lives here, not in a component, because it reads all the
 components and none of them may depend on all the others.
 """
 
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from understudy.engine_shim import fsm as engine
+from understudy.front import fsm as front
 from understudy.gms import fsm as gms
 from understudy.lockserver import fsm as lock
 from understudy.operator import lifecycle
@@ -58,6 +59,13 @@ def sections() -> list[Section]:
             "One engine process. There is no way back: a dead engine is restarted as a "
             "new process, which starts in INIT again.",
             mermaid(engine.TRANSITIONS, initial=engine.State.INIT, final=[engine.State.DEAD]),
+        ),
+        Section(
+            "Front door routing",
+            "front/src/understudy/front/fsm.py",
+            "Where the pod's front door sends requests: the engine that holds the lock, "
+            "under the newest epoch seen. While WAITING, requests are held.",
+            mermaid(front.TRANSITIONS, initial=front.Phase.WAITING),
         ),
         Section(
             "GpuInstance replica",

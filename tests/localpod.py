@@ -57,6 +57,7 @@ class LocalPod:
         base = free_port_block(16)
         self.serve_port = base
         self.status_port = base + 4
+        self.front_port = base + 14  # --metrics-port + 2
         self.shadows = shadows
         self.proc = Proc(
             understudy(
@@ -147,6 +148,18 @@ class LocalPod:
 
     def pid(self, container: str) -> int:
         return self.local_state()["containers"][container]["pid"]
+
+    def metric(self, name: str, **labels: str) -> float:
+        """A sample of the front's /metrics (0 when the series does not exist yet)."""
+        status, text = http_json(self.front_port, "/metrics")
+        assert status == 200
+        want = name + (
+            "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
+        )
+        for line in str(text).splitlines():
+            if line.startswith(want + " "):
+                return float(line.split()[-1])
+        return 0.0
 
     def log(self, container: str) -> str:
         return (self.dir / "logs" / f"{container}.log").read_text(errors="replace")

@@ -174,7 +174,7 @@ def test_apply_gives_a_serving_pod_with_claim_and_ready_status(instance: Instanc
     assert pod["status"]["phase"] == "Running"
     statuses = pod["status"]["containerStatuses"] + pod["status"]["initContainerStatuses"]
     names = {s["name"] for s in statuses}
-    assert {"lockserver", "gms", "engine-primary", "engine-shadow-1"} <= names
+    assert {"lockserver", "gms", "front", "engine-primary", "engine-shadow-1"} <= names
     assert all(s.get("started") for s in statuses), statuses
     claim_name = pod["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
     claim = instance.cluster.get_json("resourceclaim", claim_name, "-n", instance.ns)
@@ -194,14 +194,17 @@ def test_chaos_kill_active_engine_through_the_service(instance: Instance) -> Non
     report = instance.drill("--kills", str(KILLS))
     s = report["summary"]
     assert s["kills"] == KILLS and s["failovers_ok"] == KILLS, s
+    # Zero loss is the bar: through the Service, every request answered, and right.
+    assert s["failed_requests"] == 0, report.get("errors")
     assert s["wrong_answers"] == 0 and s["split_brain"] == 0 and s["epoch_regressions"] == 0
+    assert s["gap_s"]["p99"] < 0.5, s["gap_s"]
     assert report["exit_code"] == 0
     cluster = report["cluster"]
     # every kill was a restart of an engine container, never a sidecar
     restarts = cluster["restarts"]
     engine_restarts = sum(v for k, v in restarts.items() if "/engine-" in k)
     assert engine_restarts >= KILLS, restarts
-    assert all(v == 0 for k, v in restarts.items() if k.endswith(("/lockserver", "/gms")))
+    assert all(v == 0 for k, v in restarts.items() if k.endswith(("/lockserver", "/gms", "/front")))
     assert not cluster["left_endpoints"], cluster["seconds_not_an_endpoint"]
     assert _embed(instance.url()) == before
 

@@ -60,9 +60,11 @@ def test_hung_active_engine_is_detected_and_replaced(pod):
         0.05,
     )
     assert new["epoch"] > active["epoch"]
-    # the supervisor's liveness probe killed the stopped process
+    # The front saw its heartbeat stop and killed it (before any liveness
+    # probe would have): its death handed the lock on.
     wait_for(lambda: not _alive(active["pid"]), 10, what="hung engine killed")
-    assert "liveness_failed" in (pod.dir / "supervisor.out").read_text()
+    assert f"event=killing_hung_engine engine={active['engine_id']}" in pod.log("front")
+    assert "liveness_failed" not in (pod.dir / "supervisor.out").read_text()
     pod.wait_armed(30)
 
 

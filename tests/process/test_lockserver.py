@@ -379,3 +379,44 @@ def test_status_cli_prints_one_json_line(pod):
     }
     gone = Proc(understudy("lock", "status", "--socket", str(pod.dir / "nope.sock")))
     assert "error" in gone.json_line() and gone.wait() == 1
+
+
+def test_watch_sees_every_holder_and_a_restart(pod):
+    """The front's view: the holder now, each grant, and the holder again after a
+    lock-server restart (reclaimed within the window, same epoch)."""
+    import asyncio
+
+    from understudy.lockserver import watch
+
+    seen: list[tuple[str | None, int]] = []
+
+    async def collect(n: int) -> None:
+        async for h in watch(client.Address.parse(pod.sock)):
+            seen.append((h.holder and h.holder.split("/")[0], h.epoch))
+            if len(seen) >= n:
+                return
+
+    async def scenario() -> None:
+        task = asyncio.create_task(collect(3))
+        await asyncio.sleep(0.2)
+        a = pod.acquire("a")
+        await asyncio.to_thread(granted, a)
+        pod.acquire("b")
+        await asyncio.to_thread(pod.wait_waiting, "b")
+        a.kill9()  # b is granted in the same step: the front never sees "nobody"
+        await asyncio.wait_for(task, 10)
+
+    asyncio.run(scenario())
+    assert seen == [(None, 0), ("a", 1), ("b", 2)]
+    # After a restart the watch reports the holder it restored, with its epoch.
+    pod.server.kill9()
+    pod.start_server()
+
+    async def after_restart() -> None:
+        async for h in watch(client.Address.parse(pod.sock)):
+            seen.append((h.holder, h.epoch))
+            if h.holder is not None:
+                return
+
+    asyncio.run(asyncio.wait_for(after_restart(), 10))
+    assert seen[-1] == ("b", 2)

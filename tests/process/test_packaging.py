@@ -17,7 +17,7 @@ import pytest
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-COMPONENTS = ("cli", "wire", "lockserver", "gms", "engine_shim", "operator", "tools")
+COMPONENTS = ("cli", "wire", "lockserver", "gms", "engine_shim", "front", "operator", "tools")
 UV = Path(sys.executable).with_name("uv")
 
 
@@ -116,7 +116,7 @@ def test_the_default_distribution_installs_from_wheels(dist: Path, tmp_path: Pat
     bin_ = _venv(tmp_path / "venv")
     _run(bin_ / "pip", "install", "--quiet", "--find-links", dist, "understudy-k8s==0.1.0")
     helptext = _run(bin_ / "understudy", "--help").stdout
-    for command in ("lockserver", "gms", "engine", "operator", "local", "drill"):
+    for command in ("lockserver", "gms", "engine", "front", "operator", "local", "drill"):
         assert command in helptext
     # Every module resolves to the installed files, none to the checkout.
     where = _run(

@@ -27,6 +27,10 @@ def _local_config(inst: GpuInstance) -> local.LocalConfig:
         shadows=f.shadows,
         devices=tuple(range(inst.spec.gpus.count)),
         serve_port=inst.spec.serving_port,
+        front_status_port=8090,
+        hold_s=f.hold_seconds,
+        hang_after_s=f.hang_after_seconds,
+        migration_limit=f.migration_limit,
         reconnect_window_s=f.lock_reconnect_window_seconds,
         startup_budget_s=f.startup_budget_seconds,
         wake_timeout_s=f.wake_timeout_seconds,
@@ -60,7 +64,7 @@ def test_sidecar_commands_are_the_same():
     inst = _instance()
     pod = render.render_pod(inst, 0, 1, None, render.RenderConfig())
     sidecars = {c["name"]: c for c in pod["spec"]["initContainers"]}
-    for c in local.containers(_local_config(inst))[:2]:
+    for c in local.containers(_local_config(inst))[:3]:
         rendered = sidecars[c.name]
         argv = [*rendered.get("command", []), *rendered.get("args", [])]
         # Locally: [python, -m, understudy.cli, ...]; in the pod: [understudy, ...].

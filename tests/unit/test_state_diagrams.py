@@ -1,4 +1,4 @@
-"""The four cores share one machine shape, and docs/state-machines.md is drawn from it."""
+"""The cores share one machine shape, and docs/state-machines.md is drawn from it."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ from types import ModuleType
 import pytest
 
 from understudy.engine_shim import fsm as engine
+from understudy.front import fsm as front
 from understudy.gms import fsm as gms
 from understudy.lockserver import fsm as lock
 from understudy.operator import lifecycle
 from understudy.wire import machine
 
 ROOT = Path(__file__).resolve().parents[2]
-CORES = [lock, gms, engine, lifecycle]
+CORES = [lock, gms, engine, front, lifecycle]
 
 
 def _generator() -> ModuleType:

@@ -16,7 +16,10 @@ def test_defaults_follow_the_pod_contract():
     cfg = from_env(BASE)
     assert cfg.lock_socket.as_posix() == "/run/understudy/lock.sock"
     assert cfg.gms_socket(1).as_posix() == "/run/understudy/gms/gms_1_weights.sock"
-    assert cfg.devices == (0, 1) and cfg.serve_port == 8000
+    assert cfg.devices == (0, 1)
+    # Served only through the front, on a Unix socket named after this process.
+    assert cfg.serve_socket.parent.as_posix() == "/run/understudy/serve"
+    assert cfg.serve_socket.name == cfg.engine_id.replace("/", ".") + ".sock"
     assert cfg.engine_id.startswith("engine-shadow-1/")
     assert from_env(BASE).engine_id != cfg.engine_id  # a new process is a new holder
 

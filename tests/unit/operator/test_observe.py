@@ -22,6 +22,7 @@ def test_pod_view() -> None:
             "phase": "Running",
             "initContainerStatuses": [
                 {"name": "lockserver", "ready": True},
+                {"name": "front", "ready": True},
                 {"name": "gms", "ready": True},
             ],
             "containerStatuses": [
@@ -36,7 +37,7 @@ def test_pod_view() -> None:
     }
     v = pod_view(pod)
     assert (v.index, v.attempt, v.spec_hash, v.node, v.phase) == (0, 3, "h", "n1", "Running")
-    assert v.lockserver_ready and v.routable_label == "true" and not v.deleting
+    assert v.front_ready and v.routable_label == "true" and not v.deleting
     assert v.containers[1].waiting_reason == "CrashLoopBackOff"
 
 

@@ -70,7 +70,7 @@ def run_to_serving() -> tuple[dict[str, Any], PodView, Plan]:
         p1,
         node="n1",
         phase="Running",
-        lockserver_ready=True,
+        front_ready=True,
         containers=ARMED,
         engines={"engine-primary": EngineView(state="Active", epoch=1)},
     )
@@ -150,7 +150,7 @@ def test_one_container_restarting_keeps_the_pod_routable() -> None:
     still routable — a single container's restart never unroutes the pod."""
     b, pod, _ = run_to_serving()
     assert any(c.ready for c in pod.containers if c.name.startswith("engine-"))
-    pod = replace(pod, routable_label="true", lockserver_ready=False)
+    pod = replace(pod, routable_label="true", front_ready=False)
     p = plan(GpuInstance.from_body(b), Observed({pod.name: pod}, {"n1": True}, NODES), 130.0, CFG)
     assert p.labels == ()
 
@@ -160,7 +160,7 @@ def test_nothing_serving_and_no_ready_engine_drops_routable() -> None:
     pod = replace(
         pod,
         routable_label="true",
-        lockserver_ready=False,
+        front_ready=False,
         containers=tuple(
             replace(c, ready=False) if c.name.startswith("engine-") else c for c in pod.containers
         ),
@@ -278,7 +278,7 @@ class World:
             self.pods[name],
             node=node,
             phase="Running",
-            lockserver_ready=True,
+            front_ready=True,
             containers=ARMED,
             engines={"engine-primary": EngineView(state="Active", epoch=1)},
             pressure=pressure,

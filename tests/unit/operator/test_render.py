@@ -73,8 +73,10 @@ def test_pod_layout_matches_the_contract() -> None:
     pod = _pod(make())
     spec = pod["spec"]
     init = spec["initContainers"]
-    assert [c["name"] for c in init] == ["lockserver", "gms"]
+    assert [c["name"] for c in init] == ["lockserver", "gms", "front"]
     assert all(c["restartPolicy"] == "Always" for c in init)  # native sidecars
+    # The front may end a hung engine; no engine is PID 1 (signals work as on a crash).
+    assert spec["shareProcessNamespace"] is True
     assert [c["name"] for c in spec["containers"]] == ["engine-primary", "engine-shadow-1"]
     assert pod["metadata"]["name"] == "demo-0"
     assert pod["metadata"]["annotations"]["understudy.dev/attempt"] == "3"
@@ -116,10 +118,24 @@ def test_lockserver_sidecar() -> None:
         "--timeout",
         "1",
     ]
-    rp = ls["readinessProbe"]
-    assert rp["httpGet"] == {"path": "/health", "port": 8000, "scheme": "HTTP"}
-    assert (rp["periodSeconds"], rp["failureThreshold"]) == (1, 3)
+    assert "readinessProbe" not in ls  # routing follows the front, not the lock server
     assert "claims" not in ls["resources"]
+
+
+def test_front_sidecar_owns_the_serving_port() -> None:
+    inst = make(failover={"holdSeconds": 12, "migrationLimit": 2, "hangAfterSeconds": 1.5})
+    front = _pod(inst)["spec"]["initContainers"][2]
+    assert front["command"] + front["args"] == [
+        "understudy", "front", "serve", "--run-dir", "/run/understudy", "--port", "8000",
+        "--status-port", "8090", "--hold", "12", "--migration-limit", "2",
+        "--hang-after", "1.5", "--drain", "25",
+    ]  # fmt: skip
+    assert {p["containerPort"] for p in front["ports"]} == {8000, 8090}
+    rp = front["readinessProbe"]
+    assert rp["httpGet"] == {"path": "/ready", "port": 8090, "scheme": "HTTP"}
+    assert (rp["periodSeconds"], rp["failureThreshold"]) == (1, 3)
+    svc = render.render_service(inst)
+    assert svc["spec"]["ports"][0]["targetPort"] in (8000, "http")
 
 
 def test_gms_sidecar() -> None:
@@ -161,7 +177,8 @@ def test_engine_containers_env_and_probes() -> None:
         assert env["ENGINE_ROLE"] == ("primary" if i == 0 else "shadow")
         assert env["UNDERSTUDY_ENGINE_NAME"] == c["name"]
         assert env["UNDERSTUDY_STATUS_PORT"] == str(8100 + i)
-        assert env["UNDERSTUDY_SERVE_PORT"] == "8000"
+        assert "UNDERSTUDY_SERVE_PORT" not in env  # engines listen on a Unix socket
+        assert env["UNDERSTUDY_DRAIN_S"] == "25"
         assert env["UNDERSTUDY_LOCK_SOCKET"] == "/run/understudy/lock.sock"
         assert env["UNDERSTUDY_GMS_SOCKET_DIR"] == "/run/understudy/gms"
         assert env["UNDERSTUDY_GMS_BACKEND"] == "host"

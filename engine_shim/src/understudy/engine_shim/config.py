@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from understudy.wire.serving import heartbeat_path, serving_socket
+
 ROLES = ("primary", "shadow")
 ADAPTERS = ("reference", "synthetic")
 
@@ -31,17 +33,25 @@ class EngineConfig:
     adapter: str
     model: str
     engine_args: tuple[str, ...]
-    serve_port: int
     status_port: int
-    serve_host: str = "0.0.0.0"
     startup_budget_s: float = 600.0
     wake_timeout_s: float = 30.0
     remap_timeout_s: float = 30.0
     lock_reconnect_s: float = 15.0
+    drain_s: float = 25.0
     extra: Mapping[str, str] = field(default_factory=dict)
 
     def gms_socket(self, device: int, tag: str = "weights") -> Path:
         return self.gms_socket_dir / f"gms_{device}_{tag}.sock"
+
+    @property
+    def serve_socket(self) -> Path:
+        """Where this engine listens once Active (only the front connects)."""
+        return serving_socket(self.run_dir, self.engine_id)
+
+    @property
+    def heartbeat(self) -> Path:
+        return heartbeat_path(self.run_dir, self.engine_id)
 
 
 def _get(env: Mapping[str, str], key: str, default: str | None = None) -> str:
@@ -117,12 +127,11 @@ def from_env(env: Mapping[str, str] | None = None) -> EngineConfig:
         adapter=adapter,
         model=env.get("UNDERSTUDY_MODEL", "builtin:all-MiniLM-L6-v2"),
         engine_args=tuple(args),
-        serve_port=_int(env, "UNDERSTUDY_SERVE_PORT", 8000),
         status_port=_int(env, "UNDERSTUDY_STATUS_PORT", 8100),
-        serve_host=env.get("UNDERSTUDY_SERVE_HOST", "0.0.0.0"),
         startup_budget_s=_float(env, "UNDERSTUDY_STARTUP_BUDGET_S", 600.0),
         wake_timeout_s=_float(env, "UNDERSTUDY_WAKE_TIMEOUT_S", 30.0),
         remap_timeout_s=_float(env, "UNDERSTUDY_REMAP_TIMEOUT_S", 30.0),
         lock_reconnect_s=_float(env, "UNDERSTUDY_LOCK_RECONNECT_S", 15.0),
+        drain_s=_float(env, "UNDERSTUDY_DRAIN_S", 25.0),
         extra={k: v for k, v in env.items() if k.startswith("UNDERSTUDY_FAULT_")},
     )

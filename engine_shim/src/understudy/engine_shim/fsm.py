@@ -1,4 +1,4 @@
-"""The engine's life: Init → Standby → Waking → Active → Dead.
+"""The engine's life: Init → Standby → Waking → Active (→ Draining) → Dead.
 
 Sans-IO: ``step(state, event, now) -> (state, actions)``, the shape every core
 shares (``understudy.wire.machine``). The main loop and the monitors feed
@@ -13,6 +13,12 @@ dead engine is restarted as a new process (which re-arms as a standby).
 Active is entered only after the wake *and* the serving endpoint are done
 (``ServingReady``), never before: a liveness probe must not judge a healthy
 but slow wake by the serving endpoint's health.
+
+``Terminate`` (SIGTERM: a pod deletion, a rollout, a node drain) ends an
+engine that serves nothing at once; an Active engine drains first: it stops
+taking requests (the front holds new ones for the next Active engine),
+finishes the ones it has within its drain budget, and only then exits, which
+releases the lock.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ class State(enum.Enum):
     STANDBY = "Standby"
     WAKING = "Waking"
     ACTIVE = "Active"
+    DRAINING = "Draining"
     DEAD = "Dead"
 
 
@@ -76,6 +83,18 @@ class GmsLost:
 
 
 @dataclass(frozen=True, slots=True)
+class Terminate:
+    """SIGTERM: finish what is in flight, take nothing new, exit."""
+
+
+@dataclass(frozen=True, slots=True)
+class Drained:
+    """Every in-flight request finished (or the drain budget ran out)."""
+
+    unfinished: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class Fatal:
     """Anything else that must end the process: an init error, a failed remap."""
 
@@ -91,6 +110,8 @@ Event = (
     | WakeTimeout
     | LockLost
     | GmsLost
+    | Terminate
+    | Drained
     | Fatal
 )
 
@@ -115,18 +136,26 @@ class BindServing:
 
 
 @dataclass(frozen=True, slots=True)
+class Drain:
+    """Stop accepting requests; report Drained when none is left or at ``deadline``."""
+
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
 class Exit:
     code: int
     reason: str
     state: State  # the state the engine died in, for the one exit log line
 
 
-Action = Acquire | Wake | BindServing | Exit
+Action = Acquire | Wake | BindServing | Drain | Exit
 
 
 class ExitCode(enum.IntEnum):
     """Process exit codes of ``understudy engine run`` (README)."""
 
+    DONE = 0  # terminated (SIGTERM), after draining when Active
     FATAL = 1  # init error, failed remap (timeout, stale layout, lost GMS), bind failure
     LOCK_LOST = 3
     GMS_LOST = 4
@@ -145,6 +174,7 @@ class InvalidTransition(machine.InvalidTransition):
 class Budgets:
     startup_s: float
     wake_s: float
+    drain_s: float = 25.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +200,8 @@ def deadline(s: EngineState) -> float | None:
         return s.started + s.budgets.startup_s
     if s.state is State.WAKING:
         return s.since + s.budgets.wake_s
+    if s.state is State.DRAINING:
+        return s.since + s.budgets.drain_s
     return None
 
 
@@ -210,6 +242,19 @@ def _wake_timeout(s: EngineState, e: WakeTimeout, now: float) -> Result:
     return _moved(s, State.DEAD, e, now), [Exit(ExitCode.WAKE_TIMEOUT, why, s.state)]
 
 
+def _terminate(s: EngineState, e: Terminate, now: float) -> Result:
+    return _moved(s, State.DEAD, e, now), [Exit(ExitCode.DONE, "terminated", s.state)]
+
+
+def _drain(s: EngineState, e: Terminate, now: float) -> Result:
+    return _moved(s, State.DRAINING, e, now), [Drain(deadline=now + s.budgets.drain_s)]
+
+
+def _drained(s: EngineState, e: Drained, now: float) -> Result:
+    why = "drained" if not e.unfinished else f"drain budget over, {e.unfinished} unfinished"
+    return _moved(s, State.DEAD, e, now), [Exit(ExitCode.DONE, why, s.state)]
+
+
 _DIE = {LockLost: ExitCode.LOCK_LOST, GmsLost: ExitCode.GMS_LOST, Fatal: ExitCode.FATAL}
 
 
@@ -239,6 +284,14 @@ TRANSITIONS: dict[tuple[State, type], Entry[EngineState, Action, State]] = {
     (S.ACTIVE, LockLost): Entry(_died, _DEAD),
     (S.ACTIVE, GmsLost): Entry(_died, _DEAD),
     (S.ACTIVE, Fatal): Entry(_died, _DEAD),
+    (S.INIT, Terminate): Entry(_terminate, _DEAD),
+    (S.STANDBY, Terminate): Entry(_terminate, _DEAD),
+    (S.WAKING, Terminate): Entry(_terminate, _DEAD),
+    (S.ACTIVE, Terminate): Entry(_drain, frozenset({S.DRAINING})),
+    (S.DRAINING, Drained): Entry(_drained, _DEAD),
+    (S.DRAINING, LockLost): Entry(_died, _DEAD),
+    (S.DRAINING, GmsLost): Entry(_died, _DEAD),
+    (S.DRAINING, Fatal): Entry(_died, _DEAD),
 }
 
 

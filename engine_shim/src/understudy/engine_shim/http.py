@@ -2,28 +2,41 @@
 
 - the **status** port (bound at process start): ``/startup``, ``/live``,
   ``/ready``, ``/state``, ``/metrics``;
-- the **serving** port (bound only by ``bind_serving``, i.e. only when the
-  engine is Active): the adapter's routes and ``GET /health``.
+- the **serving** socket (bound only by ``bind_serving``, i.e. only when the
+  engine is Active): a Unix socket in the pod's run directory, which only the
+  pod's front door connects to; the adapter's routes and ``GET /health``.
+  A request that carries another epoch than this engine's, or arrives while
+  it drains, is refused with 409 and ``X-Understudy-Not-Active``: the front
+  then waits for the engine the lock names.
 
-Heavy work (inference) runs in the adapter's executor, so the loop keeps
-answering probes while the engine computes.
+The same loop writes the engine's heartbeat, so a loop that stops (a stopped
+or wedged process) stops the heartbeat too. Heavy work (inference) runs in
+the adapter's executor, so the loop keeps answering while the engine computes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import prometheus_client as prom
 from aiohttp import web
 
 from understudy.engine_shim.probes import Probe, Verdict
+from understudy.wire.serving import HeartbeatWriter
 
 Health = Callable[[], tuple[bool, str]]
+EPOCH_HEADER = "X-Understudy-Epoch"
+NOT_ACTIVE_HEADER = "X-Understudy-Not-Active"
+# Often enough that a hang is seen within the front's limit (1 s by default)
+# with room for a busy loop; rarely enough to cost nothing.
+HEARTBEAT_S = 0.1
 
 
 class HttpHost:
@@ -31,6 +44,11 @@ class HttpHost:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="http", daemon=True)
         self._runners: list[web.AppRunner] = []
+        self._serving: web.AppRunner | None = None
+        self._serving_path: Path | None = None
+        self.inflight = 0
+        self.draining = False
+        self._idle: asyncio.Event | None = None
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -85,15 +103,78 @@ class HttpHost:
         )
         self._call(self._serve(app, host, port))
 
+    def start_heartbeat(self, path: Path, epoch: Callable[[], int | None]) -> None:
+        """Rewrite the heartbeat record from this loop every HEARTBEAT_S."""
+        writer = HeartbeatWriter(path)
+
+        def beat() -> None:
+            writer.beat(epoch() or 0)
+            self.loop.call_later(HEARTBEAT_S, beat)
+
+        self.loop.call_soon_threadsafe(beat)
+
     def bind_serving(
-        self, host: str, port: int, routes: list[web.RouteDef], health: Health
+        self, path: Path, routes: list[web.RouteDef], health: Health, epoch: int
     ) -> None:
-        """Bind the serving port; raises OSError if something else holds it."""
+        """Listen on the serving socket; raises OSError if it cannot."""
 
         async def health_view(request: web.Request) -> web.Response:
             ok, why = health()
             return web.Response(status=200 if ok else 503, text=why + "\n")
 
-        app = web.Application(client_max_size=4 * 1024 * 1024)
-        app.add_routes([*routes, web.get("/health", health_view)])
-        self._call(self._serve(app, host, port))
+        @web.middleware
+        async def fence(
+            request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+        ) -> web.StreamResponse:
+            claimed = request.headers.get(EPOCH_HEADER)
+            if self.draining or (claimed is not None and claimed != str(epoch)):
+                why = "draining" if self.draining else f"epoch {claimed} is not this engine's"
+                return web.Response(status=409, text=why + "\n", headers={NOT_ACTIVE_HEADER: why})
+            self.inflight += 1
+            assert self._idle is not None
+            self._idle.clear()
+            try:
+                return await handler(request)
+            finally:
+                self.inflight -= 1
+                if not self.inflight:
+                    self._idle.set()
+
+        async def serve() -> None:
+            self._idle = asyncio.Event()
+            self._idle.set()
+            app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[fence])
+            app.add_routes([*routes, web.get("/health", health_view)])
+            runner = web.AppRunner(app, access_log=None, handle_signals=False)
+            await runner.setup()
+            try:
+                await web.UnixSite(runner, str(path)).start()
+            except BaseException:
+                await runner.cleanup()
+                raise
+            self._serving, self._serving_path = runner, path
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # a socket of this very engine id: never another engine's
+        self._call(serve())
+        path.chmod(0o660)
+
+    def drain(self, timeout: float) -> int:
+        """Take no new requests; wait (at most ``timeout``) for the in-flight
+        ones to finish. Returns how many are still running."""
+
+        if self._serving_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self._serving_path.unlink()  # no new connection finds it
+
+        async def stop() -> int:
+            self.draining = True
+            if self._idle is not None:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(timeout):
+                        await self._idle.wait()
+            return self.inflight
+
+        result: int = self._call(stop(), timeout + 5)
+        return result

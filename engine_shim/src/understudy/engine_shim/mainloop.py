@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -151,12 +152,19 @@ class Shim:
         if when is None:
             return
         armed_for = self.s.state
-        event: fsm.Event = fsm.InitTimeout() if armed_for is State.INIT else fsm.WakeTimeout()
 
         def fire() -> None:
             with self._mutex:
                 if self.s.state is not armed_for:
                     return  # moved on in time
+            event: fsm.Event
+            match armed_for:
+                case State.INIT:
+                    event = fsm.InitTimeout()
+                case State.WAKING:
+                    event = fsm.WakeTimeout()
+                case _:
+                    event = fsm.Drained(unfinished=self.host.inflight)
             self.feed(event)
 
         self._timer = threading.Timer(max(0.0, when - time.monotonic()), fire)
@@ -204,7 +212,7 @@ class Shim:
             "time_in_state_s": round(s.time_in_state(time.monotonic()), 4),
             "epoch": s.epoch,
             "last_transition": self.last_transition,
-            "serving_port": self.cfg.serve_port,
+            "serving_socket": str(self.cfg.serve_socket),
             "weights": {"loaded": self.weights.loaded, "imported": self.weights.imported},
             **{k: v for k, v in self.walls.items()},
             # wall time of the lock grant (= entering Waking), as the operator reads it
@@ -220,6 +228,12 @@ class Shim:
         self.host.serve_status(
             "0.0.0.0", cfg.status_port, self.verdict, self.state_view, self.metrics.registry
         )
+        self.host.start_heartbeat(cfg.heartbeat, lambda: self.s.epoch)
+        # SIGTERM drains an Active engine and ends any other at once. A handler
+        # of our own also means the signal is delivered when the engine runs
+        # as a container's PID 1, where the kernel drops signals that have
+        # no handler.
+        signal.signal(signal.SIGTERM, lambda *_: self._terminate())
         log_event(
             log,
             "starting",
@@ -280,10 +294,13 @@ class Shim:
                 t0 = time.monotonic()
                 try:
                     self.host.bind_serving(
-                        cfg.serve_host, cfg.serve_port, self.engine.routes(), self.serving_health
+                        cfg.serve_socket,
+                        self.engine.routes(),
+                        self.serving_health,
+                        self.s.epoch or 0,
                     )
                 except OSError as exc:
-                    return self.feed(fsm.Fatal(f"cannot bind serving port {cfg.serve_port}: {exc}"))
+                    return self.feed(fsm.Fatal(f"cannot listen on {cfg.serve_socket}: {exc}"))
                 self._serving = True
                 self.durations["serve"] = time.monotonic() - t0
                 self.durations["grant_to_active"] = time.monotonic() - self._granted
@@ -294,10 +311,24 @@ class Shim:
                     **self.metrics.labels, phase="grant_to_active"
                 ).observe(self.durations["grant_to_active"])
                 return self.feed(fsm.ServingReady())
+            case fsm.Drain(deadline=deadline):
+                unfinished = self.host.drain(max(0.0, deadline - time.monotonic()))
+                return self.feed(fsm.Drained(unfinished=unfinished))
             case fsm.Exit():
                 return []  # carried out in feed()
             case _:
                 assert_never(action)
+
+    def _terminate(self) -> None:
+        """SIGTERM, in the signal handler: the work goes to a thread of its own
+        (the main thread may be blocked in acquire, or be the one serving)."""
+
+        def run() -> None:
+            pending = self.feed(fsm.Terminate())
+            while pending:
+                pending += self._do(pending.pop(0))
+
+        threading.Thread(target=run, name="terminate", daemon=True).start()
 
 
 def _fault(cfg: EngineConfig, where: str) -> None:

@@ -7,7 +7,7 @@ Three endpoints on the engine's status port (docs/pod.md):
 - ``/live`` — Init 503 (unreachable in a pod: the startup probe gates it);
   Standby 200, an idle standby is alive; Waking 200 until the wake timeout,
   then 503, so a hung wake gets the container killed; Active: the serving
-  endpoint's health; Dead 503.
+  endpoint's health; Draining 200 (it is finishing its requests); Dead 503.
 - ``/ready`` — "a useful member of the pod": Standby 200, Active 200 when the
   serving endpoint is healthy, otherwise 503. Routing does not depend on it
   (see the readiness trap in docs/pod.md); pod Ready means "fully armed".
@@ -65,6 +65,10 @@ def verdict(
             return Verdict(OK, f"waking for {time_in_state:.1f}s")
         case (Probe.READY, State.WAKING):
             return Verdict(FAIL, "waking: not serving yet")
+        case (Probe.LIVE, State.DRAINING):
+            return Verdict(OK, f"draining for {time_in_state:.1f}s")
+        case (Probe.READY, State.DRAINING):
+            return Verdict(FAIL, "draining: takes no new requests")
         case (_, State.ACTIVE):
             if serving_healthy:
                 return Verdict(OK, "active, serving")

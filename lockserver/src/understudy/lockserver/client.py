@@ -34,6 +34,7 @@ from understudy.lockserver.messages import (
     Acquire,
     Error,
     Granted,
+    Holder,
     Status,
     StatusReply,
     client_codec,
@@ -137,7 +138,10 @@ def _request(
             raise ConnectionResetError("lock server closed the connection")
         replies = codec.feed(data)
         if replies:
-            return replies[0]
+            reply = replies[0]
+            if isinstance(reply, Holder):  # only ever sent on a watch
+                raise ConnectionResetError("lock server sent a watch event to a request")
+            return reply
 
 
 def _default_on_lost(reason: str) -> None:

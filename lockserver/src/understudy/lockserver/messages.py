@@ -1,7 +1,7 @@
 """Every message of the lock protocol, and its codec (the only wire shapes).
 
-Client → server: ``Acquire`` (blocks until ``Granted``), ``Status``.
-Server → client: ``Granted``, ``StatusReply``, ``Error``.
+Client → server: ``Acquire`` (blocks until ``Granted``), ``Status``, ``Watch``.
+Server → client: ``Granted``, ``StatusReply``, ``Holder``, ``Error``.
 There is no release message: closing the connection releases, so only a
 holder's death (or its own hang-up) can free the lock.
 """
@@ -47,6 +47,17 @@ class Status(pydantic.BaseModel):
     token: Token | None = None
 
 
+class Watch(pydantic.BaseModel):
+    """Subscribe to the lock's holder: one ``Holder`` now, then one per change.
+
+    The pod's front door routes by it: a release is seen the instant the
+    holder's connection closes, and a grant names the engine and its epoch."""
+
+    model_config = FROZEN
+    type: Literal["watch"] = "watch"
+    token: Token | None = None
+
+
 class Granted(pydantic.BaseModel):
     model_config = FROZEN
     type: Literal["granted"] = "granted"
@@ -66,6 +77,14 @@ class StatusReply(pydantic.BaseModel):
     window_remaining_s: float | None
 
 
+class Holder(pydantic.BaseModel):
+    model_config = FROZEN
+    type: Literal["holder"] = "holder"
+    holder: str | None  # engine id; None while nobody holds the lock
+    epoch: int
+    window_open: bool
+
+
 ErrorCode = Literal["bad_request", "unauthorized", "superseded", "busy", "internal"]
 
 
@@ -76,20 +95,22 @@ class Error(pydantic.BaseModel):
     message: str
 
 
-ClientMessage = Annotated[Acquire | Status, pydantic.Field(discriminator="type")]
-ServerMessage = Annotated[Granted | StatusReply | Error, pydantic.Field(discriminator="type")]
+ClientMessage = Annotated[Acquire | Status | Watch, pydantic.Field(discriminator="type")]
+ServerMessage = Annotated[
+    Granted | StatusReply | Holder | Error, pydantic.Field(discriminator="type")
+]
 
-CLIENT_ADAPTER: pydantic.TypeAdapter[Acquire | Status] = pydantic.TypeAdapter(ClientMessage)
-SERVER_ADAPTER: pydantic.TypeAdapter[Granted | StatusReply | Error] = pydantic.TypeAdapter(
+CLIENT_ADAPTER: pydantic.TypeAdapter[Acquire | Status | Watch] = pydantic.TypeAdapter(ClientMessage)
+SERVER_ADAPTER: pydantic.TypeAdapter[Granted | StatusReply | Holder | Error] = pydantic.TypeAdapter(
     ServerMessage
 )
 
 
-def client_codec() -> MessageCodec[Acquire | Status]:
+def client_codec() -> MessageCodec[Acquire | Status | Watch]:
     """What a server uses to read clients."""
     return MessageCodec(CLIENT_ADAPTER, RemoteLockProtocolError, MAX_FRAME)
 
 
-def server_codec() -> MessageCodec[Granted | StatusReply | Error]:
+def server_codec() -> MessageCodec[Granted | StatusReply | Holder | Error]:
     """What a client uses to read the server."""
     return MessageCodec(SERVER_ADAPTER, RemoteLockProtocolError, MAX_FRAME)

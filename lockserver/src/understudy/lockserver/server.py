@@ -29,9 +29,11 @@ from understudy.lockserver.messages import (
     Error,
     ErrorCode,
     Granted,
+    Holder,
     RemoteLockProtocolError,
     Status,
     StatusReply,
+    Watch,
     client_codec,
     server_codec,
 )
@@ -55,6 +57,12 @@ WINDOW_CLOSED = prom.Counter(
 )
 REJECTS = prom.Counter("understudy_lock_rejects_total", "Requests refused", ["code"])
 CONNECTIONS = prom.Gauge("understudy_lock_connections", "Open client connections")
+HANDOVER = prom.Histogram(
+    "understudy_lock_handover_seconds",
+    "From the holder's connection closing (its process died) to the next grant",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+WATCHERS = prom.Gauge("understudy_lock_watchers", "Connections watching the holder")
 
 _READ_CHUNK = 64 * 1024
 # asyncio re-listens with its own backlog (100 by default); a burst of clients
@@ -75,6 +83,9 @@ class LockServer:
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._watchers: set[int] = set()
+        self._published: Holder | None = None
+        self._released_at: float | None = None  # loop time the last holder went away
 
     # ------------------------------------------------------------ lifecycle
 
@@ -166,13 +177,34 @@ class LockServer:
     # ----------------------------------------------------------- the core
 
     def _feed(self, event: fsm.Event) -> None:
-        self.state, actions = fsm.step(self.state, event, self._now())
+        had, now = self.state.holder, self._now()
+        self.state, actions = fsm.step(self.state, event, now)
+        if had is not None and (self.state.holder is None or self.state.holder.conn != had.conn):
+            self._released_at = now  # the handover clock starts at the holder's EOF
         for action in actions:
             self._execute(action)
         WAITERS.set(len(self.state.waiters))
         HELD.set(1 if self.state.holder else 0)
         WINDOW_OPEN.set(1 if self.state.window else 0)
         EPOCH.set(self.state.epoch)
+        self._publish()
+
+    def _holder(self) -> Holder:
+        s = self.state
+        return Holder(
+            holder=s.holder.engine_id if s.holder else None,
+            epoch=s.epoch,
+            window_open=s.window is not None,
+        )
+
+    def _publish(self) -> None:
+        """Tell every watcher about a new holder, epoch or window."""
+        now = self._holder()
+        if now == self._published:
+            return
+        self._published = now
+        for conn in list(self._watchers):
+            self._send(conn, now)
 
     def _execute(self, action: fsm.Action) -> None:
         match action:
@@ -185,6 +217,9 @@ class LockServer:
                 # The grant first (the record is already on disk): the log
                 # line and metrics are off the handover's critical path.
                 self._send(conn, Granted(engine_id=engine_id, epoch=epoch, resumed=resumed))
+                if self._released_at is not None and not resumed:
+                    HANDOVER.observe(self._now() - self._released_at)
+                self._released_at = None
                 GRANTS.labels(resumed=str(resumed).lower()).inc()
                 WAIT.observe(action.waited_s)
                 log_event(
@@ -231,7 +266,7 @@ class LockServer:
 
     # -------------------------------------------------------- connections
 
-    def _send(self, conn: int, message: Granted | StatusReply | Error) -> None:
+    def _send(self, conn: int, message: Granted | StatusReply | Holder | Error) -> None:
         entry = self._writers.get(conn)
         if entry is None:
             return  # already gone; its Disconnected is on its way to the core
@@ -292,6 +327,8 @@ class LockServer:
             reason = type(exc).__name__
         finally:
             self._writers.pop(conn, None)
+            self._watchers.discard(conn)
+            WATCHERS.set(len(self._watchers))
             CONNECTIONS.dec()
             held = self.state.holder is not None and self.state.holder.conn == conn
             self._feed(fsm.Disconnected(conn))
@@ -310,7 +347,7 @@ class LockServer:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    def _handle(self, conn: int, message: Acquire | Status) -> None:
+    def _handle(self, conn: int, message: Acquire | Status | Watch) -> None:
         match message:
             case Acquire(engine_id=engine_id, resume_epoch=resume_epoch):
                 log_event(
@@ -327,6 +364,10 @@ class LockServer:
                 # core decides what status says, the message is its wire form.
                 snap = fsm.snapshot(self.state, self._now())
                 self._send(conn, StatusReply(**dataclasses.asdict(snap)))
+            case Watch():
+                self._watchers.add(conn)
+                WATCHERS.set(len(self._watchers))
+                self._send(conn, self._holder())
             case _:
                 assert_never(message)
 

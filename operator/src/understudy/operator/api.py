@@ -30,10 +30,9 @@ SHORT_NAMES = ("gi", "gpui")
 
 # Ports fixed by docs/pod.md.
 STATUS_PORT_BASE = 8100
-# The front's status port: GET /pressure -> {"inflight", "held", "active"} (docs/operator.md).
-FRONT_STATUS_PORT = 8090
 LOCKSERVER_METRICS_PORT = 9101
 GMS_METRICS_PORT = 9102
+FRONT_STATUS_PORT = 8090  # the front's /live, /ready, /metrics, /pressure
 MAX_SHADOWS = 4
 MAX_GPUS = 16
 
@@ -237,6 +236,27 @@ class FailoverSpec(_Model):
     )
     startup_budget_seconds: int = Field(
         default=1800, ge=10, le=86400, description="Longest Init phase of an engine (model load)."
+    )
+    hold_seconds: int = Field(
+        default=30,
+        ge=1,
+        le=600,
+        description="How long the pod's front door holds a request while no engine is Active "
+        "before answering 503 with Retry-After.",
+    )
+    migration_limit: int = Field(
+        default=3,
+        ge=0,
+        le=16,
+        description="How many times a request may move to the next Active engine after its "
+        "engine died.",
+    )
+    hang_after_seconds: float = Field(
+        default=1.0,
+        ge=0.2,
+        le=60,
+        description="Heartbeat silence after which the front treats the Active engine as hung "
+        "and kills it.",
     )
 
 

@@ -61,8 +61,8 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
     for cond in status.get("conditions") or []:
         if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
             unschedulable = f"{cond.get('reason', '')}: {cond.get('message', '')}".strip(": ")
-    lock_ready = any(
-        c.get("name") == render.LOCKSERVER and bool(c.get("ready"))
+    front_ready = any(
+        c.get("name") == render.FRONT and bool(c.get("ready"))
         for c in status.get("initContainerStatuses") or []
     )
     containers = tuple(
@@ -85,7 +85,7 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         deleting=meta.get("deletionTimestamp") is not None,
         unschedulable=unschedulable or None,
         routable_label=labels.get(render.LABEL_ROUTABLE),
-        lockserver_ready=lock_ready,
+        front_ready=front_ready,
         containers=containers,
     )
 

@@ -126,7 +126,7 @@ class PodView:
     deleting: bool = False
     unschedulable: str | None = None  # PodScheduled=False message
     routable_label: str | None = None
-    lockserver_ready: bool = False
+    front_ready: bool = False
     containers: tuple[ContainerView, ...] = ()
     engines: Mapping[str, EngineView] = field(default_factory=dict)
     pressure: Pressure | None = None  # None: unknown (not read, or no answer)
@@ -505,17 +505,17 @@ def _any_engine_ready(inst: GpuInstance, pod: PodView) -> bool:
 def routable(ctx: Context, rec: lc.Replica) -> bool:
     """The readiness trap (docs/pod.md): routable unless nothing in the pod serves.
 
-    Unless the pod has neither a serving engine (the lock server's
-    readiness probes :servingPort/health) nor a ready engine container
-    (Standby or Active), it stays routable: a restart of any one container
-    never takes the pod out of the Service. A replica that is not Running
-    (e.g. draining) is never routable.
+    Unless the pod has neither a front that can serve (an Active engine, or
+    a failover within its hold) nor a ready engine container (Standby or
+    Active), it stays routable: a restart of any one container — the killed
+    engine, or a sidecar — never takes the pod out of the Service. A replica
+    that is not Running (e.g. draining) is never routable.
     """
     pod = ctx.current_pod(rec)
     return bool(
         pod is not None
         and rec.phase is P.RUNNING
-        and (pod.lockserver_ready or _any_engine_ready(ctx.inst, pod))
+        and (pod.front_ready or _any_engine_ready(ctx.inst, pod))
     )
 
 

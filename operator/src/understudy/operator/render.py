@@ -40,6 +40,7 @@ RUN_UID = 65532
 
 LOCKSERVER = "lockserver"
 GMS = "gms"
+FRONT = "front"
 PRIMARY = "engine-primary"
 
 
@@ -181,16 +182,6 @@ def lockserver_container(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]
             "timeoutSeconds": 2,
             "failureThreshold": 60,
         },
-        # docs/pod.md, the readiness trap: "some engine in this pod is Active and
-        # healthy". Only the Active engine binds the serving port. The operator
-        # copies this container's readiness into the understudy.dev/routable label.
-        "readinessProbe": {
-            "httpGet": {"path": "/health", "port": inst.spec.serving_port, "scheme": "HTTP"},
-            "periodSeconds": 1,
-            "timeoutSeconds": 1,
-            "successThreshold": 1,
-            "failureThreshold": 3,
-        },
         "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
         "securityContext": _container_security(read_only_root=True),
         "volumeMounts": _mounts(inst, model=False),
@@ -244,6 +235,59 @@ def gms_container(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]:
     }
 
 
+def front_container(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]:
+    """The pod's front door: it owns the serving port for the pod's whole life."""
+    f = inst.spec.failover
+
+    def http(path: str) -> dict[str, Any]:
+        return {"httpGet": {"path": path, "port": api.FRONT_STATUS_PORT, "scheme": "HTTP"}}
+
+    return {
+        "name": FRONT,
+        "image": cfg.image,
+        "imagePullPolicy": cfg.image_pull_policy,
+        "restartPolicy": "Always",
+        "command": ["understudy"],
+        "args": [
+            "front",
+            "serve",
+            "--run-dir",
+            RUN_DIR,
+            "--port",
+            str(inst.spec.serving_port),
+            "--status-port",
+            str(api.FRONT_STATUS_PORT),
+            "--hold",
+            str(f.hold_seconds),
+            "--migration-limit",
+            str(f.migration_limit),
+            "--hang-after",
+            f"{f.hang_after_seconds:g}",
+            "--drain",
+            str(max(1, cfg.termination_grace_s - 5)),
+        ],
+        "ports": [
+            {"name": "http", "containerPort": inst.spec.serving_port, "protocol": "TCP"},
+            {"name": "front-status", "containerPort": api.FRONT_STATUS_PORT, "protocol": "TCP"},
+        ],
+        "startupProbe": {**http("/live"), "periodSeconds": 1, "failureThreshold": 30},
+        "livenessProbe": {**http("/live"), "periodSeconds": 2, "failureThreshold": 3},
+        # docs/pod.md, the readiness trap: ready while the front can serve (an
+        # Active engine, or a failover within the hold). The operator copies
+        # it into the understudy.dev/routable label.
+        "readinessProbe": {
+            **http("/ready"),
+            "periodSeconds": 1,
+            "timeoutSeconds": 1,
+            "successThreshold": 1,
+            "failureThreshold": 3,
+        },
+        "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
+        "securityContext": _container_security(read_only_root=True),
+        "volumeMounts": _mounts(inst, model=False),
+    }
+
+
 def engine_env(inst: GpuInstance, name: str, i: int) -> list[dict[str, Any]]:
     s = inst.spec
     values = {
@@ -257,7 +301,6 @@ def engine_env(inst: GpuInstance, name: str, i: int) -> list[dict[str, Any]]:
         "UNDERSTUDY_ENGINE_ADAPTER": s.engine.adapter.value,
         "UNDERSTUDY_MODEL": s.model.source,
         "UNDERSTUDY_ENGINE_ARGS": json.dumps(list(s.engine.args)),
-        "UNDERSTUDY_SERVE_PORT": str(s.serving_port),
         "UNDERSTUDY_STATUS_PORT": str(status_port(i)),
         "UNDERSTUDY_STARTUP_BUDGET_S": str(s.failover.startup_budget_seconds),
         "UNDERSTUDY_WAKE_TIMEOUT_S": str(s.failover.wake_timeout_seconds),
@@ -267,6 +310,8 @@ def engine_env(inst: GpuInstance, name: str, i: int) -> list[dict[str, Any]]:
         "UNDERSTUDY_LOCK_RECONNECT_S": str(s.failover.lock_reconnect_window_seconds + 5),
         # One BLAS thread: answers stay bit-identical across engines and nodes.
         "OPENBLAS_NUM_THREADS": "1",
+        # SIGTERM drains an Active engine this long, within the pod's 30 s grace.
+        "UNDERSTUDY_DRAIN_S": "25",
     }
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in values.items()]
     env += [
@@ -294,8 +339,8 @@ def engine_container(inst: GpuInstance, cfg: RenderConfig, i: int) -> dict[str, 
         "command": ["understudy"],
         "args": ["engine", "run"],
         "env": engine_env(inst, name, i),
-        # The serving port is deliberately not declared: only the Active engine
-        # binds it, whichever container that is; the Service targets the number.
+        # No serving port: the front owns it; an engine listens on a Unix socket
+        # in the pod's run directory, and only while Active.
         "ports": [{"name": f"status-{i}", "containerPort": port, "protocol": "TCP"}],
         "startupProbe": {
             **http("/startup"),
@@ -303,9 +348,10 @@ def engine_container(inst: GpuInstance, cfg: RenderConfig, i: int) -> dict[str, 
             "timeoutSeconds": 2,
             "failureThreshold": max(1, math.ceil(budget / period)),
         },
-        # A hung engine keeps its lock connection open, so the liveness probe
-        # is what hands the lock on: fast period, and a 1 s grace instead of
-        # the pod's 30 s (a stopped process never acts on SIGTERM).
+        # The front kills a hung Active engine within its hang limit (1 s); this
+        # probe is the backstop (a hung standby, a front that is down): a hung
+        # engine keeps its lock connection open until its process ends. A 1 s
+        # grace instead of the pod's 30 s: a stopped process never acts on SIGTERM.
         "livenessProbe": {
             **http("/live"),
             "periodSeconds": 1,
@@ -364,8 +410,17 @@ def pod_spec(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]:
             "fsGroup": RUN_UID,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
+        # One process namespace for the pod: the front can end a hung engine
+        # (its death is the fence that hands the lock on), and no engine runs
+        # as PID 1, whom the kernel shields from signals it has no handler
+        # for (a SIGSEGV sent from the node would otherwise be ignored).
+        "shareProcessNamespace": True,
         "resourceClaims": [_pod_claim(inst)],
-        "initContainers": [lockserver_container(inst, cfg), gms_container(inst, cfg)],
+        "initContainers": [
+            lockserver_container(inst, cfg),
+            gms_container(inst, cfg),
+            front_container(inst, cfg),
+        ],
         "containers": [engine_container(inst, cfg, i) for i in range(inst.spec.shadow_count + 1)],
         "volumes": _volumes(inst),
     }
@@ -394,7 +449,7 @@ def render_pod(
     """
     meta = _meta(inst, pod_name(inst, index), "engine-pod")
     meta["labels"][LABEL_REPLICA] = str(index)
-    meta["labels"][LABEL_ROUTABLE] = "false"  # the operator sets it from lockserver readiness
+    meta["labels"][LABEL_ROUTABLE] = "false"  # the operator sets it from the front's readiness
     meta["annotations"] = {
         ANNOTATION_ATTEMPT: str(attempt),
         ANNOTATION_SPEC_HASH: spec_hash(inst, cfg),

@@ -33,6 +33,10 @@ def _local_config(args: argparse.Namespace) -> Any:
         status_port=args.status_port,
         lock_metrics_port=args.metrics_port,
         gms_metrics_port=args.metrics_port + 1,
+        front_status_port=args.metrics_port + 2,
+        hold_s=args.hold,
+        hang_after_s=args.hang_after,
+        migration_limit=args.migration_limit,
         reconnect_window_s=args.reconnect_window,
         startup_budget_s=args.startup_budget,
         wake_timeout_s=args.wake_timeout,
@@ -208,7 +212,9 @@ def cmd_drill(args: argparse.Namespace) -> int:
             sig,
             timeout=args.timeout,
             log=say,
-            check_port=not (args.target or args.kube),
+            check_serving=not args.target,
+            clients=args.clients,
+            max_tokens=args.max_tokens,
         )
     finally:
         if observer is not None:
@@ -252,7 +258,17 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     up.add_argument("--port", type=int, default=8000, help="serving port")
     up.add_argument("--status-port", type=int, default=8100, help="first engine status port")
     up.add_argument(
-        "--metrics-port", type=int, default=9101, help="lock server metrics; GMS uses the next port"
+        "--metrics-port",
+        type=int,
+        default=9101,
+        help="lock server metrics; GMS metrics on the next port, front status on the next",
+    )
+    up.add_argument("--hold", type=float, default=30.0, help="front: seconds a request may wait")
+    up.add_argument(
+        "--hang-after", type=float, default=1.0, help="front: heartbeat silence that means hung"
+    )
+    up.add_argument(
+        "--migration-limit", type=int, default=3, help="front: moves allowed per request"
     )
     up.add_argument("--reconnect-window", type=float, default=10.0)
     up.add_argument("--startup-budget", type=float, default=600.0)
@@ -291,6 +307,10 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         help="instead: kill this sidecar once under load and report what happened",
     )
     dr.add_argument("--timeout", type=float, default=60.0, help="per-round limit")
+    dr.add_argument("--clients", type=int, default=16, help="concurrent request streams")
+    dr.add_argument(
+        "--max-tokens", type=int, default=32, help="tokens per generation request (LLM engines)"
+    )
     dr.add_argument("--json", action="store_true", help="print the report as one JSON line")
     dr.add_argument("--output", help="also write the JSON report to this file")
     dr.set_defaults(func=cmd_drill)

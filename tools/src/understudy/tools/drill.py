@@ -1,19 +1,22 @@
 """``understudy drill``: kill the active engine under load, N times, and measure.
 
-A client keeps a continuous request stream against the serving endpoint (the
-same request every time, so every answer must be bit-identical). Each round:
-wait until the pod is armed (one Active engine, the others Standby), kill the
-Active engine's process with the chosen signal, and measure
+Clients (16 by default) keep continuous request streams against the serving
+endpoint, mixing the kinds of request the engine serves (for a generative
+engine: chat and text completions, streaming and not, greedy, so every answer
+of a kind must be identical). Each round: wait until the pod is armed (one
+Active engine, the others Standby), kill the Active engine's process with the
+chosen signal, and measure
 
 - kill → lock granted → Active (from the new engine's ``/state``),
-- the client-observed gap: kill → end of the first successful request that
-  started after the kill,
+- the client-observed gap: the longest stretch after the kill in which no
+  request completed, up to the first request that started after the kill,
 - failed requests, and re-arm: kill → the killed engine back in Standby.
 
 A watcher polls every engine's ``/state`` all along and counts split-brain
 (two engines Active at once, or an epoch that does not rise), and after each
-failover checks that the serving port's listener belongs to the Active
-engine's process. Exit status 1 if any check failed or a round had no failover.
+failover checks that only the new Active engine listens for requests. Exit
+status 1 if any request failed, any answer differed, any check failed or a
+round had no failover: an engine death may cost latency, never an error.
 """
 
 from __future__ import annotations
@@ -66,7 +69,9 @@ class Target(Protocol):
 
     def kill(self, engine: dict[str, Any], sig: int) -> None: ...
 
-    def listener_pid(self, port: int) -> int | None: ...
+    def serving_listeners(self) -> set[int] | None:
+        """Pids listening on an engine serving socket (None: cannot tell)."""
+        ...
 
 
 class LocalTarget:
@@ -78,6 +83,7 @@ class LocalTarget:
         self.directory = directory
         state = read_state(directory)
         self.serve_url = state["serve_url"]
+        self.run_dir = Path(state.get("run_dir", directory))
         self.status_ports = {
             name: c["status_port"]
             for name, c in state["containers"].items()
@@ -116,30 +122,37 @@ class LocalTarget:
 
         os.kill(read_state(self.directory)["containers"][which]["pid"], signal.SIGKILL)
 
-    def listener_pid(self, port: int) -> int | None:
-        return _listener_pid(port)
+    def serving_listeners(self) -> set[int] | None:
+        return unix_listeners(self.run_dir / "serve")
 
 
-def _listener_pid(port: int) -> int | None:
-    """The pid whose socket listens on TCP ``port`` (from /proc)."""
+# /proc/net/unix: "Num RefCount Protocol Flags Type St Inode Path"; a
+# listening socket has __SO_ACCEPTCON (0x10000) in Flags.
+_ACCEPTCON = 0x10000
+
+
+def unix_listeners(directory: Path) -> set[int]:
+    """Pids of the processes listening on Unix sockets in ``directory``."""
+    prefix = str(directory) + "/"
     inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError), open(table) as f:
-            next(f)
-            for line in f:
-                parts = line.split()
-                if parts[3] == "0A" and int(parts[1].rsplit(":", 1)[1], 16) == port:
-                    inodes.add(parts[9])
+    with contextlib.suppress(OSError), open("/proc/net/unix") as f:
+        next(f)
+        for line in f:
+            parts = line.split()
+            listening = len(parts) >= 8 and int(parts[3], 16) & _ACCEPTCON
+            if listening and parts[7].startswith(prefix):
+                inodes.add(parts[6])
+    pids: set[int] = set()
     if not inodes:
-        return None
+        return pids
     for pid in filter(str.isdigit, os.listdir("/proc")):
         with contextlib.suppress(OSError):
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 with contextlib.suppress(OSError):
                     link = os.readlink(f"/proc/{pid}/fd/{fd}")
                     if link.startswith("socket:[") and link[8:-1] in inodes:
-                        return int(pid)
-    return None
+                        pids.add(int(pid))
+    return pids
 
 
 @dataclass
@@ -149,51 +162,121 @@ class Sample:
     ok: bool
     digest: str = ""
     error: str = ""
+    kind: str = ""
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of request a drill client sends, and how to read its answer."""
+
+    name: str
+    path: str
+    body: dict[str, Any]
+    streaming: bool = False
+
+
+def kinds_for(adapter: str, max_tokens: int = 32) -> list[Kind]:
+    """What the drill sends to an engine of this adapter: every answer of a
+    kind must be identical (the same request each time, greedy decoding)."""
+    if adapter == "synthetic":
+        return [Kind("checksum", "/v1/checksum", {})]
+    if adapter == "reference":
+        return [Kind("embeddings", "/v1/embeddings", REQUEST)]
+    chat = {
+        "model": "default",
+        "messages": [{"role": "user", "content": "Tell me about understudies."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    completion = {
+        "model": "default",
+        "prompt": "An understudy learns the lines of",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    return [
+        Kind("chat-stream", "/v1/chat/completions", {**chat, "stream": True}, streaming=True),
+        Kind("completion", "/v1/completions", completion),
+        Kind(
+            "completion-stream",
+            "/v1/completions",
+            {**completion, "stream": True, "stream_options": {"include_usage": True}},
+            streaming=True,
+        ),
+        Kind("chat", "/v1/chat/completions", chat),
+    ]
+
+
+def _answer(kind: Kind, data: bytes) -> bytes:
+    """The part of an answer that must be identical every time."""
+    if kind.name == "checksum":
+        return str(json.loads(data)["checksum"]).encode()
+    if kind.name == "embeddings":
+        return base64.b64decode(json.loads(data)["data"][0]["embedding"])
+    if not kind.streaming:
+        choice = json.loads(data)["choices"][0]
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        return json.dumps([text, choice["finish_reason"]]).encode()
+    # A stream: the text and the finish reason, from its events in order; the
+    # stream must end with [DONE] and carry no error event.
+    parts: list[str] = []
+    finish = None
+    events = data.split(b"\n\n")
+    if events[-2:] != [b"data: [DONE]", b""]:
+        raise ValueError("stream did not end with [DONE]")
+    for ev in events[:-2]:
+        if not ev.startswith(b"data: "):
+            raise ValueError(f"not an SSE data event: {ev[:60]!r}")
+        doc = json.loads(ev[6:])
+        if "error" in doc:
+            raise ValueError(f"error event: {doc['error']}")
+        for choice in doc.get("choices", []):
+            delta = choice.get("delta", {})
+            parts.append(delta.get("content") or choice.get("text") or "")
+            finish = choice.get("finish_reason") or finish
+    return json.dumps(["".join(parts), finish]).encode()
 
 
 class Client(threading.Thread):
-    """A continuous request stream, one request at a time, new connection each
-    (so a request after a failover reaches whichever engine now serves)."""
+    """A continuous request stream, one request at a time, a new connection for
+    each; client ``index`` cycles through the kinds starting at its own."""
 
-    def __init__(self, url: str, adapter: str, timeout: float = 2.0) -> None:
-        super().__init__(name="drill-client", daemon=True)
+    def __init__(self, url: str, kinds: list[Kind], index: int = 0, timeout: float = 60.0) -> None:
+        super().__init__(name=f"drill-client-{index}", daemon=True)
         parsed = urllib.parse.urlsplit(url)
         self.host, self.port = parsed.hostname or "127.0.0.1", parsed.port or 80
-        self.adapter = adapter
+        self.kinds = kinds
+        self.index = index
         self.timeout = timeout
         self.samples: list[Sample] = []
         self.stop = threading.Event()
 
-    def _once(self) -> Sample:
-        if self.adapter == "synthetic":
-            path, body = "/v1/checksum", b"{}"
-        else:
-            path, body = "/v1/embeddings", json.dumps(REQUEST).encode()
+    def _once(self, kind: Kind) -> Sample:
         t0 = time.monotonic()
         try:
             conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
-            conn.request("POST", path, body, {"Content-Type": "application/json"})
+            conn.request(
+                "POST", kind.path, json.dumps(kind.body), {"Content-Type": "application/json"}
+            )
             resp = conn.getresponse()
             data = resp.read()
             conn.close()
         except (OSError, http.client.HTTPException) as exc:
-            return Sample(t0, time.monotonic(), False, error=type(exc).__name__)
+            return Sample(t0, time.monotonic(), False, error=type(exc).__name__, kind=kind.name)
         t1 = time.monotonic()
         if resp.status != 200:
-            return Sample(t0, t1, False, error=f"HTTP {resp.status}")
+            return Sample(t0, t1, False, error=f"HTTP {resp.status}", kind=kind.name)
         try:
-            payload = json.loads(data)
-            if self.adapter == "synthetic":
-                answer = payload["checksum"].encode()
-            else:
-                answer = base64.b64decode(payload["data"][0]["embedding"])
-        except (ValueError, KeyError, IndexError, TypeError):
-            return Sample(t0, t1, False, error="bad response")
-        return Sample(t0, t1, True, hashlib.sha256(answer).hexdigest())
+            answer = _answer(kind, data)
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            return Sample(t0, t1, False, error=f"bad response: {exc}"[:200], kind=kind.name)
+        return Sample(t0, t1, True, hashlib.sha256(answer).hexdigest(), kind=kind.name)
 
     def run(self) -> None:
-        while not self.stop.is_set():
-            s = self._once()
+        for n in itertools.count(self.index):
+            if self.stop.is_set():
+                return
+            s = self._once(self.kinds[n % len(self.kinds)])
             self.samples.append(s)
             if not s.ok:
                 time.sleep(0.002)  # refused at once while nobody serves: don't spin
@@ -255,9 +338,10 @@ class Round:
     grant_to_active_s: float | None = None
     kill_to_active_s: float | None = None
     gap_s: float | None = None
+    first_served_s: float | None = None  # kill -> end of the first request started after it
     failed_requests: int = 0
     rearm_s: float | None = None
-    port_owner_ok: bool | None = None
+    serving_ok: bool | None = None  # only the new Active engine listens for requests
     error: str = ""
 
 
@@ -270,6 +354,9 @@ class Report:
     split_brain: list[dict[str, Any]] = field(default_factory=list)
     epoch_regressions: list[dict[str, Any]] = field(default_factory=list)
     signal: str = "KILL"
+    clients: int = 0
+    by_kind: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         def col(name: str) -> list[float]:
@@ -284,8 +371,11 @@ class Report:
             "wrong_answers": self.wrong_answers,
             "split_brain": len(self.split_brain),
             "epoch_regressions": len(self.epoch_regressions),
-            "port_owner_violations": sum(1 for r in self.rounds if r.port_owner_ok is False),
+            "serving_violations": sum(1 for r in self.rounds if r.serving_ok is False),
+            "clients": self.clients,
+            "requests_by_kind": self.by_kind,
             "gap_s": stats(col("gap_s")),
+            "first_served_s": stats(col("first_served_s")),
             "kill_to_grant_s": stats(col("kill_to_grant_s")),
             "grant_to_active_s": stats(col("grant_to_active_s")),
             "kill_to_active_s": stats(col("kill_to_active_s")),
@@ -294,12 +384,14 @@ class Report:
 
     def passed(self) -> bool:
         s = self.summary()
+        # Zero loss is the bar: an engine death may cost latency, never an error.
         return (
             s["failovers_ok"] == s["kills"]
+            and not s["failed_requests"]
             and not s["wrong_answers"]
             and not s["split_brain"]
             and not s["epoch_regressions"]
-            and not s["port_owner_violations"]
+            and not s["serving_violations"]
         )
 
 
@@ -321,7 +413,9 @@ def drill(
     timeout: float = 60.0,
     rearm: bool = True,
     log: Callable[[str], None] = print,
-    check_port: bool = True,
+    check_serving: bool = True,
+    clients: int = 16,
+    max_tokens: int = 32,
 ) -> Report:
     import signal as signal_mod
 
@@ -341,9 +435,15 @@ def drill(
     if first is None:
         watcher.stop.set()
         raise RuntimeError(f"pod not armed (one Active, at least one Standby) within {timeout}s")
-    adapter = first[0].get("adapter", "reference")
-    client = Client(target.serve_url, adapter)
-    client.start()
+    kinds = kinds_for(first[0].get("adapter", "reference"), max_tokens)
+    report.clients = clients
+    pool = [Client(target.serve_url, kinds, i) for i in range(clients)]
+    for c in pool:
+        c.start()
+
+    def samples() -> list[Sample]:
+        return [s for c in pool for s in list(c.samples)]
+
     try:
         for i in range(1, kills + 1):
             got = _wait(armed, timeout)
@@ -380,23 +480,29 @@ def drill(
                 rnd.kill_to_grant_s = granted - wall_kill
                 rnd.grant_to_active_s = active_at - granted
                 rnd.kill_to_active_s = active_at - wall_kill
-            if check_port:
-                owner = target.listener_pid(_port(target.serve_url))
-                rnd.port_owner_ok = owner == new.get("pid")
+            if check_serving:
+                listeners = target.serving_listeners()
+                if listeners is not None:
+                    rnd.serving_ok = listeners == {new.get("pid")}
 
             def served(t: float = t_kill) -> Sample | None:
-                for s in list(client.samples):
-                    if s.ok and s.start >= t:
-                        return s
-                return None
+                done = [s for s in samples() if s.ok and s.start >= t]
+                return min(done, key=lambda s: s.end) if done else None
 
             ok = _wait(served, timeout)
             if ok is None:
                 rnd.error = f"no successful request within {timeout}s of the kill"
             else:
-                rnd.gap_s = ok.end - t_kill
+                rnd.first_served_s = ok.end - t_kill
+                # The gap clients see: the longest stretch from the kill on in
+                # which no request completed, up to the first request that
+                # started after the kill (under load the pod answers every few
+                # milliseconds; a failover shows as a hole in that stream).
+                ends = sorted(s.end for s in samples() if s.ok and t_kill <= s.end <= ok.end)
+                marks = [t_kill, *ends]
+                rnd.gap_s = max(b - a for a, b in itertools.pairwise(marks))
                 rnd.failed_requests = sum(
-                    1 for s in list(client.samples) if not s.ok and t_kill <= s.start <= ok.end
+                    1 for s in samples() if not s.ok and t_kill <= s.end <= ok.end + timeout
                 )
             if rearm:
 
@@ -415,24 +521,27 @@ def drill(
             report.rounds.append(rnd)
             log(_round_line(rnd))
     finally:
-        client.stop.set()
-        client.join(5)
+        for c in pool:
+            c.stop.set()
+        for c in pool:
+            c.join(120)
         watcher.stop.set()
         watcher.join(5)
-    samples = client.samples
-    report.requests = len(samples)
-    report.failed_requests = sum(1 for s in samples if not s.ok)
-    digests = [s.digest for s in samples if s.ok]
-    if digests:
-        expected = max(set(digests), key=digests.count)
-        report.wrong_answers = sum(1 for d in digests if d != expected)
+    every = samples()
+    report.requests = len(every)
+    report.failed_requests = sum(1 for s in every if not s.ok)
+    for s in every:
+        report.by_kind[s.kind] = report.by_kind.get(s.kind, 0) + 1
+        if not s.ok:
+            report.errors[s.error] = report.errors.get(s.error, 0) + 1
+    for kind in {s.kind for s in every}:
+        digests = [s.digest for s in every if s.ok and s.kind == kind]
+        if digests:
+            expected = max(set(digests), key=digests.count)
+            report.wrong_answers += sum(1 for d in digests if d != expected)
     report.split_brain = watcher.split_brain
     report.epoch_regressions = watcher.epoch_regressions
     return report
-
-
-def _port(url: str) -> int:
-    return urllib.parse.urlsplit(url).port or 80
 
 
 def _ms(v: float | None) -> str:
@@ -455,11 +564,12 @@ def render(report: Report) -> str:
         f"{s['requests']} requests, {s['failed_requests']} failed, "
         f"{s['wrong_answers']} wrong answers, {s['split_brain']} split-brain, "
         f"{s['epoch_regressions']} epoch regressions, "
-        f"{s['port_owner_violations']} port-owner violations",
+        f"{s['serving_violations']} serving violations ({s['clients']} clients)",
         f"{'':22} {'p50':>9} {'p95':>9} {'p99':>9} {'max':>9}  (ms)",
     ]
     for key, label in (
         ("gap_s", "client-observed gap"),
+        ("first_served_s", "first new request done"),
         ("kill_to_grant_s", "kill -> lock granted"),
         ("grant_to_active_s", "granted -> Active"),
         ("kill_to_active_s", "kill -> Active"),
@@ -478,6 +588,7 @@ def render(report: Report) -> str:
 def to_json(report: Report) -> dict[str, Any]:
     return {
         "summary": report.summary(),
+        "errors": report.errors,
         "rounds": [asdict(r) for r in report.rounds],
         "split_brain": report.split_brain,
         "epoch_regressions": report.epoch_regressions,
@@ -515,7 +626,7 @@ def sidecar_drill(
     if before is None:
         watcher.stop.set()
         raise RuntimeError(f"pod not armed within {timeout}s")
-    client = Client(target.serve_url, before.get("adapter", "reference"))
+    client = Client(target.serve_url, kinds_for(before.get("adapter", "reference")))
     client.start()
     try:
         time.sleep(0.5)

@@ -124,8 +124,8 @@ class KubeTarget:
         for pod in self.pods():
             self.kill_container(pod.metadata.name, SIDECAR_COMMANDS[which], signal.SIGKILL)
 
-    def listener_pid(self, port: int) -> int | None:
-        return None  # port ownership is checked in-pod by the local drill
+    def serving_listeners(self) -> set[int] | None:
+        return None  # checked by the local drill, which sees the pod's sockets
 
 
 class Observer(threading.Thread):

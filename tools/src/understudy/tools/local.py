@@ -5,7 +5,9 @@ renders (docs/pod.md), with every path under one directory and ports
 configurable. The supervisor plays kubelet:
 
 - sidecars first, each gated by its startup check (the lock server answers
-  ``status``; every GMS socket answers), then the engines;
+  ``status``; every GMS socket answers; the front answers ``/live``), then
+  the engines. The front owns the serving port; engines listen on Unix
+  sockets in the directory, only while Active;
 - a container that exits is restarted with kubelet's CrashLoopBackOff (at
   once, then 10 s doubling to 5 min between starts, forgotten after 10 min
   of running; ``--max-backoff`` lowers the cap as kubelet's
@@ -60,6 +62,10 @@ class LocalConfig:
     status_port: int = 8100
     lock_metrics_port: int = 9101
     gms_metrics_port: int = 9102
+    front_status_port: int = 9103
+    hold_s: float = 30.0
+    hang_after_s: float = 1.0
+    migration_limit: int = 3
     reconnect_window_s: float = 10.0
     startup_budget_s: float = 600.0
     wake_timeout_s: float = 30.0
@@ -114,13 +120,13 @@ def engine_env(cfg: LocalConfig, role: str, name: str, index: int) -> dict[str, 
         "UNDERSTUDY_ENGINE_ADAPTER": cfg.engine,
         "UNDERSTUDY_MODEL": model,
         "UNDERSTUDY_ENGINE_ARGS": json.dumps(list(cfg.engine_args)),
-        "UNDERSTUDY_SERVE_PORT": str(cfg.serve_port),
         "UNDERSTUDY_STATUS_PORT": str(cfg.status_port + index),
         "UNDERSTUDY_STARTUP_BUDGET_S": f"{cfg.startup_budget_s:g}",
         "UNDERSTUDY_WAKE_TIMEOUT_S": f"{cfg.wake_timeout_s:g}",
         "UNDERSTUDY_REMAP_TIMEOUT_S": f"{cfg.remap_timeout_s:g}",
         "UNDERSTUDY_LOCK_RECONNECT_S": f"{cfg.reconnect_window_s + 5:g}",
         "OPENBLAS_NUM_THREADS": "1",
+        "UNDERSTUDY_DRAIN_S": "25",
         "POD_NAME": "local",
         "POD_NAMESPACE": "local",
     }
@@ -159,6 +165,28 @@ def containers(cfg: LocalConfig) -> list[Container]:
                 "host",
                 "--metrics-port",
                 str(cfg.gms_metrics_port),
+            ),
+            {},
+        ),
+        Container(
+            "front",
+            _understudy(
+                "front",
+                "serve",
+                "--run-dir",
+                str(run),
+                "--port",
+                str(cfg.serve_port),
+                "--status-port",
+                str(cfg.front_status_port),
+                "--hold",
+                f"{cfg.hold_s:g}",
+                "--migration-limit",
+                str(cfg.migration_limit),
+                "--hang-after",
+                f"{cfg.hang_after_s:g}",
+                "--drain",
+                "25",
             ),
             {},
         ),
@@ -263,6 +291,8 @@ class Supervisor:
                 return True
             except (GmsError, OSError):
                 return False
+        if c.name == "front":
+            return probe(self.cfg.front_status_port, "/live")
         return True
 
     # ---------------------------------------------------------- the loop --
@@ -379,6 +409,8 @@ class Supervisor:
             "supervisor_pid": os.getpid(),
             "dir": str(self.cfg.dir),
             "serve_url": f"http://127.0.0.1:{self.cfg.serve_port}",
+            "run_dir": str(self.cfg.dir),
+            "front_status_url": f"http://127.0.0.1:{self.cfg.front_status_port}",
             "engine": self.cfg.engine,
             "containers": {
                 c.name: {

@@ -5,7 +5,9 @@ the pod's devices, in ``--allocations N`` allocations per device (engine
 args), filled deterministically: 64-bit word ``i`` of the whole model is
 ``i * 0x9E3779B97F4A7C15 mod 2**64``. It serves ``POST /v1/checksum``: a
 checksum over a fixed sample of 4 KiB pages of every allocation (or over all
-bytes with ``{"full": true}``), which must never change across failovers.
+bytes with ``{"full": true}``), which must never change across failovers;
+``{"hold_ms": N}`` makes a request take N ms more, so a test can have
+requests in flight when an engine dies.
 """
 
 from __future__ import annotations
@@ -139,7 +141,18 @@ class SyntheticEngine:
                 body = await request.json()
             except ValueError:
                 return web.json_response({"error": {"message": "body is not JSON"}}, status=400)
-        full = bool(body.get("full", False)) if isinstance(body, dict) else False
+        if not isinstance(body, dict):
+            return web.json_response({"error": {"message": "body must be an object"}}, status=400)
+        full = bool(body.get("full", False))
+        # A request that takes this long on purpose: what the process tests use
+        # to have a request in flight when an engine dies or drains.
+        hold_ms = body.get("hold_ms", 0)
+        if not isinstance(hold_ms, int) or not 0 <= hold_ms <= 60_000:
+            return web.json_response(
+                {"error": {"message": "hold_ms must be an integer in 0..60000"}}, status=400
+            )
+        if hold_ms:
+            await asyncio.sleep(hold_ms / 1000)
         loop = asyncio.get_running_loop()
         digest = await loop.run_in_executor(self._pool, self.checksum, full)
         return web.json_response({"checksum": digest, "bytes": self.total, "full": full})

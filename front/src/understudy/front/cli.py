@@ -1,0 +1,65 @@
+"""``understudy front serve``: the pod's front door (a native sidecar)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from understudy.front.config import FrontConfig
+    from understudy.front.proxy import run
+    from understudy.wire.obs import setup_logging
+
+    setup_logging()
+    run_dir = Path(args.run_dir)
+    cfg = FrontConfig(
+        run_dir=run_dir,
+        lock_socket=args.lock_socket or str(run_dir / "lock.sock"),
+        port=args.port,
+        host=args.host,
+        status_port=args.status_port,
+        hold_s=args.hold,
+        migration_limit=args.migration_limit,
+        hang_after_s=args.hang_after,
+        drain_s=args.drain,
+    )
+    asyncio.run(run(cfg))
+    return 0
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError("must be positive (every wait is bounded)")
+    return value
+
+
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    front = sub.add_parser("front", help="the pod's front door: owns the serving port")
+    front_sub = front.add_subparsers(dest="front_command", required=True, metavar="COMMAND")
+    serve = front_sub.add_parser(
+        "serve", help="route to the Active engine; hold and migrate across failovers"
+    )
+    serve.add_argument("--run-dir", default="/run/understudy", help="the pod's emptyDir")
+    serve.add_argument("--lock-socket", help="default: RUN_DIR/lock.sock")
+    serve.add_argument("--port", type=int, default=8000, help="the pod's serving port")
+    serve.add_argument("--host", default="0.0.0.0")
+    serve.add_argument("--status-port", type=int, default=8090)
+    serve.add_argument(
+        "--hold", type=_positive, default=30.0, help="seconds a request waits for an Active engine"
+    )
+    serve.add_argument(
+        "--migration-limit", type=int, default=3, help="times a request may move to another engine"
+    )
+    serve.add_argument(
+        "--hang-after",
+        type=_positive,
+        default=1.0,
+        help="seconds without a heartbeat that make the Active engine hung (it is killed)",
+    )
+    serve.add_argument(
+        "--drain", type=_positive, default=25.0, help="on SIGTERM, seconds to finish in-flight"
+    )
+    serve.set_defaults(func=cmd_serve)

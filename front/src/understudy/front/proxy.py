@@ -1,0 +1,544 @@
+"""The front door's asyncio shell: the pod's serving port, for the pod's whole life.
+
+Three loops feed the routing core (``fsm``) and one handler per request asks
+it what to do:
+
+- the **lock watch**: the holder and its epoch, the instant they change (a
+  killed engine's lock connection closes with its process);
+- the **heartbeat check**: the routed engine's heartbeat, every
+  ``beat_check_s``; one older than ``hang_after_s`` makes the engine hung,
+  and the front kills it so that its death hands the lock on;
+- **requests**: forwarded over the Active engine's Unix socket. One that
+  finds no Active engine waits for one (the hold); one whose engine dies
+  under it is sent again to the next (migration): replayed whole, or, for a
+  stream that already sent tokens, continued after them.
+
+Engines answer ``409`` with ``X-Understudy-Not-Active`` when a request reaches
+them while not Active or under another epoch; the front then waits for the
+route the lock names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, assert_never
+
+import prometheus_client as prom
+from aiohttp import web
+
+from understudy.front import continuation, fsm, upstream
+from understudy.front.config import FrontConfig
+from understudy.front.metrics import FrontMetrics
+from understudy.lockserver import Address, LockError, watch
+from understudy.wire.obs import log_event
+from understudy.wire.serving import heartbeat_path, read_beat, serving_socket
+
+log = logging.getLogger("understudy.front")
+
+EPOCH_HEADER = "X-Understudy-Epoch"
+NOT_ACTIVE_HEADER = "X-Understudy-Not-Active"
+COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
+# Request headers an engine sees; everything hop-by-hop is the front's own.
+_FORWARD = ("content-type", "accept", "authorization", "openai-organization", "user-agent")
+_HOP = frozenset(
+    {"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server"}
+)
+# After a failed connect to the route (the engine is still waking), wait at
+# most this long for the route to change before trying again.
+_RETRY_S = 0.005
+# After the engine refused (draining, or another epoch): the lock will name
+# another engine soon; until then, ask again only this often.
+_REFUSED_RETRY_S = 0.25
+
+
+class _ClientGone(Exception):
+    """The client hung up while its answer was being relayed."""
+
+
+@dataclass
+class _Request:
+    """One client request across its attempts."""
+
+    method: str
+    path: str
+    query: str
+    headers: dict[str, str]
+    body: bytes
+    doc: dict[str, Any] | None  # the JSON body of a completion request
+    streaming: bool
+    request_id: str = ""
+    created: int = 0
+    migrations: int = 0
+    relayed: bool = False
+    started: bool = False
+    token_ids: list[int] = field(default_factory=list)
+    response: web.StreamResponse | None = None
+
+
+class Front:
+    def __init__(self, cfg: FrontConfig, metrics: FrontMetrics | None = None) -> None:
+        self.cfg = cfg
+        self.metrics = metrics or FrontMetrics()
+        self.policy = fsm.Policy(cfg.hold_s, cfg.migration_limit)
+        self.state = fsm.FrontState()
+        self._changed = asyncio.Event()
+        self._upstreams: dict[str, upstream.Upstream] = {}
+        self._routed_at: float | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._runners: list[web.AppRunner] = []
+        self._inflight = 0
+        self._held = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # ----------------------------------------------------------- the core --
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def feed(self, event: fsm.Event) -> None:
+        self.state, actions = fsm.step(self.state, event, self._now())
+        for action in actions:
+            self._execute(action)
+
+    def _execute(self, action: fsm.Action) -> None:
+        m = self.metrics
+        match action:
+            case fsm.RouteTo(route=route, handover=handover):
+                if handover and self.state.lost_at is not None:
+                    m.detection.observe(max(0.0, self._now() - self.state.lost_at))
+                    m.failovers.inc()
+                m.routing.set(1)
+                m.epoch.set(route.epoch)
+                log_event(
+                    log, "route", engine=route.engine_id, epoch=route.epoch, failover=handover
+                )
+                self._wake()
+            case fsm.Unroute(reason=reason):
+                m.routing.set(0)
+                log_event(log, "unrouted", logging.WARNING, reason=reason)
+                self._wake()
+            case fsm.Kill(engine_id=engine_id, reason=reason):
+                self._kill(engine_id, reason)
+            case fsm.IgnoredStale(holder=holder, epoch=epoch, newest=newest):
+                m.stale.inc()
+                log_event(
+                    log, "stale_epoch_ignored", logging.WARNING,
+                    holder=holder, epoch=epoch, newest=newest,
+                )  # fmt: skip
+            case fsm.GapEnded(seconds=seconds):
+                m.gap.observe(seconds)
+                log_event(log, "gap_ended", gap_ms=round(seconds * 1000, 2))
+            case _:
+                assert_never(action)
+
+    def _wake(self) -> None:
+        """Wake every request waiting for a route change."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _kill(self, engine_id: str, reason: str) -> None:
+        beat = read_beat(heartbeat_path(self.cfg.run_dir, engine_id))
+        self.metrics.hung.inc()
+        if beat is None:
+            log_event(log, "hung_engine_unknown_pid", logging.ERROR, engine=engine_id)
+            return
+        log_event(
+            log, "killing_hung_engine", logging.WARNING,
+            engine=engine_id, pid=beat.pid, reason=reason,
+        )  # fmt: skip
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(beat.pid, signal.SIGKILL)
+
+    # ------------------------------------------------------------- loops --
+
+    async def _watch_lock(self) -> None:
+        address = Address.parse(self.cfg.lock_socket)
+        while True:
+            try:
+                async for h in watch(address):
+                    self.metrics.lock_watch_up.set(1)
+                    self.feed(fsm.HolderSeen(h.holder, h.epoch))
+            except LockError as exc:
+                # The lock server restarts: keep routing where we route (the
+                # engine still lives), and listen again.
+                self.metrics.lock_watch_up.set(0)
+                log_event(log, "lock_watch_lost", logging.WARNING, reason=str(exc))
+                await asyncio.sleep(0.05)
+
+    async def _check_beats(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.beat_check_s)
+            route = self.state.route
+            if route is None:
+                continue
+            beat = read_beat(heartbeat_path(self.cfg.run_dir, route.engine_id))
+            if beat is None:
+                continue
+            silent = time.monotonic() - beat.monotonic
+            if silent > self.cfg.hang_after_s:
+                self.feed(fsm.Hung(route.engine_id, silent))
+
+    # ------------------------------------------------------------ engines --
+
+    def _upstream(self, engine_id: str) -> upstream.Upstream:
+        up = self._upstreams.get(engine_id)
+        if up is None:
+            up = upstream.Upstream(str(serving_socket(self.cfg.run_dir, engine_id)))
+            # Connections to engines that are gone are only dead weight.
+            for old in [k for k in self._upstreams if k != engine_id]:
+                self._upstreams.pop(old).close()
+            self._upstreams[engine_id] = up
+        return up
+
+    async def _route(self, deadline: float) -> fsm.Route | None:
+        """The route to use now, waiting for one until ``deadline``."""
+        while self.state.route is None:
+            remaining = deadline - self._now()
+            if remaining <= 0:
+                return None
+            changed = self._changed
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await changed.wait()
+        return self.state.route
+
+    async def _await_change(self, route: fsm.Route, deadline: float, patience: float) -> None:
+        """After an attempt the engine refused or could not take: wait up to
+        ``patience`` for the lock to name another route, then try again anyway."""
+        if self.state.route != route:
+            return
+        changed = self._changed
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(0.0, min(patience, deadline - self._now()))):
+                await changed.wait()
+
+    # ----------------------------------------------------------- requests --
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        t0 = self._now()
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"request body larger than {self.cfg.max_body} bytes")
+        req = _parse(request, body)
+        self._inflight += 1
+        self._idle.clear()
+        self.metrics.inflight.set(self._inflight)
+        try:
+            response = await self._serve(req, request)
+        finally:
+            self._inflight -= 1
+            self.metrics.inflight.set(self._inflight)
+            if not self._inflight:
+                self._idle.set()
+        self.metrics.duration.observe(self._now() - t0)
+        self.metrics.requests.labels(code=f"{response.status // 100}xx").inc()
+        return response
+
+    async def _serve(self, req: _Request, request: web.Request) -> web.StreamResponse:
+        deadline = self._now() + self.cfg.hold_s
+        waited_since: float | None = None
+        while True:
+            route = self.state.route
+            if route is None:
+                if waited_since is None:
+                    waited_since = self._now()
+                    self._held += 1
+                    self.metrics.held.set(self._held)
+                    self.metrics.held_total.inc()
+                route = await self._route(deadline)
+            if waited_since is not None and route is not None:
+                self._held -= 1
+                self.metrics.held.set(self._held)
+                self.metrics.hold.observe(self._now() - waited_since)
+                waited_since = None
+            if route is None:
+                if waited_since is not None:
+                    self._held -= 1
+                    self.metrics.held.set(self._held)
+                self.metrics.hold_expired.inc()
+                return await self._give_up(
+                    req, 503, f"no engine became active within the hold of {self.cfg.hold_s}s"
+                )
+            outcome, answer = await self._attempt(req, route, request)
+            attempt = fsm.Attempt(req.streaming, req.relayed, req.migrations)
+            v = fsm.verdict(attempt, outcome, self.policy)
+            match v:
+                case fsm.Verdict.RELAY:
+                    assert answer is not None
+                    self.feed(fsm.Served(route.engine_id))
+                    return answer
+                case fsm.Verdict.WAIT:
+                    refused = outcome is fsm.Outcome.NOT_ACTIVE
+                    patience = _REFUSED_RETRY_S if refused else _RETRY_S
+                    await self._await_change(route, deadline, patience)
+                case fsm.Verdict.MIGRATE_NEW | fsm.Verdict.MIGRATE_ONGOING:
+                    req.migrations += 1
+                    self.metrics.migrations.labels(kind=v.value).inc()
+                    log_event(
+                        log, "migrating", kind=v.value, path=req.path,
+                        tokens=len(req.token_ids), migrations=req.migrations,
+                        from_engine=route.engine_id,
+                    )  # fmt: skip
+                    # Each failover gets its own hold.
+                    deadline = self._now() + self.cfg.hold_s
+                    await self._await_change(route, deadline, _RETRY_S)
+                case fsm.Verdict.FAIL:
+                    reason = "limit" if req.migrations >= self.policy.migration_limit else "state"
+                    self.metrics.migrations_failed.labels(reason=reason).inc()
+                    return await self._give_up(
+                        req,
+                        503,
+                        f"the engine serving this request died {req.migrations + 1} times; "
+                        f"migration limit is {self.policy.migration_limit}",
+                    )
+                case _:
+                    assert_never(v)
+
+    async def _give_up(self, req: _Request, status: int, message: str) -> web.StreamResponse:
+        log_event(log, "gave_up", logging.ERROR, path=req.path, status=status, reason=message)
+        if req.response is not None:
+            # A stream already went out: all that is left is to end it with an
+            # error event the client can see, as OpenAI's streams do.
+            err = {"error": {"message": message, "type": "server_error", "code": status}}
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await req.response.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+                await req.response.write_eof()
+            return req.response
+        return _error(status, message, retry_after=1)
+
+    async def _attempt(
+        self, req: _Request, route: fsm.Route, request: web.Request
+    ) -> tuple[fsm.Outcome, web.StreamResponse | None]:
+        up = self._upstream(route.engine_id)
+        headers = [*req.headers.items(), (EPOCH_HEADER, str(route.epoch))]
+        target = req.path + (f"?{req.query}" if req.query else "")
+        data = _payload(req)
+        try:
+            r = await up.request(req.method, target, headers, data)
+        except upstream.Stale as stale:
+            # A kept-alive connection died before any answer: either it died
+            # idle, or its engine died with the request in it. A new
+            # connection tells which: it reaches the engine, or finds none
+            # (then the request may have run there: a migration).
+            try:
+                r = await up.request(req.method, target, headers, data)
+            except upstream.Unreachable:
+                return self._broken(req, route, stale)
+            except upstream.UpstreamError as exc:
+                return self._broken(req, route, exc)
+        except upstream.Unreachable:
+            return fsm.Outcome.UNREACHABLE, None
+        except upstream.UpstreamError as exc:
+            return self._broken(req, route, exc)
+        try:
+            if r.status == 409 and r.header(NOT_ACTIVE_HEADER) is not None:
+                await r.read()
+                up.drop_idle()  # its other connections are as good as gone
+                return fsm.Outcome.NOT_ACTIVE, None
+            if req.streaming and r.status == 200:
+                return await self._relay_stream(req, r, request)
+            payload = await r.read()
+            return fsm.Outcome.ANSWERED, _answer(r, payload)
+        except (upstream.UpstreamError, continuation.StreamError) as exc:
+            return self._broken(req, route, exc)
+        except _ClientGone:
+            assert req.response is not None
+            return fsm.Outcome.ANSWERED, req.response
+        finally:
+            r.close()
+
+    def _broken(
+        self, req: _Request, route: fsm.Route, exc: Exception
+    ) -> tuple[fsm.Outcome, web.StreamResponse | None]:
+        log_event(
+            log, "attempt_broken", logging.WARNING, engine=route.engine_id,
+            error=type(exc).__name__, detail=str(exc)[:200], relayed=req.relayed,
+            path=req.path,
+        )  # fmt: skip
+        return fsm.Outcome.BROKEN, None
+
+    async def _relay_stream(
+        self, req: _Request, r: upstream.Response, request: web.Request
+    ) -> tuple[fsm.Outcome, web.StreamResponse | None]:
+        decoder = continuation.EventDecoder()
+        async for chunk in r.chunks():
+            for ev in decoder.feed(chunk):
+                try:
+                    if req.response is None:
+                        resp = web.StreamResponse(
+                            status=200,
+                            headers={
+                                "Content-Type": "text/event-stream",
+                                "Cache-Control": "no-cache",
+                            },
+                        )
+                        await resp.prepare(request)
+                        req.response = resp
+                    await req.response.write(ev.raw)
+                except (ConnectionError, RuntimeError):
+                    raise _ClientGone from None
+                req.relayed = True
+                req.started = True
+                req.token_ids.extend(ev.token_ids)
+                if ev.done:
+                    await req.response.write_eof()
+                    return fsm.Outcome.ANSWERED, req.response
+        raise upstream.Broken("the stream ended without [DONE]")
+
+    # ------------------------------------------------------------ surface --
+
+    def pressure(self) -> dict[str, Any]:
+        return {
+            "inflight": self._inflight,
+            "held": self._held,
+            "active": self.state.route is not None,
+        }
+
+    def view(self) -> dict[str, Any]:
+        s = self.state
+        return {
+            "phase": s.phase.value,
+            "route": {"engine_id": s.route.engine_id, "epoch": s.route.epoch} if s.route else None,
+            "newest_epoch": s.newest_epoch,
+            "condemned": s.condemned,
+            **self.pressure(),
+        }
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=self.cfg.max_body)
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        await self._listen(app, self.cfg.host, self.cfg.port)
+        status = web.Application()
+        status.add_routes(
+            [
+                web.get("/live", self._live),
+                web.get("/ready", self._ready),
+                web.get("/pressure", self._pressure),
+                web.get("/state", self._view),
+                web.get("/metrics", self._metrics),
+            ]
+        )
+        await self._listen(status, self.cfg.host, self.cfg.status_port)
+        self._tasks = [
+            asyncio.create_task(self._watch_lock(), name="lock-watch"),
+            asyncio.create_task(self._check_beats(), name="heartbeats"),
+        ]
+        log_event(
+            log, "listening", port=self.cfg.port, status_port=self.cfg.status_port,
+            hold_s=self.cfg.hold_s, migration_limit=self.cfg.migration_limit,
+        )  # fmt: skip
+
+    async def _listen(self, app: web.Application, host: str, port: int) -> None:
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        await web.TCPSite(runner, host, port, reuse_address=True).start()
+        self._runners.append(runner)
+
+    async def _live(self, _: web.Request) -> web.Response:
+        return _text(200, "ok")
+
+    async def _pressure(self, _: web.Request) -> web.Response:
+        return web.json_response(self.pressure())
+
+    async def _view(self, _: web.Request) -> web.Response:
+        return web.json_response(self.view())
+
+    async def _ready(self, _: web.Request) -> web.Response:
+        if fsm.ready(self.state, self._now(), self.cfg.hold_s):
+            return _text(200, "serving" if self.state.route else "failover under way")
+        return _text(503, "no active engine")
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        return web.Response(
+            body=prom.generate_latest(self.metrics.registry),
+            headers={"Content-Type": prom.CONTENT_TYPE_LATEST},
+        )
+
+    async def drain(self) -> None:
+        """Finish in-flight requests (bounded), then close."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.cfg.drain_s):
+                await self._idle.wait()
+        await self.close()
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for runner in self._runners:
+            await runner.cleanup()
+        for up in self._upstreams.values():
+            up.close()
+
+
+def _parse(request: web.Request, body: bytes) -> _Request:
+    headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD}
+    doc: dict[str, Any] | None = None
+    streaming = False
+    if request.method == "POST" and request.path in COMPLETIONS:
+        with contextlib.suppress(ValueError):
+            parsed = json.loads(body)
+            if isinstance(parsed, dict):
+                doc = parsed
+                streaming = parsed.get("stream") is True
+    req = _Request(
+        request.method, request.path, request.query_string, headers, body, doc, streaming
+    )
+    if doc is not None:
+        prefix = "chatcmpl" if request.path.endswith("chat/completions") else "cmpl"
+        req.request_id = f"{prefix}-{uuid.uuid4().hex}"
+        req.created = int(time.time())
+    return req
+
+
+def _payload(req: _Request) -> bytes:
+    if req.doc is None:
+        return req.body  # not ours to understand: forwarded as it came
+    if req.started:
+        doc = continuation.resumed(req.doc, req.request_id, req.created, req.token_ids, req.started)
+    else:
+        doc = continuation.first_attempt(req.doc, req.request_id, req.created)
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def _answer(r: upstream.Response, payload: bytes) -> web.Response:
+    headers = {k: v for k, v in r.headers if k.lower() not in _HOP}
+    return web.Response(status=r.status, body=payload, headers=headers)
+
+
+def _text(status: int, text: str) -> web.Response:
+    return web.Response(status=status, text=text + "\n")
+
+
+def _error(status: int, message: str, retry_after: int | None = None) -> web.Response:
+    """An error shaped like OpenAI's."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return web.json_response(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}},
+        status=status,
+        headers=headers,
+    )
+
+
+async def run(cfg: FrontConfig) -> None:
+    """Serve until SIGTERM/SIGINT, then drain."""
+    front = Front(cfg)
+    await front.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log_event(log, "draining", inflight=front._inflight, held=front._held)
+    await front.drain()

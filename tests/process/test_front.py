@@ -1,0 +1,209 @@
+"""The front door with real processes: every rule of zero-loss failover.
+
+A local pod (``understudy local up``: lock server, GMS, front, engines) of
+the synthetic engine, whose ``hold_ms`` keeps a request in flight as long as a
+test needs; real signals to real processes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from localpod import LocalPod, free_port_block, http_json
+from procs import Proc, understudy, wait_for
+
+pytestmark = [pytest.mark.process, pytest.mark.slow]
+
+
+def _pod(*extra: str, shadows: int = 1) -> LocalPod:
+    return LocalPod(*extra, shadows=shadows, engine="synthetic")
+
+
+@pytest.fixture
+def pod():
+    p = _pod()
+    yield p
+    p.close()
+
+
+def checksum(pod: LocalPod, hold_ms: int = 0, timeout: float = 60) -> tuple[int, dict]:
+    return http_json(pod.serve_port, "/v1/checksum", {"hold_ms": hold_ms}, timeout=timeout)
+
+
+def _other_active(pod: LocalPod, than: dict) -> dict:
+    return wait_for(
+        lambda: next((e for e in pod.by_state("Active") if e["name"] != than["name"]), None),
+        20,
+        0.01,
+        what="another engine Active",
+    )
+
+
+def test_in_flight_requests_move_to_the_next_engine(pod):
+    active = pod.wait_armed()
+    _, expected = checksum(pod)
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        futures = [ex.submit(checksum, pod, 1500) for _ in range(4)]
+        time.sleep(0.4)  # all four are now sleeping inside the Active engine
+        os.kill(active["pid"], signal.SIGKILL)
+        answers = [f.result() for f in futures]
+    assert answers == [(200, expected)] * 4
+    assert pod.metric("understudy_front_migrations_total", kind="new") == 4
+    assert pod.metric("understudy_front_failovers_total") == 1
+
+
+def test_requests_wait_for_an_engine_instead_of_failing(pod):
+    """Both engines killed at once: nobody can serve until one restarts,
+    re-imports the weights and wakes. Requests are held, then answered."""
+    pod.wait_armed()
+    _, expected = checksum(pod)
+    for e in pod.engines():
+        os.kill(e["pid"], signal.SIGKILL)
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(3) as ex:
+        answers = list(ex.map(lambda _: checksum(pod), range(3)))
+    assert answers == [(200, expected)] * 3
+    assert time.monotonic() - t0 > 0.3  # they did wait for a restarted engine
+    assert pod.metric("understudy_front_held_requests_total") >= 3
+    assert pod.metric("understudy_front_hold_seconds_count") >= 3
+    assert http_json(pod.front_port, "/ready")[0] == 200
+
+
+def test_a_request_that_outlives_its_migration_limit_gets_a_clear_503():
+    pod = _pod("--migration-limit", "1", shadows=2)
+    try:
+        first = pod.wait_armed()
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(checksum, pod, 3000)
+            time.sleep(0.4)
+            os.kill(first["pid"], signal.SIGKILL)  # migration 1: allowed
+            second = _other_active(pod, first)
+            time.sleep(0.5)  # the request now sleeps inside the second engine
+            os.kill(second["pid"], signal.SIGKILL)  # would be migration 2
+            status, body = fut.result()
+        assert status == 503
+        assert body["error"]["type"] == "server_error"
+        assert "migration limit is 1" in body["error"]["message"]
+        assert pod.metric("understudy_front_migrations_failed_total", reason="limit") == 1
+    finally:
+        pod.close()
+
+
+def test_an_engine_4xx_is_relayed_and_never_replayed(pod):
+    pod.wait_armed()
+    status, body = http_json(pod.serve_port, "/v1/checksum", {"hold_ms": -5})
+    assert status == 400 and "hold_ms" in body["error"]["message"]
+    assert pod.metric("understudy_front_requests_total", code="4xx") == 1
+    assert pod.metric("understudy_front_migrations_total", kind="new") == 0
+
+
+def test_sigterm_drains_the_active_engine_without_losing_a_request(pod):
+    active = pod.wait_armed()
+    _, expected = checksum(pod)
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        inflight = [ex.submit(checksum, pod, 1500) for _ in range(2)]
+        time.sleep(0.4)
+        os.kill(active["pid"], signal.SIGTERM)
+        time.sleep(0.2)  # draining now: new requests wait for the next engine
+        later = [ex.submit(checksum, pod) for _ in range(2)]
+        answers = [f.result() for f in inflight + later]
+    assert answers == [(200, expected)] * 4
+    # The in-flight ones finished where they were: nothing was migrated.
+    assert pod.metric("understudy_front_migrations_total", kind="new") == 0
+    new = _other_active(pod, active)
+    assert new["epoch"] > active["epoch"]
+    log = (pod.dir / "supervisor.out").read_text()
+    assert f"container=engine-{active['role']}" in log or active["name"] in log
+    exits = [ln for ln in log.splitlines() if "container_exited" in ln and active["name"] in ln]
+    assert exits and "code=0" in exits[0], exits  # drained, then a clean exit
+    assert "reason=drained" in pod.log(active["name"])
+
+
+def test_an_engine_refuses_a_request_of_another_epoch(pod):
+    """The fence on the engine's side: only the epoch it holds is served."""
+    active = pod.wait_armed()
+    sock = socket.socket(socket.AF_UNIX)
+    sock.connect(active["serving_socket"])
+    conn = http.client.HTTPConnection("engine")
+    conn.sock = sock
+    conn.request(
+        "POST", "/v1/checksum", "{}",
+        {"X-Understudy-Epoch": str(active["epoch"] - 1), "Content-Type": "application/json"},
+    )  # fmt: skip
+    resp = conn.getresponse()
+    assert resp.status == 409
+    assert "X-Understudy-Not-Active" in resp.headers
+    conn.close()
+
+
+def test_the_front_restarting_costs_only_its_own_restart(pod):
+    """The front is a sidecar kubelet restarts; measured, not hidden: requests
+    are refused while it is down. After it, it finds the Active engine again
+    from the lock."""
+    active = pod.wait_armed()
+    front = pod.pid("front")
+    t0 = time.monotonic()
+    os.kill(front, signal.SIGKILL)
+
+    def serving() -> bool:
+        try:
+            return checksum(pod, timeout=2)[0] == 200
+        except OSError:
+            return False  # refused while the front is down: what this measures
+
+    wait_for(serving, 20, 0.01, what="front back")
+    down = time.monotonic() - t0
+    state = http_json(pod.front_port, "/state")[1]
+    assert state["route"]["engine_id"] == active["engine_id"]
+    assert down < 5, down
+    print(f"front restart: serving again {down * 1000:.0f} ms after its kill -9")
+
+
+def test_hold_expiry_answers_503_with_retry_after(tmp_path):
+    """No engine at all: a request waits the whole hold, then is told why."""
+    run = Path(tempfile.mkdtemp(prefix="us-", dir="/dev/shm"))
+    port = free_port_block(4)
+    lock = Proc(
+        understudy("lockserver", "serve", "--socket", str(run / "lock.sock"),
+                   "--state-file", str(run / "lock.state")),
+        log=tmp_path / "lock.log",
+    )  # fmt: skip
+    front = Proc(
+        understudy("front", "serve", "--run-dir", str(run), "--port", str(port),
+                   "--status-port", str(port + 1), "--hold", "1"),
+        log=tmp_path / "front.log",
+    )  # fmt: skip
+    try:
+        wait_for(lambda: _answers(port + 1), 20, what="front up")
+        assert http_json(port + 1, "/ready")[0] == 503  # never had an engine
+        t0 = time.monotonic()
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "hi"}))
+        resp = conn.getresponse()
+        body = json.loads(resp.read())
+        assert resp.status == 503
+        assert resp.headers["Retry-After"] == "1"
+        assert body["error"]["type"] == "server_error"
+        assert "within the hold of 1.0s" in body["error"]["message"]
+        assert 0.9 < time.monotonic() - t0 < 3
+    finally:
+        front.stop()
+        lock.stop()
+        subprocess.run(["rm", "-rf", str(run)], check=False)
+
+
+def _answers(port: int) -> bool:
+    try:
+        return http_json(port, "/live", timeout=0.5)[0] == 200
+    except OSError:
+        return False
