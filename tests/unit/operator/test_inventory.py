@@ -89,7 +89,7 @@ events = st.lists(
 )
 
 
-@settings(max_examples=300)
+@settings(max_examples=600)
 @given(events)
 def test_incremental_equals_a_fresh_digest(evs: list[tuple[Any, ...]]) -> None:
     inv = Inventory()

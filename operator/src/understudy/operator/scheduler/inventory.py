@@ -147,6 +147,9 @@ class Inventory:
         self.slices_known = True
         self._slices_by_node: dict[str, set[str]] = {}
         self._device_node: dict[DeviceKey, str] = {}
+        # Slices naming a device on a node (a pool may list one twice while a
+        # driver republishes): the mapping goes only with the last of them.
+        self._device_refs: Counter[tuple[DeviceKey, str]] = Counter()
         self._allocated: Counter[DeviceKey] = Counter()
         self._views: dict[ViewKey, _View] = {}
         self._ready: dict[str, bool] | None = None
@@ -188,10 +191,13 @@ class Inventory:
             return None
         if old.node is not None:
             self._slices_by_node.get(old.node, set()).discard(key)
-        for dev in old.devices:
-            dk = (old.driver, old.pool, dev.name)
-            if self._device_node.get(dk) == old.node:
-                del self._device_node[dk]
+            for dev in old.devices:
+                dk = (old.driver, old.pool, dev.name)
+                self._device_refs[(dk, old.node)] -= 1
+                if self._device_refs[(dk, old.node)] <= 0:
+                    del self._device_refs[(dk, old.node)]
+                    if self._device_node.get(dk) == old.node:
+                        del self._device_node[dk]
         return old.node
 
     def _link_slice(self, rec: SliceRecord) -> None:
@@ -199,10 +205,13 @@ class Inventory:
         if rec.node is not None:
             self._slices_by_node.setdefault(rec.node, set()).add(rec.key)
             for dev in rec.devices:
-                self._device_node[(rec.driver, rec.pool, dev.name)] = rec.node
+                dk = (rec.driver, rec.pool, dev.name)
+                self._device_node[dk] = rec.node
+                self._device_refs[(dk, rec.node)] += 1
 
     def reset_slices(self, items: Iterable[Mapping[str, Any]] | None) -> None:
         self.slices, self._slices_by_node, self._device_node = {}, {}, {}
+        self._device_refs = Counter()
         self.slices_known = items is not None
         for n, obj in enumerate(items or ()):
             rec = parse_slice(obj)
