@@ -151,7 +151,7 @@ def test_defaults_are_materialised() -> None:
     assert spec["servingPort"] == 8000 and spec["gms"]["backend"] == "cuda"
     assert spec["autoscaling"]["enabled"] is False
     assert spec["rollout"] == {"maxSurge": 1, "maxUnavailable": 0}
-    assert spec["drain"] == {"timeoutSeconds": 30, "settleSeconds": 2, "gracePeriodSeconds": 120}
+    assert spec["drain"] == {"timeoutSeconds": 30, "settleSeconds": 2, "gracePeriodSeconds": 30}
     # The API server's defaults agree with the model's.
     model = GpuInstance.from_body(obj)
     assert model.spec == GpuInstance.from_body(_base()).spec

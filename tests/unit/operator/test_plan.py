@@ -278,6 +278,7 @@ class World:
             self.pods[name],
             node=node,
             phase="Running",
+            ready=True,
             front_ready=True,
             containers=ARMED,
             engines={"engine-primary": EngineView(state="Active", epoch=1)},
@@ -326,12 +327,21 @@ def test_spec_change_surges_then_drains_the_old_pod() -> None:
     assert w.phases() == {0: "Running", 1: "Scheduled"}
     p = w.step(t := t + 1)
     assert p.deletes == ()
-    w.serve("demo-1", node="n2")
+    # Running with one engine Standby: routable, in the endpoints, but nothing
+    # serves yet (the pod is not Ready): the old pod must stay.
+    w.pods["demo-1"] = replace(
+        w.pods["demo-1"],
+        node="n2",
+        phase="Running",
+        containers=(ContainerView("engine-primary", ready=True),),
+    )
     p = w.step(t := t + 1)
     assert [(lp.pod, lp.value) for lp in p.labels] == [("demo-1", "true")]
-    # Routable, but not yet in the endpoints: the old pod stays.
-    assert w.phases() == {0: "Running", 1: "Running"} and p.deletes == ()
     w.sync()
+    p = w.step(t := t + 1)
+    assert w.phases() == {0: "Running", 1: "Running"} and p.labels == ()
+    # Ready and in the endpoints: now the old pod is unrouted.
+    w.serve("demo-1", node="n2")
     p = w.step(t := t + 1)
     assert w.phases()[0] == "Draining"
     assert [(lp.pod, lp.value) for lp in p.labels] == [("demo-0", "false")]
@@ -344,7 +354,7 @@ def test_spec_change_surges_then_drains_the_old_pod() -> None:
     p = w.step(t := t + 1)
     assert p.deletes == () and w.body["status"]["replicas"][0]["unroutedSince"]
     p = w.step(t := t + 2.5)  # settled: a graceful delete
-    assert [(d.name, d.grace_seconds) for d in p.deletes] == [("demo-0", 120)]
+    assert [(d.name, d.grace_seconds) for d in p.deletes] == [("demo-0", 30)]
     assert w.phases()[0] == "Terminating"
     w.gone("demo-0")
     p = w.step(t := t + 1)

@@ -431,10 +431,13 @@ class DrainSpec(_Model):
         description="Wait after it left them (kube-proxy catching up) before the delete.",
     )
     grace_period_seconds: int = Field(
-        default=120,
-        ge=1,
+        default=30,
+        ge=6,
         le=3600,
-        description="Grace period of the delete: in-flight requests finish within it.",
+        description=(
+            "The pod's termination grace and that of the operator's delete: the front and "
+            "the Active engine finish in-flight requests for 5 s less than this."
+        ),
     )
 
 

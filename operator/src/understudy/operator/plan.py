@@ -126,6 +126,7 @@ class PodView:
     deleting: bool = False
     unschedulable: str | None = None  # PodScheduled=False message
     routable_label: str | None = None
+    ready: bool = False  # the pod's Ready condition: every container ready
     front_ready: bool = False
     containers: tuple[ContainerView, ...] = ()
     engines: Mapping[str, EngineView] = field(default_factory=dict)
@@ -526,9 +527,14 @@ def updated(ctx: Context, rec: lc.Replica) -> bool:
 
 
 def available(ctx: Context, rec: lc.Replica) -> bool:
-    """Serving through the Service and fully armed: what a rollout waits for."""
+    """Ready (an engine serves, every engine armed) and in the Service: what a rollout waits for.
+
+    Routable alone is not enough: a pod is routable as soon as one engine
+    is Standby, before any engine serves. The pod's Ready condition includes
+    the front's readiness (it can serve) and every engine's.
+    """
     pod = ctx.current_pod(rec)
-    if pod is None or not routable(ctx, rec) or not _engines_ready(ctx.inst, pod):
+    if pod is None or not pod.ready or not routable(ctx, rec):
         return False
     listed = in_endpoints(ctx, pod)
     return listed if listed is not None else pod.routable_label == "true"
