@@ -99,3 +99,17 @@ def test_binpack_and_spread_disagree_on_a_fleet() -> None:
     fleet[42] = NodeInfo("n042", devices=eight, allocated=frozenset({0, 1, 2, 3}))
     assert select(Request(count=2, strategy=PlacementStrategy.BINPACK), fleet).node == "n042"
     assert select(Request(count=2, strategy=PlacementStrategy.SPREAD), fleet).node == "n000"
+
+
+def test_selects_fast_scorer_equals_the_reference_scorer() -> None:
+    from understudy.operator.scheduler.scorers import _fast_scorer, scorer
+
+    nodes = [
+        NodeInfo(
+            f"n{i}", devices=frozenset(range(8)), allocated=frozenset(range(i % 8)), ours=i % 2
+        )
+        for i in range(16)
+    ]
+    for strategy in PlacementStrategy:
+        req = Request(count=1, strategy=strategy, image="img", preferred_labels={"a": "b"})
+        assert [_fast_scorer(req)(n) for n in nodes] == [scorer(req)(n) for n in nodes]

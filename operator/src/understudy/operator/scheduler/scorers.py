@@ -23,7 +23,7 @@ Core module: no I/O imports.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from understudy.operator.api import PlacementStrategy
@@ -43,11 +43,11 @@ class Placement:
 
 
 def _utilisation_after(req: Request, node: NodeInfo) -> float:
-    if node.devices is None or not node.devices:
+    devices = node.devices
+    if not devices:
         return 0.0
-    free = node.free if node.free is not None else 0
-    used = len(node.devices) - free + req.count
-    return min(1.0, used / len(node.devices))
+    free = node.free or 0
+    return min(1.0, (len(devices) - free + req.count) / len(devices))
 
 
 def image_names(name: str) -> tuple[str, ...]:
@@ -68,19 +68,54 @@ def placement_score(req: Request, node: NodeInfo) -> float:
             return PLACEMENT_WEIGHT * (1.0 - util) - SPREAD_REPLICA_PENALTY * node.ours
 
 
+def _locality(req: Request) -> Callable[[NodeInfo], float]:
+    """0..1 per node: the share of locality signals it satisfies (request parts computed once)."""
+    names = image_names(req.image) if req.image is not None else ()
+    labels = tuple(req.preferred_labels.items())
+    n_signals = bool(names) + bool(labels)
+    if not n_signals:
+        return lambda node: 0.0
+
+    def locality(node: NodeInfo) -> float:
+        total = 0.0
+        if names:
+            total += any(n in node.images for n in names) if node.images else 0.0
+        if labels:
+            total += sum(1 for k, v in labels if node.labels.get(k) == v) / len(labels)
+        return total / n_signals
+
+    return locality
+
+
 def locality_score(req: Request, node: NodeInfo) -> float:
     """0..1: the share of locality signals the node satisfies."""
-    signals: list[float] = []
-    if req.image is not None:
-        signals.append(float(any(n in node.images for n in image_names(req.image))))
-    if req.preferred_labels:
-        hits = sum(1 for k, v in req.preferred_labels.items() if node.labels.get(k) == v)
-        signals.append(hits / len(req.preferred_labels))
-    return sum(signals) / len(signals) if signals else 0.0
+    return _locality(req)(node)
+
+
+def scorer(req: Request) -> Callable[[NodeInfo], float]:
+    """The total score of a node for ``req``: placement plus weighted locality."""
+    locality = _locality(req)
+    return lambda node: placement_score(req, node) + LOCALITY_WEIGHT * locality(node)
+
+
+def _fast_scorer(req: Request) -> Callable[[NodeInfo], float]:
+    """``scorer(req)`` with the strategy resolved once (select's inner loop)."""
+    locality = _locality(req)
+    binpack = req.strategy is PlacementStrategy.BINPACK
+
+    def total(node: NodeInfo) -> float:
+        util = _utilisation_after(req, node)
+        if binpack:
+            place = PLACEMENT_WEIGHT * util + BINPACK_REPLICA_BONUS * node.ours
+        else:
+            place = PLACEMENT_WEIGHT * (1.0 - util) - SPREAD_REPLICA_PENALTY * node.ours
+        return place + LOCALITY_WEIGHT * locality(node)
+
+    return total
 
 
 def score(req: Request, node: NodeInfo) -> float:
-    return placement_score(req, node) + LOCALITY_WEIGHT * locality_score(req, node)
+    return scorer(req)(node)
 
 
 def select(req: Request, nodes: Sequence[NodeInfo]) -> Placement:
@@ -91,10 +126,11 @@ def select(req: Request, nodes: Sequence[NodeInfo]) -> Placement:
         detail = "; ".join(f"{n}: {r}" for n, r in sorted(rejected.items())[:8])
         more = f" and {len(rejected) - 8} more" if len(rejected) > 8 else ""
         return Placement(None, False, f"no feasible node ({detail}{more})")
+    total = _fast_scorer(req)
     best = kept[0]
-    best_score = score(req, best)
+    best_score = total(best)
     for node in kept[1:]:
-        s = score(req, node)
+        s = total(node)
         if s > best_score or (s == best_score and node.name < best.name):
             best, best_score = node, s
     return Placement(
