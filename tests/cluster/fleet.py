@@ -213,7 +213,7 @@ class Fleet:
         self.size = max(self.size, n)
         return time.perf_counter() - started
 
-    async def renew(self, concurrency: int = 16) -> None:
+    async def renew(self, concurrency: int = 32) -> None:
         async def one(i: int) -> None:
             path = f"{LEASES}/{self.node_name(i)}"
             body = {"spec": {"renewTime": _now_micro()}}
