@@ -116,7 +116,8 @@ def main() -> int:
         for name, r in results.items():
             assert isinstance(r, dict)
             print(
-                f"{name:20} front adds p50 {r['added_p50_ms']:.3f} ms, p99 {r['added_p99_ms']:.3f} ms; "
+                f"{name:20} front adds p50 {r['added_p50_ms']:.3f} ms, "
+                f"p99 {r['added_p99_ms']:.3f} ms; "
                 f"throughput x{args.concurrency}: direct {r['throughput_direct_rps']:.0f}/s, "
                 f"front {r['throughput_front_rps']:.0f}/s (ratio {r['throughput_ratio']:.2f})"
             )

@@ -35,7 +35,10 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 RELEASE, OPERATOR_NS = "understudy", "understudy-system"
 REPORTS = Path(os.environ.get("UNDERSTUDY_REPORT_DIR", ROOT / "bench" / "results"))
-KILLS = int(os.environ.get("UNDERSTUDY_CHAOS_KILLS", "20"))
+# CI runs this many kills, mixing the signals; hack/soak runs the long soak.
+KILLS = int(os.environ.get("UNDERSTUDY_CHAOS_KILLS", "60"))
+SIGNALS = os.environ.get("UNDERSTUDY_CHAOS_SIGNALS", "KILL,SEGV,STOP")
+SCENARIO_ROUNDS = int(os.environ.get("UNDERSTUDY_CHAOS_SCENARIO_ROUNDS", "2"))
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +85,8 @@ def _sample(name: str, device_class: str) -> dict[str, Any]:
     doc = yaml.safe_load((ROOT / "manifests/samples/gpuinstance-reference.yaml").read_text())
     doc["metadata"] = {"name": name}
     doc["spec"]["gpus"]["deviceClassName"] = device_class
+    # Two shadows: a takeover can itself be killed at once and still find a standby.
+    doc["spec"]["failover"]["shadows"] = 2
     return doc
 
 
@@ -191,22 +196,48 @@ def test_apply_gives_a_serving_pod_with_claim_and_ready_status(instance: Instanc
 def test_chaos_kill_active_engine_through_the_service(instance: Instance) -> None:
     instance.wait_ready()
     before = _embed(instance.url())
-    report = instance.drill("--kills", str(KILLS))
+    report = instance.drill("--kills", str(KILLS), "--signal", SIGNALS)
     s = report["summary"]
     assert s["kills"] == KILLS and s["failovers_ok"] == KILLS, s
     # Zero loss is the bar: through the Service, every request answered, and right.
     assert s["failed_requests"] == 0, report.get("errors")
     assert s["wrong_answers"] == 0 and s["split_brain"] == 0 and s["epoch_regressions"] == 0
-    assert s["gap_s"]["p99"] < 0.5, s["gap_s"]
+    # A SIGSTOPped engine is found hung by its heartbeat (1 s); the others fail
+    # over at once.
+    by_signal: dict[str, list[float]] = {}
+    for r in report["rounds"]:
+        by_signal.setdefault(r["signal"], []).append(r["gap_s"])
+    for name, gaps in by_signal.items():
+        bound = 2.0 if name == "STOP" else 0.5
+        assert max(gaps) < bound, (name, sorted(gaps)[-5:])
     assert report["exit_code"] == 0
     cluster = report["cluster"]
     # every kill was a restart of an engine container, never a sidecar
     restarts = cluster["restarts"]
+    assert {r["signal"] for r in report["rounds"]} == set(SIGNALS.split(","))
     engine_restarts = sum(v for k, v in restarts.items() if "/engine-" in k)
     assert engine_restarts >= KILLS, restarts
     assert all(v == 0 for k, v in restarts.items() if k.endswith(("/lockserver", "/gms", "/front")))
     assert not cluster["left_endpoints"], cluster["seconds_not_an_endpoint"]
     assert _embed(instance.url()) == before
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("scenario", ["takeover-kill", "lockserver", "gms"])
+def test_chaos_second_fault_inside_a_failover(instance: Instance, scenario: str) -> None:
+    """The engine that took over killed at once; the lock server killed during
+    the failover; GMS killed while the next engine wakes: still no failed
+    request, no wrong answer, never two Active engines."""
+    instance.wait_ready()
+    report = instance.drill(
+        "--kills", str(SCENARIO_ROUNDS), "--signal", SIGNALS, "--scenario", scenario
+    )
+    s = report["summary"]
+    assert s["failovers_ok"] == SCENARIO_ROUNDS, report["rounds"]
+    assert s["failed_requests"] == 0, report.get("errors")
+    assert s["wrong_answers"] == 0 and s["split_brain"] == 0 and s["epoch_regressions"] == 0
+    assert report["exit_code"] == 0
+    instance.wait_ready(300)
 
 
 def _restarts(pod: dict[str, Any], name: str) -> int:
@@ -238,6 +269,9 @@ def test_gms_sidecar_killed_engines_restart_and_pod_recovers(instance: Instance)
     assert _restarts(pod, "engine-primary") + _restarts(pod, "engine-shadow-1") > engines_before
     assert report["recovered_s"] is not None, report  # armed again
     assert report["distinct_answers"] == 1 and report["split_brain"] == 0
+    # Both engines lose their GMS and restart, but the front holds the requests:
+    # the outage is latency, not errors.
+    assert report["failed_after_kill"] == 0, report
     instance.wait_ready(300)
     assert _wait("serving again", lambda: _embed(instance.url()), 120) == before_vec
 

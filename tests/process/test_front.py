@@ -119,7 +119,7 @@ def test_sigterm_drains_the_active_engine_without_losing_a_request(pod):
         answers = [f.result() for f in inflight + later]
     assert answers == [(200, expected)] * 4
     # The in-flight ones finished where they were: nothing was migrated.
-    assert pod.metric("understudy_front_migrations_total", kind="new") == 0
+    assert pod.metric("understudy_front_migrations_total", kind="new") == 0, pod.log("front")
     new = _other_active(pod, active)
     assert new["epoch"] > active["epoch"]
     log = (pod.dir / "supervisor.out").read_text()

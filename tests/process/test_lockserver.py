@@ -202,7 +202,7 @@ def _both_crash(pod):
 
 
 def test_corrupt_state_file_waits_a_window_and_says_so(tmp_path):
-    pod = Pod(tmp_path)
+    pod = Pod(tmp_path, window=3.0)
     pod.state.write_text('{"holder": "a", "epo')  # torn by hand: never by us
     pod.start_server()
     try:
@@ -366,12 +366,15 @@ def test_tcp_without_token_is_refused_at_start(tmp_path):
 
 
 def test_status_cli_prints_one_json_line(pod):
+    time.sleep(1.1)  # past the short window of a server that started with no file
     p = Proc(understudy("lock", "status", "--socket", str(pod.sock)))
     line = p.json_line()
     assert p.wait() == 0
+    # With no state file, epochs start above the wall clock in microseconds:
+    # above anything a lost file could have held.
+    assert line.pop("epoch") > time.time() * 1e6 - 60e6
     assert line == {
         "holder": None,
-        "epoch": 0,
         "waiters": [],
         "window_open": False,
         "window_holder": None,
@@ -407,7 +410,8 @@ def test_watch_sees_every_holder_and_a_restart(pod):
         await asyncio.wait_for(task, 10)
 
     asyncio.run(scenario())
-    assert seen == [(None, 0), ("a", 1), ("b", 2)]
+    first = seen[0][1]
+    assert seen == [(None, first), ("a", first + 1), ("b", first + 2)]
     # After a restart the watch reports the holder it restored, with its epoch.
     pod.server.kill9()
     pod.start_server()
@@ -419,4 +423,4 @@ def test_watch_sees_every_holder_and_a_restart(pod):
                 return
 
     asyncio.run(asyncio.wait_for(after_restart(), 10))
-    assert seen[-1] == ("b", 2)
+    assert seen[-1] == ("b", first + 2)

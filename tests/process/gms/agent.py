@@ -1,5 +1,8 @@
 """A GMS client in its own process, driven by JSON lines on stdin.
 
+On the cuda backend (a GPU, or the CUDA driver double) bytes move by the
+driver's copies (devmem.py) instead of through host views.
+
 Each command line gets one JSON reply line on stdout; a lost connection is
 reported asynchronously as {"event": "lost"}. Run: python agent.py
 """
@@ -15,6 +18,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import devmem
 import numpy as np
 
 from understudy.gms.client import GmsClient
@@ -62,10 +66,15 @@ class Agent:
     def __init__(self) -> None:
         self.client: GmsClient | None = None
         self.kept: list[np.ndarray] = []  # views built from raw addresses
+        self.kept_ptrs: list[tuple[int, int]] = []  # cuda: (index, device pointer) kept alike
 
     def c(self) -> GmsClient:
         assert self.client is not None
         return self.client
+
+    @property
+    def cuda(self) -> bool:
+        return self.client is not None and self.client.backend == "cuda"
 
     def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
         op = cmd["op"]
@@ -82,7 +91,10 @@ class Agent:
             return {"id": a.id, "address": a.address, "size": a.size}
         if op == "fill":
             a = self.c().allocations[cmd["index"]]
-            fill(a.array("uint64"), cmd["seed"])
+            if self.cuda:
+                devmem.fill(self.c(), a, cmd["seed"])
+            else:
+                fill(a.array("uint64"), cmd["seed"])
             return {}
         if op == "put_metadata":
             self.c().put_metadata(cmd["key"], cmd["value"])
@@ -97,7 +109,17 @@ class Agent:
             }
         if op == "verify":
             a = self.c().allocations[cmd["index"]]
+            if self.cuda:
+                return {"equal": devmem.verify(self.c(), a, cmd["seed"])}
             return {"equal": verify(a.array("uint64"), cmd["seed"])}
+        if op == "keep_view" and self.cuda:
+            # A device pointer kept from before sleep, as an engine keeps tensors.
+            self.kept_ptrs.append((cmd["index"], self.c().allocations[cmd["index"]].address))
+            return {"kept": len(self.kept_ptrs) - 1}
+        if op == "verify_kept" and self.cuda:
+            index, ptr = self.kept_ptrs[cmd["kept"]]
+            a = self.c().allocations[index]
+            return {"equal": devmem.verify(self.c(), a, cmd["seed"], address=ptr)}
         if op == "keep_view":
             # A numpy array built from the raw address, as an engine keeps tensors.
             a = self.c().allocations[cmd["index"]]
@@ -106,6 +128,22 @@ class Agent:
             return {"kept": len(self.kept) - 1}
         if op == "verify_kept":
             return {"equal": verify(self.kept[cmd["kept"]], cmd["seed"])}
+        if op == "write" and self.cuda:
+            a = self.c().allocations[cmd["index"]]
+            devmem.write(self.c(), a.address, b"x")  # DeviceCopyError if read-only
+            return {"wrote": True}
+        if op == "device_health":
+            healthy, reason = self.c().device_health()
+            return {"healthy": healthy, "reason": reason}
+        if op == "cuda_context":
+            # What an engine has before it connects: a current context on the device.
+            from understudy.gms.backends.cuda_vmm import CudaVmmMapper
+
+            CudaVmmMapper(cmd["device"])
+            return {}
+        if op == "mem_info":
+            free, total = devmem.mem_info()
+            return {"free": free, "total": total}
         if op == "write":
             a = self.c().allocations[cmd["index"]]
             raw = (ctypes.c_char * a.size).from_address(a.address)

@@ -10,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from doubles.gpu import GpuDouble
 from gmsprocs import Gms
 
 
@@ -20,3 +21,19 @@ def gms(tmp_path: Path) -> Iterator[Gms]:
         yield g
     finally:
         g.stop()
+
+
+@pytest.fixture(scope="session")
+def cuda_double_libs() -> Path:
+    """The CUDA driver double's libraries (host memory, not a GPU), built once."""
+    from doubles.gpu import build
+
+    return build()
+
+
+@pytest.fixture
+def cuda_double(
+    cuda_double_libs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> GpuDouble:
+    """A machine of the double in front of every process this test starts."""
+    return GpuDouble(cuda_double_libs, tmp_path, monkeypatch)

@@ -7,18 +7,24 @@ imports and verifies. Driven by JSON lines on stdin:
 
   {"op": "worker", "trial": T, "device": D, "devices": N, "socket": P,
    "mode": M, "timeout": S, "size": B, "pause_before_commit": false}
+  {"op": "sleep_wake", "trial": T, "timeout": S}   (every worker: unmap, remap, verify)
   {"op": "close_trial", "trial": T}
 
-and reports JSON events on stdout: granted, committed, paused, done, error.
+and reports JSON events on stdout: granted, committed, paused, done, rewoken,
+error. On the cuda backend bytes move by driver copies (devmem.py), in the
+worker's own thread: that is where its context is current.
 """
 
 from __future__ import annotations
 
 import json
+import queue
 import sys
 import threading
+import time
 from typing import Any
 
+import devmem
 import numpy as np
 
 from understudy.gms.client import GmsClient
@@ -43,6 +49,7 @@ class Trial:
         self.barrier = threading.Barrier(devices, timeout=timeout)
         self.clients: list[GmsClient] = []
         self.lock = threading.Lock()
+        self.commands: dict[int, queue.Queue[dict[str, Any]]] = {}
 
 
 trials: dict[int, Trial] = {}
@@ -55,12 +62,16 @@ def worker(cmd: dict[str, Any]) -> None:
         client = GmsClient.connect(cmd["socket"], Mode(cmd["mode"]), cmd["timeout"])
         with trial.lock:
             trial.clients.append(client)
+            commands = trial.commands.setdefault(device, queue.Queue())
         emit(event="granted", trial=trial_id, device=device, mode=client.granted_mode)
         trial.barrier.wait()  # the executor waits for every worker's init_device
         seed = 1000 + device  # the same model on every start
         if client.granted_mode is Granted.RW:
             a = client.allocate(cmd["size"])
-            a.array("uint64")[:] = pattern(a.size // 8, seed)
+            if client.backend == "cuda":
+                devmem.fill(client, a, seed)
+            else:
+                a.array("uint64")[:] = pattern(a.size // 8, seed)
             client.put_metadata("w", {"alloc": a.id, "offset": 0, "device": device})
             if cmd.get("pause_before_commit"):
                 emit(event="paused", trial=trial_id, device=device)
@@ -70,10 +81,35 @@ def worker(cmd: dict[str, Any]) -> None:
             loaded = True
         else:
             (a,) = client.import_all()
-            if not np.array_equal(a.array("uint64"), pattern(a.size // 8, seed)):
+            if client.backend == "cuda":
+                same = devmem.verify(client, a, seed)
+            else:
+                same = np.array_equal(a.array("uint64"), pattern(a.size // 8, seed))
+            if not same:
                 raise AssertionError(f"device {device}: imported bytes differ")
             loaded = False
         emit(event="done", trial=trial_id, device=device, loaded=loaded)
+        while True:  # later commands for this worker, in its own thread
+            order = commands.get()
+            address = a.address
+            t0 = time.monotonic()
+            client.unmap()
+            client.remap(order["timeout"])
+            elapsed = time.monotonic() - t0
+            (a,) = client.allocations
+            equal = (
+                devmem.verify(client, a, seed)
+                if client.backend == "cuda"
+                else np.array_equal(a.array("uint64"), pattern(a.size // 8, seed))
+            )
+            emit(
+                event="rewoken",
+                trial=trial_id,
+                device=device,
+                same_address=a.address == address,
+                equal=equal,
+                elapsed=elapsed,
+            )
     except Exception as exc:
         emit(
             event="error", trial=trial_id, device=device, error=type(exc).__name__, message=str(exc)
@@ -88,6 +124,9 @@ def main() -> None:
         if cmd["op"] == "worker":
             trials.setdefault(cmd["trial"], Trial(cmd["devices"], cmd["timeout"] + 1.0))
             threading.Thread(target=worker, args=(cmd,), daemon=True).start()
+        elif cmd["op"] == "sleep_wake":
+            for q in trials[cmd["trial"]].commands.values():
+                q.put(cmd)
         elif cmd["op"] == "close_trial":
             trial = trials.pop(cmd["trial"])
             for c in trial.clients:

@@ -45,3 +45,11 @@ def test_bad_values_are_named(key, value, match):
 def test_role_is_required():
     with pytest.raises(ConfigError, match="ENGINE_ROLE"):
         from_env({})
+
+
+def test_each_adapter_has_its_default_model():
+    assert from_env(BASE).model == "builtin:all-MiniLM-L6-v2"
+    llama = from_env({**BASE, "UNDERSTUDY_ENGINE_ADAPTER": "llama"})
+    assert (llama.adapter, llama.model) == ("llama", "builtin:tiny-llama")
+    chosen = {**BASE, "UNDERSTUDY_ENGINE_ADAPTER": "llama", "UNDERSTUDY_MODEL": "/models/x"}
+    assert from_env(chosen).model == "/models/x"

@@ -319,3 +319,28 @@ def test_report() -> None:
     rep = fsm.report(st)
     assert rep.state is LockState.RO and rep.committed and rep.allocations == 1
     assert rep.sessions[m.Granted.RO] == 1 and rep.bytes == 4096
+
+
+def test_a_writer_with_a_stale_epoch_is_refused_and_nothing_changes() -> None:
+    """The lock's epoch as a fencing token: once an engine of epoch 7 has said
+    hello, one that still believes in epoch 5 may not take the write lock."""
+    from understudy.gms import fsm as g
+    from understudy.gms import messages as msgs
+
+    state = g.initial_state(INFO)
+    state, _ = g.step(state, g.Connected(1), 0.0)
+    state, _ = g.step(state, g.Connected(2), 0.0)
+    state, _ = g.step(
+        state, g.Received(1, msgs.Hello(mode=msgs.Mode.RO, timeout_s=1, epoch=7)), 0.0
+    )
+    assert state.newest_epoch == 7
+    before = state
+    with pytest.raises(g.Refused) as info:
+        g.step(state, g.Received(2, msgs.Hello(mode=msgs.Mode.RW, timeout_s=1, epoch=5)), 0.0)
+    assert info.value.code is msgs.ErrorCode.STALE_EPOCH
+    assert state == before
+    # A current epoch, or none at all (an engine still loading), may write.
+    ok, _ = g.step(
+        state, g.Received(2, msgs.Hello(mode=msgs.Mode.RW_OR_RO, timeout_s=1, epoch=7)), 0.0
+    )
+    assert ok.newest_epoch == 7

@@ -24,13 +24,26 @@ from understudy.lockserver.fsm import (
     Reject,
     Restored,
     WindowExpired,
-    step,
 )
 
 W = 10.0
 
 
-def restored(record=None, corrupt=False, now=0.0, floor=0):
+def step(state, event, now):
+    """The core as the shell drives it: a Persist is written (here: at once,
+    successfully) and fed back as Persisted, whose actions follow it."""
+    state, actions = fsm.step(state, event, now)
+    if actions and isinstance(actions[-1], Persist):
+        state, more = fsm.step(state, fsm.Persisted(), now)
+        actions = [*actions, *more]
+    return state, actions
+
+
+# A state file that says nobody holds the lock (what every release writes).
+NOBODY = PersistedRecord(None, 0)
+
+
+def restored(record=NOBODY, corrupt=False, now=0.0, floor=0):
     return step(LockState(), Restored(record, corrupt, W, floor), now)
 
 
@@ -47,6 +60,7 @@ SAMPLE_EVENTS = {
     AcquireRequested: AcquireRequested(1, "a"),
     Disconnected: Disconnected(1),
     WindowExpired: WindowExpired(),
+    fsm.RetryGrant: fsm.RetryGrant(),
 }
 
 
@@ -85,6 +99,7 @@ def test_table_covers_all_but_restore_after_init():
         (Phase.INIT, AcquireRequested),
         (Phase.INIT, Disconnected),
         (Phase.INIT, WindowExpired),
+        (Phase.INIT, fsm.RetryGrant),
         (Phase.FREE, Restored),
         (Phase.HELD, Restored),
         (Phase.WINDOW, Restored),
@@ -193,12 +208,71 @@ def test_resume_after_quiet_drop_keeps_epoch():
     assert grants(actions)[0].epoch == 1 and grants(actions)[0].resumed
 
 
-def test_resume_of_current_epoch_by_another_engine_gets_a_new_epoch():
+def test_a_claim_of_an_epoch_not_issued_to_that_engine_is_refused():
     s, _ = restored()
     s, _ = step(s, AcquireRequested(1, "a"), 0.0)
     s, _ = step(s, Disconnected(1), 0.0)
-    s, actions = step(s, AcquireRequested(2, "mallory", resume_epoch=1), 0.0)
-    assert grants(actions)[0].epoch == 2
+    before = s
+    # Epoch 1 was a's, not mallory's; epoch 2**40 was never issued at all.
+    for claim in (1, 2**40):
+        s, actions = step(before, AcquireRequested(2, "mallory", resume_epoch=claim), 0.0)
+        assert s == before
+        assert actions == [Reject(2, "bad_request", actions[0].message)]
+        assert f"epoch {claim} was not issued to mallory" in actions[0].message
+    # The engine it was issued to gets it back; a plain acquire gets a new one.
+    s, actions = step(before, AcquireRequested(3, "a", resume_epoch=1), 0.0)
+    assert [(g.epoch, g.resumed) for g in grants(actions)] == [(1, True)]
+    s, actions = step(before, AcquireRequested(4, "mallory"), 0.0)
+    assert [(g.epoch, g.resumed) for g in grants(actions)] == [(2, False)]
+
+
+def test_lost_record_reissues_the_first_claim_under_a_new_epoch():
+    """The double fault: a damaged state file and a restart. The Active engine
+    that comes back is the one that held the lock (only one can have); it keeps
+    it under a fresh epoch, and anyone else's claim is then superseded."""
+    s, actions = restored(None, corrupt=True, floor=1000)
+    assert s.phase is Phase.WINDOW and s.history_unknown
+    s, actions = step(s, AcquireRequested(1, "a", resume_epoch=7), 0.5)
+    g = grants(actions)
+    assert [(x.epoch, x.resumed, x.reissued) for x in g] == [(1001, False, True)]
+    assert s.phase is Phase.HELD and not s.history_unknown
+    s, actions = step(s, AcquireRequested(2, "b", resume_epoch=5000), 0.6)
+    assert actions[0].code == "bad_request"  # never issued by this server
+    s, actions = step(s, AcquireRequested(3, "b", resume_epoch=9), 0.6)
+    assert actions[0].code == "superseded"  # older than what it holds now
+
+
+def test_a_missing_record_restarts_epochs_above_the_floor():
+    """No file: a new pod, or a lost volume. A claimant gets the first turn for
+    a second; after it, anyone."""
+    s, _ = restored(None, floor=5000)
+    assert (s.phase, s.epoch, s.history_unknown) == (Phase.WINDOW, 5000, True)
+    assert s.window.deadline == fsm.NO_RECORD_WINDOW_S
+    _, actions = step(s, AcquireRequested(1, "a", resume_epoch=3), 0.1)
+    assert [(g.epoch, g.reissued) for g in grants(actions)] == [(5001, True)]
+    s2, actions = step(s, AcquireRequested(2, "b"), 0.1)
+    assert actions == []  # a plain acquire waits out the short window
+    s2, actions = step(s2, WindowExpired(), 1.0)
+    assert [(g.engine_id, g.epoch, g.reissued) for g in grants(actions)] == [("b", 5001, False)]
+
+
+def test_a_failed_write_sends_no_grant_and_retries():
+    s, _ = restored()
+    s, _ = step(s, AcquireRequested(1, "a"), 0.0)
+    s, _ = step(s, AcquireRequested(2, "b"), 0.0)
+    held = s
+    # a dies; the grant to b cannot be written (a full volume).
+    s, actions = fsm.step(held, Disconnected(1), 1.0)
+    assert actions == [Persist("b", 2)]
+    s, actions = fsm.step(s, fsm.PersistFailed("No space left on device (28)"), 1.0)
+    assert actions == [fsm.ArmRetry(1.0 + fsm.RETRY_S, "No space left on device (28)")]
+    assert (s.phase, s.holder, s.epoch) == (Phase.FREE, None, 1)
+    assert [w.engine_id for w in s.waiters] == ["b"]  # still first in line
+    # A newcomer queues behind it rather than jumping the line.
+    s, actions = step(s, AcquireRequested(3, "c"), 1.05)
+    assert actions == [] and [w.engine_id for w in s.waiters] == ["b", "c"]
+    s, actions = step(s, fsm.RetryGrant(), 1.1)
+    assert [(g.engine_id, g.epoch) for g in grants(actions)] == [("b", 2)]
 
 
 def test_pending_resume_is_rejected_when_someone_else_is_granted():
@@ -216,7 +290,8 @@ def test_pending_resume_is_rejected_when_someone_else_is_granted():
 
 
 class LockMachine(RuleBasedStateMachine):
-    """Random connects, acquires, resumes, disconnects, restarts and timers."""
+    """Random connects, acquires, resumes (honest and forged), disconnects,
+    restarts with a good, missing or damaged file, a full volume, and timers."""
 
     def __init__(self):
         super().__init__()
@@ -225,16 +300,30 @@ class LockMachine(RuleBasedStateMachine):
         self.state, _ = restored()
         self.persisted = PersistedRecord(None, 0)
         self.granted_epochs: list[int] = []
+        self.issued: set[tuple[str, int]] = set()  # (engine, epoch) ever granted
         self.holder_grants: dict[int, tuple[str, int]] = {}  # conn -> (engine, epoch)
+        self.disk_full = False
+        self.retry_armed = False
 
     def apply(self, event):
+        """Drive the core as the shell does, writing the state file for real
+        (here: a record that a full volume refuses)."""
         before = self.state
-        self.state, actions = step(self.state, event, self.now)
+        self.state, actions = fsm.step(self.state, event, self.now)
+        if actions and isinstance(actions[-1], Persist):
+            p = actions[-1]
+            if self.disk_full:
+                self.state, more = fsm.step(self.state, fsm.PersistFailed("full"), self.now)
+            else:
+                self.persisted = PersistedRecord(p.engine_id, p.epoch)
+                self.state, more = fsm.step(self.state, fsm.Persisted(), self.now)
+            actions = [*actions, *more]
         for a in actions:
-            if isinstance(a, Persist):
-                self.persisted = PersistedRecord(a.engine_id, a.epoch)
-            elif isinstance(a, Clear):
+            if isinstance(a, Clear) and not self.disk_full:
                 self.persisted = PersistedRecord(None, a.epoch)
+            elif isinstance(a, fsm.ArmRetry):
+                self.retry_armed = True
+                assert not any(isinstance(x, Grant) for x in actions)  # never half-made
             elif isinstance(a, Grant):
                 # a waiter is granted only with no holder and no open window...
                 assert (
@@ -242,15 +331,22 @@ class LockMachine(RuleBasedStateMachine):
                     or before.holder.conn == a.conn
                     or (isinstance(event, Disconnected) and before.holder.conn == event.conn)
                 )
-                if before.window is not None and not isinstance(event, WindowExpired):
-                    # ...and during a window only the persisted holder
-                    assert a.engine_id == before.window.holder
-                    assert a.epoch == before.window.epoch
+                ends_window = isinstance(event, WindowExpired | fsm.HolderGone)
+                if before.window is not None and not ends_window:
+                    if before.window.holder is not None:
+                        # ...during a window only the persisted holder, with its epoch
+                        assert a.engine_id == before.window.holder
+                        assert a.epoch == before.window.epoch
+                    else:
+                        assert a.reissued  # a lost record: only a claimant, re-granted
                 if a.resumed:
-                    assert a.epoch >= (self.granted_epochs[-1] if self.granted_epochs else 0)
+                    # the server never grants an epoch it did not issue to that engine
+                    assert (a.engine_id, a.epoch) in self.issued
                 else:
                     assert all(a.epoch > e for e in self.granted_epochs)
+                assert a.epoch <= fsm.MAX_EPOCH
                 self.granted_epochs.append(a.epoch)
+                self.issued.add((a.engine_id, a.epoch))
                 self.holder_grants[a.conn] = (a.engine_id, a.epoch)
         return actions
 
@@ -264,6 +360,11 @@ class LockMachine(RuleBasedStateMachine):
         assume(self.holder_grants)
         conn = data.draw(st.sampled_from(sorted(self.holder_grants)))
         engine, epoch = self.holder_grants[conn]
+        self.now += 0.1
+        self.apply(AcquireRequested(next(self.conns), engine, resume_epoch=epoch))
+
+    @rule(engine=st.sampled_from(["a", "b", "mallory"]), epoch=st.integers(0, fsm.MAX_EPOCH))
+    def forged_resume(self, engine, epoch):
         self.now += 0.1
         self.apply(AcquireRequested(next(self.conns), engine, resume_epoch=epoch))
 
@@ -282,17 +383,37 @@ class LockMachine(RuleBasedStateMachine):
         self.now += dt
         self.apply(WindowExpired())
 
-    @rule(corrupt=st.booleans())
-    def server_restarts(self, corrupt):
-        """Everything in memory is lost; only the persisted record survives."""
+    @precondition(lambda self: self.state.window is not None and self.state.window.holder)
+    @rule()
+    def holder_seen_gone(self):
+        w = self.state.window
+        self.now += 0.05
+        self.apply(fsm.HolderGone(w.holder, "gone"))
+
+    @rule(full=st.booleans())
+    def volume(self, full):
+        self.disk_full = full
+
+    @precondition(lambda self: self.retry_armed)
+    @rule()
+    def retry(self):
+        self.now += fsm.RETRY_S
+        self.retry_armed = False
+        self.apply(fsm.RetryGrant())
+
+    @rule(record=st.sampled_from(["kept", "missing", "damaged"]))
+    def server_restarts(self, record):
+        """Everything in memory is lost; only the persisted record survives.
+        Engines that held grants are still alive and will claim them."""
         self.now += 0.5
         # The shell passes wall time in microseconds: it only rises, and far
         # faster than grants can be made.
-        floor = 10**12 + int(self.now * 1_000_000) if corrupt else 0
-        self.state, _ = step(
-            LockState(), Restored(None if corrupt else self.persisted, corrupt, W, floor), self.now
+        floor = 10**12 + int(self.now * 1_000_000)
+        kept = self.persisted if record == "kept" else None
+        self.state, _ = fsm.step(
+            LockState(), Restored(kept, record == "damaged", W, floor), self.now
         )
-        self.holder_grants = {}
+        self.retry_armed = False
 
     @invariant()
     def at_most_one_holder_and_consistent(self):
@@ -301,12 +422,13 @@ class LockMachine(RuleBasedStateMachine):
             assert s.holder is not None and s.window is None
         else:
             assert s.holder is None
-        if s.phase is Phase.FREE:
-            assert s.waiters == ()  # nobody waits for a free lock
+        if s.phase is Phase.FREE and not self.retry_armed:
+            assert s.waiters == ()  # nobody waits for a free lock, but for a retry
         conns = [w.conn for w in s.waiters] + ([s.holder.conn] if s.holder else [])
         assert len(conns) == len(set(conns))
         if s.holder:
             assert s.holder.epoch == s.epoch
+        assert s.pending is None  # the shell always settles a write at once
 
     @precondition(lambda self: self.state.phase is not Phase.INIT)
     @invariant()
@@ -334,3 +456,14 @@ def test_snapshot_reports_window_then_holder():
         window_holder=None,
         window_remaining_s=None,
     )
+
+
+def test_a_window_ends_early_when_its_holder_is_seen_gone():
+    s, _ = restored(PersistedRecord("a", 4), now=0.0)
+    s, _ = step(s, AcquireRequested(1, "b"), 0.1)
+    assert s.phase is Phase.WINDOW
+    same, actions = step(s, fsm.HolderGone("someone-else", "pid gone"), 0.2)
+    assert (same, actions) == (s, [])
+    s, actions = step(s, fsm.HolderGone("a", "its process 42 is gone"), 0.2)
+    assert actions[0] == fsm.WindowClosed("holder_gone")
+    assert [(g.engine_id, g.epoch) for g in grants(actions)] == [("b", 5)]

@@ -25,6 +25,7 @@ PROVIDERS = {
     "lock": "understudy-lockserver",
     "gms": "understudy-gms",
     "engine": "understudy-engine-shim",
+    "model": "understudy-engine-shim",
     "front": "understudy-front",
     "operator": "understudy-operator",
     "render": "understudy-operator",

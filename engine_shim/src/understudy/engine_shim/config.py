@@ -13,7 +13,10 @@ from pathlib import Path
 from understudy.wire.serving import heartbeat_path, serving_socket
 
 ROLES = ("primary", "shadow")
-ADAPTERS = ("reference", "synthetic")
+ADAPTERS = ("reference", "synthetic", "llama")
+# The model an adapter serves when UNDERSTUDY_MODEL is not set.
+DEFAULT_MODELS = {"llama": "builtin:tiny-llama"}
+DEFAULT_MODEL = "builtin:all-MiniLM-L6-v2"
 
 
 class ConfigError(ValueError):
@@ -95,7 +98,9 @@ def from_env(env: Mapping[str, str] | None = None) -> EngineConfig:
     run_dir = Path(env.get("UNDERSTUDY_RUN_DIR", "/run/understudy"))
     adapter = env.get("UNDERSTUDY_ENGINE_ADAPTER", "reference")
     if adapter == "vllm":
-        raise ConfigError("the vllm adapter is not implemented yet; use reference or synthetic")
+        raise ConfigError(
+            "the vllm adapter is not implemented yet; use reference, synthetic or llama"
+        )
     if adapter not in ADAPTERS:
         raise ConfigError(f"UNDERSTUDY_ENGINE_ADAPTER must be one of {ADAPTERS}, got {adapter!r}")
     devices_raw = env.get("UNDERSTUDY_DEVICES", "0")
@@ -125,7 +130,7 @@ def from_env(env: Mapping[str, str] | None = None) -> EngineConfig:
         gms_backend=backend,
         devices=devices,
         adapter=adapter,
-        model=env.get("UNDERSTUDY_MODEL", "builtin:all-MiniLM-L6-v2"),
+        model=env.get("UNDERSTUDY_MODEL") or DEFAULT_MODELS.get(adapter, DEFAULT_MODEL),
         engine_args=tuple(args),
         status_port=_int(env, "UNDERSTUDY_STATUS_PORT", 8100),
         startup_budget_s=_float(env, "UNDERSTUDY_STARTUP_BUDGET_S", 600.0),

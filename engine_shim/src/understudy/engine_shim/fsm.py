@@ -83,6 +83,14 @@ class GmsLost:
 
 
 @dataclass(frozen=True, slots=True)
+class EpochReissued:
+    """The restarted lock server had lost its record and re-granted this
+    engine's lock under a new epoch: the engine keeps serving, fenced by it."""
+
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
 class Terminate:
     """SIGTERM: finish what is in flight, take nothing new, exit."""
 
@@ -110,6 +118,7 @@ Event = (
     | WakeTimeout
     | LockLost
     | GmsLost
+    | EpochReissued
     | Terminate
     | Drained
     | Fatal
@@ -242,6 +251,10 @@ def _wake_timeout(s: EngineState, e: WakeTimeout, now: float) -> Result:
     return _moved(s, State.DEAD, e, now), [Exit(ExitCode.WAKE_TIMEOUT, why, s.state)]
 
 
+def _reissued(s: EngineState, e: EpochReissued, now: float) -> Result:
+    return replace(s, epoch=e.epoch, last_event=type(e).__name__), []
+
+
 def _terminate(s: EngineState, e: Terminate, now: float) -> Result:
     return _moved(s, State.DEAD, e, now), [Exit(ExitCode.DONE, "terminated", s.state)]
 
@@ -284,6 +297,9 @@ TRANSITIONS: dict[tuple[State, type], Entry[EngineState, Action, State]] = {
     (S.ACTIVE, LockLost): Entry(_died, _DEAD),
     (S.ACTIVE, GmsLost): Entry(_died, _DEAD),
     (S.ACTIVE, Fatal): Entry(_died, _DEAD),
+    (S.WAKING, EpochReissued): Entry(_reissued, frozenset({S.WAKING})),
+    (S.ACTIVE, EpochReissued): Entry(_reissued, frozenset({S.ACTIVE})),
+    (S.DRAINING, EpochReissued): Entry(_reissued, frozenset({S.DRAINING})),
     (S.INIT, Terminate): Entry(_terminate, _DEAD),
     (S.STANDBY, Terminate): Entry(_terminate, _DEAD),
     (S.WAKING, Terminate): Entry(_terminate, _DEAD),

@@ -24,6 +24,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 
+class NotServing(RuntimeError):
+    """The engine is asleep, closed or failed: it takes no requests (the front
+    then waits for the engine the lock names)."""
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int
@@ -65,5 +70,6 @@ class Generator(Protocol):
         """Generate after ``prompt`` + ``resume`` (ids an earlier engine already
         generated for this request), one Step per new token; the last Step has
         a finish_reason. ``params.max_tokens`` counts the resumed ids too.
-        Concurrent calls are batched by the engine."""
+        Concurrent calls are batched by the engine. Raises ValueError (a request
+        it cannot take) or NotServing, before its first Step."""
         ...

@@ -114,7 +114,7 @@ class HttpHost:
         self.loop.call_soon_threadsafe(beat)
 
     def bind_serving(
-        self, path: Path, routes: list[web.RouteDef], health: Health, epoch: int
+        self, path: Path, routes: list[web.RouteDef], health: Health, epoch: Callable[[], int]
     ) -> None:
         """Listen on the serving socket; raises OSError if it cannot."""
 
@@ -127,14 +127,28 @@ class HttpHost:
             request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
         ) -> web.StreamResponse:
             claimed = request.headers.get(EPOCH_HEADER)
-            if self.draining or (claimed is not None and claimed != str(epoch)):
+            if self.draining or (claimed is not None and claimed != str(epoch())):
                 why = "draining" if self.draining else f"epoch {claimed} is not this engine's"
-                return web.Response(status=409, text=why + "\n", headers={NOT_ACTIVE_HEADER: why})
+                refused = web.Response(
+                    status=409, text=why + "\n", headers={NOT_ACTIVE_HEADER: why}
+                )
+                # No keep-alive to an engine on its way out: the front's next
+                # try opens a new connection, which finds the next engine.
+                refused.force_close()
+                return refused
             self.inflight += 1
             assert self._idle is not None
             self._idle.clear()
             try:
-                return await handler(request)
+                response = await handler(request)
+                if self.is_draining():  # it may have begun while this request ran
+                    response.force_close()
+                # Send it all before counting it done: a drain that ends the
+                # process must not cut an answer that was still being written.
+                if not response.prepared:
+                    await response.prepare(request)
+                await response.write_eof()
+                return response
             finally:
                 self.inflight -= 1
                 if not self.inflight:
@@ -159,6 +173,9 @@ class HttpHost:
             path.unlink()  # a socket of this very engine id: never another engine's
         self._call(serve())
         path.chmod(0o660)
+
+    def is_draining(self) -> bool:
+        return self.draining
 
     def drain(self, timeout: float) -> int:
         """Take no new requests; wait (at most ``timeout``) for the in-flight

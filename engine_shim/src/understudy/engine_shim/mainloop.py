@@ -28,6 +28,7 @@ from understudy.engine_shim.fsm import Budgets, State
 from understudy.engine_shim.http import HttpHost
 from understudy.engine_shim.probes import Probe, Verdict, verdict
 from understudy.engine_shim.weights import Weights
+from understudy.gms.client import GmsError
 from understudy.lockserver import client as lock_client
 from understudy.wire.obs import log_event
 
@@ -197,7 +198,19 @@ class Shim:
     def serving_health(self) -> tuple[bool, str]:
         if not self._serving:
             return False, "serving endpoint not bound"
-        return self.engine.health()
+        ok, why = self.engine.health()
+        if not ok:
+            return ok, why
+        # The GPU itself, as GMS sees it through NVML (a pending Xid, ECC
+        # errors, a lost device); always healthy where there is no NVML.
+        for session in list(self.weights.sessions.values()):
+            try:
+                ok, why = session.device_health()
+            except GmsError:
+                continue  # GMS itself gone: its monitor ends the engine
+            if not ok:
+                return ok, why
+        return True, "ok"
 
     def state_view(self) -> dict[str, Any]:
         with self._mutex:
@@ -269,6 +282,7 @@ class Shim:
                         cfg.engine_id,
                         None,
                         on_lost=lambda why: self.report(fsm.LockLost(why)),
+                        on_epoch=self._reissued,
                         reconnect_timeout=cfg.lock_reconnect_s,
                         connect_timeout=cfg.lock_reconnect_s,
                     )
@@ -281,7 +295,7 @@ class Shim:
                 t0 = time.monotonic()
                 try:
                     _fault(cfg, "WAKE")
-                    self.weights.wake(cfg.remap_timeout_s)
+                    self.weights.wake(cfg.remap_timeout_s, self.s.epoch)
                     self.engine.wake()
                 except Exception as exc:  # a failed remap is fatal: restart and re-init
                     return self.feed(fsm.Fatal(f"wake failed: {type(exc).__name__}: {exc}"))
@@ -297,7 +311,7 @@ class Shim:
                         cfg.serve_socket,
                         self.engine.routes(),
                         self.serving_health,
-                        self.s.epoch or 0,
+                        lambda: self.s.epoch or 0,
                     )
                 except OSError as exc:
                     return self.feed(fsm.Fatal(f"cannot listen on {cfg.serve_socket}: {exc}"))
@@ -318,6 +332,12 @@ class Shim:
                 return []  # carried out in feed()
             case _:
                 assert_never(action)
+
+    def _reissued(self, epoch: int) -> None:
+        """From the lock's monitor thread: our grant lives on under a new epoch."""
+        self.feed(fsm.EpochReissued(epoch))
+        self.metrics.epoch.labels(**self.metrics.labels).set(epoch)
+        log_event(log, "epoch_reissued", engine=self.cfg.engine_id, epoch=epoch)
 
     def _terminate(self) -> None:
         """SIGTERM, in the signal handler: the work goes to a thread of its own

@@ -29,7 +29,9 @@ from typing import Any
 
 from aiohttp import web
 
-from understudy.engine_shim.generation import Generator, SamplingParams, Step
+from understudy.engine_shim.generation import Generator, NotServing, SamplingParams, Step
+
+NOT_ACTIVE_HEADER = "X-Understudy-Not-Active"
 
 # Beyond this many requests being generated or waiting, new ones get 429.
 MAX_PENDING = 256
@@ -257,8 +259,9 @@ def _choice(req: Request, text: str | None, finish: str | None, first: bool) -> 
 class OpenAIServer:
     """The routes of one generative engine."""
 
-    def __init__(self, gen: Generator) -> None:
+    def __init__(self, gen: Generator, max_pending: int = MAX_PENDING) -> None:
         self.gen = gen
+        self.max_pending = max_pending
         self.pending = 0
 
     def routes(self) -> list[web.RouteDef]:
@@ -299,16 +302,29 @@ class OpenAIServer:
             except ValueError:
                 raise ApiError(400, "the request body is not JSON") from None
             req = parse(self.gen, body, chat)
-            if self.pending >= MAX_PENDING:
-                raise ApiError(429, f"more than {MAX_PENDING} requests in progress; retry later")
+            if self.pending >= self.max_pending:
+                raise ApiError(
+                    429, f"{self.max_pending} requests are in progress already; retry later"
+                )
         except ApiError as exc:
             return exc.response()
         self.pending += 1
         try:
             steps = self.gen.generate(req.prompt_ids, req.params, req.resume)
+            # The first step before any byte of the answer: a request the
+            # generator refuses gets a status, never a broken stream.
+            try:
+                first = await anext(aiter(steps))
+            except ValueError as exc:
+                return ApiError(400, str(exc)).response()
+            except NotServing as exc:
+                return web.Response(
+                    status=409, text=f"{exc}\n", headers={NOT_ACTIVE_HEADER: str(exc)}
+                )
+            chained = _chain(first, steps)
             if req.stream:
-                return await self._stream(request, req, steps)
-            return await self._whole(req, steps)
+                return await self._stream(request, req, chained)
+            return await self._whole(req, chained)
         finally:
             self.pending -= 1
 
@@ -379,6 +395,19 @@ class OpenAIServer:
         return resp
 
 
-def routes(gen: Generator) -> list[web.RouteDef]:
+async def _chain(first: Step, rest: AsyncIterator[Step]) -> AsyncIterator[Step]:
+    try:
+        yield first
+        if first.finish_reason is None:
+            async for step in rest:
+                yield step
+    finally:
+        # Closing the chain (the client left) must stop the generation too.
+        closer = getattr(rest, "aclose", None)
+        if closer is not None:
+            await closer()
+
+
+def routes(gen: Generator, max_pending: int = MAX_PENDING) -> list[web.RouteDef]:
     """The OpenAI routes of ``gen`` (what a generative adapter's ``routes()`` returns)."""
-    return OpenAIServer(gen).routes()
+    return OpenAIServer(gen, max_pending).routes()

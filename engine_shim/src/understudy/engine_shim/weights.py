@@ -93,8 +93,9 @@ class Weights:
         for session in self.sessions.values():
             session.unmap()
 
-    def wake(self, timeout: float) -> None:
-        """Remap every device within ``timeout`` or raise WakeError."""
+    def wake(self, timeout: float, epoch: int | None = None) -> None:
+        """Remap every device within ``timeout`` or raise WakeError; ``epoch`` is
+        the lock's, which GMS keeps as the newest (a stale writer is refused)."""
         deadline = time.monotonic() + timeout
         for device, session in self.sessions.items():
             remaining = deadline - time.monotonic()
@@ -102,7 +103,7 @@ class Weights:
                 raise WakeError(f"remap timeout of {timeout:g}s spent before device {device}")
             self._fail_fast(device, min(remaining, 2.0))
             try:
-                session.remap(remaining)
+                session.remap(remaining, epoch)
             except GmsError as exc:
                 raise WakeError(
                     f"remap of device {device} failed: {type(exc).__name__}: {exc}"

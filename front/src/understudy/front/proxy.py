@@ -57,6 +57,9 @@ _RETRY_S = 0.005
 # After the engine refused (draining, or another epoch): the lock will name
 # another engine soon; until then, ask again only this often.
 _REFUSED_RETRY_S = 0.25
+# A heartbeat check that comes this much later than asked means the front was
+# not scheduled either: no verdict on the engine from it.
+_STALL_S = 0.25
 
 
 class _ClientGone(Exception):
@@ -175,15 +178,24 @@ class Front:
                 await asyncio.sleep(0.05)
 
     async def _check_beats(self) -> None:
+        last = time.monotonic()
         while True:
             await asyncio.sleep(self.cfg.beat_check_s)
+            now = time.monotonic()
+            late, last = now - last - self.cfg.beat_check_s, now
+            if late > _STALL_S:
+                # The front itself did not run for a while: the whole machine
+                # stalled (CPU starvation, a VM pause), so a silent engine now
+                # proves nothing. Judge again on the next, punctual check.
+                log_event(log, "beat_check_skipped", logging.WARNING, late_ms=round(late * 1000))
+                continue
             route = self.state.route
             if route is None:
                 continue
             beat = read_beat(heartbeat_path(self.cfg.run_dir, route.engine_id))
             if beat is None:
                 continue
-            silent = time.monotonic() - beat.monotonic
+            silent = now - beat.monotonic
             if silent > self.cfg.hang_after_s:
                 self.feed(fsm.Hung(route.engine_id, silent))
 
@@ -210,6 +222,24 @@ class Front:
                 async with asyncio.timeout(remaining):
                     await changed.wait()
         return self.state.route
+
+    async def _hold(self, deadline: float) -> fsm.Route | None:
+        """The route now, or after holding the request until one exists (or the
+        deadline); counted as held while it waits, whatever ends the wait."""
+        if self.state.route is not None:
+            return self.state.route
+        since = self._now()
+        self._held += 1
+        self.metrics.held.set(self._held)
+        self.metrics.held_total.inc()
+        try:
+            route = await self._route(deadline)
+        finally:  # a client that hangs up while held is no longer held
+            self._held -= 1
+            self.metrics.held.set(self._held)
+        if route is not None:
+            self.metrics.hold.observe(self._now() - since)
+        return route
 
     async def _await_change(self, route: fsm.Route, deadline: float, patience: float) -> None:
         """After an attempt the engine refused or could not take: wait up to
@@ -246,25 +276,9 @@ class Front:
 
     async def _serve(self, req: _Request, request: web.Request) -> web.StreamResponse:
         deadline = self._now() + self.cfg.hold_s
-        waited_since: float | None = None
         while True:
-            route = self.state.route
+            route = await self._hold(deadline)
             if route is None:
-                if waited_since is None:
-                    waited_since = self._now()
-                    self._held += 1
-                    self.metrics.held.set(self._held)
-                    self.metrics.held_total.inc()
-                route = await self._route(deadline)
-            if waited_since is not None and route is not None:
-                self._held -= 1
-                self.metrics.held.set(self._held)
-                self.metrics.hold.observe(self._now() - waited_since)
-                waited_since = None
-            if route is None:
-                if waited_since is not None:
-                    self._held -= 1
-                    self.metrics.held.set(self._held)
                 self.metrics.hold_expired.inc()
                 return await self._give_up(
                     req, 503, f"no engine became active within the hold of {self.cfg.hold_s}s"

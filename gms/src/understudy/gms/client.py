@@ -305,21 +305,27 @@ class GmsClient:
         on_lost: LostCallback | None = None,
         *,
         name: str = "",
+        epoch: int | None = None,
     ) -> GmsClient:
-        """Connect and wait (at most ``timeout`` seconds) for ``mode`` to be granted."""
+        """Connect and wait (at most ``timeout`` seconds) for ``mode`` to be granted.
+        ``epoch``: the pod lock's epoch this engine holds, if it holds one."""
         client = cls(Path(path), on_lost)
-        ok = client._open(Mode(mode), timeout, name)
+        ok = client._open(Mode(mode), timeout, name, epoch)
         client.layout_hash = ok.layout_hash
         return client
 
-    def _open(self, mode: Mode, timeout: float, name: str = "") -> m.HelloOk:
+    def _open(
+        self, mode: Mode, timeout: float, name: str = "", epoch: int | None = None
+    ) -> m.HelloOk:
         if timeout <= 0:
             raise ValueError("timeout must be positive (every wait is bounded)")
         deadline = time.monotonic() + timeout
         sock = _connect_socket(self.path, deadline)
         chan = _Channel(sock)
         remaining = max(0.0, deadline - time.monotonic())
-        hello = m.Hello(mode=mode, timeout_s=remaining, client=name or f"pid-{os.getpid()}")
+        hello = m.Hello(
+            mode=mode, timeout_s=remaining, client=name or f"pid-{os.getpid()}", epoch=epoch
+        )
         try:
             reply, fd = chan.request(hello, deadline + _REPLY_SLACK_S)
             ok = _expect(reply, m.HelloOk, fd)
@@ -492,6 +498,15 @@ class GmsClient:
         with self._lock:
             return self._request(m.GetState(), m.StateReport)
 
+    def device_health(self) -> tuple[bool, str]:
+        """(healthy, reason) of the GPU behind this session, as GMS sees it
+        through NVML: an engine's health reason. Healthy with no reason where
+        GMS has no NVML (no driver, the host backend on a CPU machine)."""
+        gpu = self.state().gpu
+        if gpu is None or gpu.healthy:
+            return True, ""
+        return False, f"device {self.device} ({gpu.uuid}): {gpu.reason}"
+
     # --- sleep and wake ----------------------------------------------------
 
     def unmap(self) -> None:
@@ -508,9 +523,10 @@ class GmsClient:
                 self._mapper.unmap(a.address, a.size)
             self.granted_mode = None
 
-    def remap(self, timeout: float) -> None:
+    def remap(self, timeout: float, epoch: int | None = None) -> None:
         """Wake: reconnect RO within ``timeout`` and map the same layout at the
-        same addresses. ``GmsTimeoutError`` if it cannot be granted in time,
+        same addresses, presenting the lock ``epoch`` the engine now holds.
+        ``GmsTimeoutError`` if it cannot be granted in time,
         ``StaleMemoryLayoutError`` if the committed layout is not the one mapped
         before, ``GmsConnectionLost`` if the server goes away meanwhile."""
         with self._lock:
@@ -519,7 +535,7 @@ class GmsClient:
             if self.layout_hash is None:
                 raise GmsError("nothing to remap: no committed layout was mapped")
             deadline = time.monotonic() + timeout
-            ok = self._open(Mode.RO, timeout)
+            ok = self._open(Mode.RO, timeout, epoch=epoch)
             try:
                 if ok.layout_hash != self.layout_hash:
                     raise StaleMemoryLayoutError(

@@ -34,6 +34,7 @@ class ServerConfig:
     backend: str = "host"
     granularity: int | None = None  # host backend only; None = 2 MiB
     metrics_port: int | None = None  # None: no own /metrics (supervised children)
+    health_interval_s: float = 5.0  # NVML poll for metrics and log (health.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -125,6 +125,7 @@ class GmsState:
     committed: bool = False
     layout_hash: str | None = None
     next_id: int = 0
+    newest_epoch: int = 0  # the highest lock epoch any hello carried
 
     def session(self, sid: int) -> Session | None:
         for s in self.sessions:
@@ -378,6 +379,15 @@ def _hello(state: GmsState, ev: Event, now: float) -> Result:
     s = state.session(ev.sid)
     assert s is not None
     mode = ev.request.mode
+    epoch = ev.request.epoch
+    if epoch is not None:
+        if epoch < state.newest_epoch and mode in (Mode.RW, Mode.RW_OR_RO):
+            raise Refused(
+                ErrorCode.STALE_EPOCH,
+                f"epoch {epoch} is older than {state.newest_epoch}: another engine holds "
+                "the pod's lock now, so this one may not write",
+            )
+        state = replace(state, newest_epoch=max(state.newest_epoch, epoch))
     decision = decide(state, mode)
     if decision is not Decision.WAIT:
         return _grant(state, replace(s, mode=mode, since=now), decision, now)

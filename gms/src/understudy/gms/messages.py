@@ -68,6 +68,7 @@ class ErrorCode(enum.StrEnum):
     NOT_FOUND = "not_found"  # unknown allocation id or metadata key
     INVALID = "invalid"  # a well-formed request with a bad argument
     NO_MEMORY = "no_memory"  # the backend could not create the allocation
+    STALE_EPOCH = "stale_epoch"  # a writer whose lock epoch is older than one GMS has seen
     PROTOCOL = "protocol"  # undecodable input; the server closes the connection
 
 
@@ -88,6 +89,10 @@ class Hello(_Msg):
     mode: Mode
     timeout_s: Annotated[float, pydantic.Field(ge=0, le=MAX_TIMEOUT_S)]
     client: Annotated[str, pydantic.StringConstraints(max_length=128)] = ""
+    # The pod lock's epoch the engine holds, once it holds one: GMS refuses to
+    # let an engine write whose epoch is older than the newest it has seen (a
+    # fencing token; engines that hold no lock yet send none).
+    epoch: Annotated[int, pydantic.Field(ge=0, le=2**53 - 1)] | None = None
 
 
 class Allocate(_Msg):
@@ -217,6 +222,17 @@ class LayoutHash(_Msg):
     layout_hash: str | None
 
 
+class DeviceReport(_Msg):
+    """The GPU behind a server, from NVML (absent where there is no NVML)."""
+
+    uuid: str
+    name: str
+    memory_total: int  # bytes on the device
+    memory_used: int  # in use by every process, not only GMS
+    healthy: bool
+    reason: str  # why not healthy; "" when healthy
+
+
 class StateReport(_Msg):
     type: Literal["state"] = "state"
     state: LockState
@@ -230,6 +246,7 @@ class StateReport(_Msg):
     device: int
     tag: str
     backend: str
+    gpu: DeviceReport | None = None  # filled in by the server's shell (health.py)
 
 
 class ErrorReply(_Msg):

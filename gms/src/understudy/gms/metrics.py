@@ -57,6 +57,27 @@ LOCK_WAIT = Histogram(
     (*_LABELS, "mode", "outcome"),
     buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300),
 )
+DEVICE_HEALTHY = Gauge(
+    "understudy_gms_device_healthy",
+    "1 if NVML reports the device healthy (absent without NVML)",
+    _LABELS,
+    multiprocess_mode="livesum",
+)
+DEVICE_MEMORY_USED = Gauge(
+    "understudy_gms_device_memory_used_bytes",
+    "Device memory in use by every process (NVML)",
+    _LABELS,
+    multiprocess_mode="livesum",
+)
+DEVICE_MEMORY_TOTAL = Gauge(
+    "understudy_gms_device_memory_total_bytes",
+    "Device memory (NVML)",
+    _LABELS,
+    multiprocess_mode="livesum",
+)
+DEVICE_XIDS = Counter(
+    "understudy_gms_device_xid_events_total", "Xid events NVML reported", (*_LABELS, "xid")
+)
 TRANSITIONS = Counter(
     "understudy_gms_transitions_total", "State transitions by event", (*_LABELS, "event")
 )

@@ -16,6 +16,11 @@ Outgoing frames go through one queue and one writer task per connection, so
 executing actions never awaits and frames to one peer never interleave. An
 exported fd travels in the same ``sendmsg`` as its frame and is closed here
 once sent.
+
+The GPU behind the server (``health``, NVML, optional): polled every
+``health_interval_s`` for the metrics and the log (a change of health is one
+line), and at most once a second for a ``get_state``, whose report the shell
+completes with it (the core knows nothing of devices).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from understudy.gms import fsm, metrics
 from understudy.gms import messages as m
 from understudy.gms.backends import ServerBackend, make_server_backend
 from understudy.gms.config import ServerConfig
+from understudy.gms.health import DeviceMonitor
 from understudy.wire.framing import encode
 from understudy.wire.obs import log_event, start_metrics_server
 from understudy.wire.uds import bind_unix, peer_credentials, sock_send_frame
@@ -43,6 +49,7 @@ from understudy.wire.uds import bind_unix, peer_credentials, sock_send_frame
 log = logging.getLogger("understudy.gms.server")
 
 _RECV_SIZE = 256 * 1024
+_REPORT_MAX_AGE_S = 1.0  # a get_state reuses a device report this fresh
 
 Outgoing = tuple[bytes, int | None] | None  # None: close after what is queued
 
@@ -78,6 +85,10 @@ class GmsServer:
         self._accept_task: asyncio.Task[None] | None = None
         self._closed = asyncio.Event()
         self._labels = {"device": str(config.device), "tag": config.tag}
+        self._monitor, self._no_monitor = _open_monitor(config.device, self.backend)
+        self._gpu: m.DeviceReport | None = None
+        self._gpu_at = float("-inf")
+        self._health_task: asyncio.Task[None] | None = None
         self._update_metrics()
 
     # --- lifecycle ---------------------------------------------------------
@@ -95,8 +106,17 @@ class GmsServer:
             granularity=self.backend.granularity,
             pid=os.getpid(),
         )
+        if self._monitor is None:
+            log_event(log, "nvml_unavailable", reason=self._no_monitor)
+        else:
+            log_event(log, "nvml", uuid=self._monitor.uuid, name=self._monitor.name)
+            self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
 
     async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
         if self._accept_task is not None:
             self._accept_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -112,6 +132,8 @@ class GmsServer:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self.backend.close()
+        if self._monitor is not None:
+            self._monitor.close()
         self._closed.set()
         log_event(log, "closed", socket=self.config.socket)
 
@@ -248,6 +270,8 @@ class GmsServer:
                 case fsm.Reply(sid, message):
                     conn = self._conns.get(sid)
                     if conn is not None:
+                        if isinstance(message, m.StateReport) and self._monitor is not None:
+                            message = message.model_copy(update={"gpu": self._device_report()})
                         self._send(conn, message)
                 case fsm.CreateMemory(sid, record):
                     try:
@@ -309,6 +333,38 @@ class GmsServer:
                 t.waited_s
             )
 
+    # --- the device (NVML) ----------------------------------------------------
+
+    async def _health_loop(self) -> None:
+        while True:
+            self._device_report(max_age=0.0)
+            await asyncio.sleep(self.config.health_interval_s)
+
+    def _device_report(self, max_age: float = _REPORT_MAX_AGE_S) -> m.DeviceReport | None:
+        """The device now (or at most ``max_age`` ago); logs and counts changes."""
+        assert self._monitor is not None
+        now = asyncio.get_running_loop().time()
+        if self._gpu is not None and now - self._gpu_at <= max_age:
+            return self._gpu
+        try:
+            report, xids = self._monitor.poll()
+        except Exception as exc:  # NVML broke under us: report that, keep serving
+            log_event(log, "nvml_failed", logging.WARNING, error=exc)
+            return self._gpu
+        for xid in xids:
+            log_event(log, "xid", logging.WARNING, uuid=report.uuid, xid=xid)
+            metrics.DEVICE_XIDS.labels(**self._labels, xid=str(xid)).inc()
+        before = self._gpu
+        if before is None or before.healthy != report.healthy:
+            level = logging.INFO if report.healthy else logging.ERROR
+            event = "device_healthy" if report.healthy else "device_unhealthy"
+            log_event(log, event, level, uuid=report.uuid, reason=report.reason or None)
+        self._gpu, self._gpu_at = report, now
+        metrics.DEVICE_HEALTHY.labels(**self._labels).set(1 if report.healthy else 0)
+        metrics.DEVICE_MEMORY_USED.labels(**self._labels).set(report.memory_used)
+        metrics.DEVICE_MEMORY_TOTAL.labels(**self._labels).set(report.memory_total)
+        return report
+
     def _update_metrics(self) -> None:
         st = self.machine.state
         metrics.ALLOCATED_BYTES.labels(**self._labels).set(st.total_bytes)
@@ -318,6 +374,14 @@ class GmsServer:
         metrics.WAITING.labels(**self._labels).set(st.count(fsm.Phase.WAITING))
         metrics.WAITING_WRITERS.labels(**self._labels).set(st.waiting_writers)
         metrics.COMMITTED.labels(**self._labels).set(1 if st.committed else 0)
+
+
+def _open_monitor(device: int, backend: ServerBackend) -> tuple[DeviceMonitor | None, str]:
+    """NVML for this device if there is any; never fatal."""
+    try:
+        return DeviceMonitor.open(device, getattr(backend, "uuid", None))
+    except Exception as exc:
+        return None, f"NVML failed: {exc}"
 
 
 async def run(config: ServerConfig) -> int:

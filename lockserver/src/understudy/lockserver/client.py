@@ -179,6 +179,7 @@ def acquire(
     *,
     token: str | None = None,
     on_lost: Callable[[str], None] | None = None,
+    on_epoch: Callable[[int], None] | None = None,
     reconnect_timeout: float = DEFAULT_CLIENT_RECONNECT_S,
     connect_timeout: float = 10.0,
 ) -> HeldLock:
@@ -219,6 +220,7 @@ def acquire(
                 token,
                 on_lost or _default_on_lost,
                 reconnect_timeout,
+                on_epoch,
             )
         sock.close()
         if isinstance(reply, Error):
@@ -238,6 +240,7 @@ class HeldLock:
         token: str | None,
         on_lost: Callable[[str], None],
         reconnect_timeout: float,
+        on_epoch: Callable[[int], None] | None = None,
     ) -> None:
         self.address = address
         self.engine_id = engine_id
@@ -248,6 +251,7 @@ class HeldLock:
         self._sock = sock
         self._token = token
         self._on_lost = on_lost
+        self._on_epoch = on_epoch
         self._reconnect_timeout = reconnect_timeout
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._stop = threading.Event()
@@ -348,10 +352,18 @@ class HeldLock:
             except OSError:
                 sock.close()
                 continue  # server died again: try the next one
-            if isinstance(reply, Granted) and reply.epoch == self.epoch:
+            if isinstance(reply, Granted) and (reply.epoch == self.epoch or reply.reissued):
+                # reissued: the server had lost its record and re-granted our
+                # claim under a new epoch; we hold the lock, and fence with it.
+                old, self.epoch = self.epoch, reply.epoch
                 self._sock = sock
                 self.resumes += 1
-                log_event(log, "lock_resumed", engine_id=self.engine_id, epoch=self.epoch)
+                log_event(
+                    log, "lock_resumed", engine_id=self.engine_id, epoch=self.epoch,
+                    reissued_from=old if reply.reissued else None,
+                )  # fmt: skip
+                if reply.reissued and self._on_epoch is not None:
+                    self._on_epoch(self.epoch)
                 return None
             sock.close()  # whatever we were given, it is not our grant
             if isinstance(reply, Granted):

@@ -67,6 +67,21 @@ class LockState:
     waiters: tuple[Waiter, ...] = ()
     window: Window | None = None
     last_holder: str | None = None  # engine id of the most recent holder
+    # Restarted without a readable record (missing or damaged file): the
+    # server cannot check a resume claim against what it issued, so the first
+    # engine that claims one is re-granted under a fresh epoch (see _claim).
+    history_unknown: bool = False
+    # The grant being written to the state file, to undo if the write fails.
+    pending: Pending | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    waiter: Waiter
+    epoch_before: int
+    last_holder_before: str | None
+    resumed: bool  # the waiter keeps the epoch it claimed
+    reissued: bool  # the waiter's claim, honoured under a new epoch
 
 
 # --------------------------------------------------------------- events ----
@@ -114,7 +129,44 @@ class WindowExpired:
     """The shell's window timer fired (possibly a hair early)."""
 
 
-Event = Restored | Connected | AcquireRequested | Disconnected | WindowExpired
+@dataclass(frozen=True, slots=True)
+class HolderGone:
+    """During a reconnect window, the shell saw the persisted holder's process
+    gone (its heartbeat names a pid that no longer runs, or stopped moving):
+    it will never reclaim, so waiting out the window only delays the failover."""
+
+    engine_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Persisted:
+    """The state file holds the pending grant: it may be sent."""
+
+
+@dataclass(frozen=True, slots=True)
+class PersistFailed:
+    """Writing the pending grant failed (a full or broken volume): undo it."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RetryGrant:
+    """The shell's retry timer after a failed write fired."""
+
+
+Event = (
+    Restored
+    | Connected
+    | AcquireRequested
+    | Disconnected
+    | WindowExpired
+    | HolderGone
+    | Persisted
+    | PersistFailed
+    | RetryGrant
+)
 
 # -------------------------------------------------------------- actions ----
 
@@ -126,11 +178,14 @@ class Grant:
     epoch: int
     resumed: bool
     waited_s: float
+    # A resume honoured under a new epoch: the server had lost its record.
+    reissued: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Persist:
-    """Write ``{holder, epoch, granted_at}`` before the grant is sent."""
+    """Write ``{holder, epoch, granted_at}``, then feed Persisted (or
+    PersistFailed); the grant is sent only after the write."""
 
     engine_id: str
     epoch: int
@@ -160,10 +215,23 @@ class WindowOpened:
 
 @dataclass(frozen=True, slots=True)
 class WindowClosed:
-    reason: str  # "reclaimed" | "expired"
+    reason: str  # "reclaimed" | "expired" | "holder_gone"
 
 
-Action = Grant | Persist | Clear | Reject | WindowOpened | WindowClosed
+@dataclass(frozen=True, slots=True)
+class ArmRetry:
+    """Feed RetryGrant at ``deadline`` (a write failed; try the grant again)."""
+
+    deadline: float
+    reason: str
+
+
+Action = Grant | Persist | Clear | Reject | WindowOpened | WindowClosed | ArmRetry
+
+# Epochs stay exact in the JSON state file (a double holds integers up to 2**53).
+MAX_EPOCH = 2**53 - 1
+RETRY_S = 0.1
+NO_RECORD_WINDOW_S = 1.0
 
 
 class InvalidTransition(machine.InvalidTransition):
@@ -180,11 +248,21 @@ def _restored(s: LockState, e: Restored, now: float) -> Result:
         epoch = max(e.epoch_floor, s.epoch)
         w = Window(holder=None, epoch=epoch, deadline=now + e.window_s)
         return (
-            replace(s, phase=Phase.WINDOW, epoch=epoch, window=w),
+            replace(s, phase=Phase.WINDOW, epoch=epoch, window=w, history_unknown=True),
             [WindowOpened(None, epoch, w.deadline, corrupt=True)],
         )
     if e.record is None:
-        return replace(s, phase=Phase.FREE), []
+        # No file: a new pod, or a volume that lost it. Either way epochs
+        # restart above anything granted before (the floor), and a holder that
+        # comes back is re-granted rather than refused. A short window gives it
+        # the first turn; a new pod's engines take longer than that to load
+        # their weights and ask, so it costs a new pod nothing.
+        epoch = max(e.epoch_floor, s.epoch)
+        w = Window(holder=None, epoch=epoch, deadline=now + min(e.window_s, NO_RECORD_WINDOW_S))
+        return (
+            replace(s, phase=Phase.WINDOW, epoch=epoch, window=w, history_unknown=True),
+            [WindowOpened(None, epoch, w.deadline, corrupt=False)],
+        )
     if e.record.holder is None:
         return replace(s, phase=Phase.FREE, epoch=e.record.epoch), []
     w = Window(holder=e.record.holder, epoch=e.record.epoch, deadline=now + e.window_s)
@@ -206,38 +284,95 @@ def _known(s: LockState, conn: int) -> str | None:
     return None
 
 
-def _grant(s: LockState, w: Waiter, now: float) -> Result:
-    """Make ``w`` the holder: a resume keeps its epoch, anything else gets a new one."""
-    # Keeping an epoch is only for the engine that was granted it; anyone else
-    # (or a claim of an older epoch) gets a fresh, higher one.
-    resumed = w.resume_epoch is not None and (
-        w.resume_epoch > s.epoch or (w.resume_epoch == s.epoch and w.engine_id == s.last_holder)
+def _claim(s: LockState, engine_id: str, resume: int | None) -> Reject | str | None:
+    """Judge a resume claim: None (a plain acquire), "resume" (keep its epoch),
+    "reissue" (a new epoch: the server lost its record), or a Reject."""
+    if resume is None:
+        return None
+    if s.history_unknown:
+        return "reissue"
+    if resume == s.epoch and engine_id == s.last_holder:
+        return "resume"
+    if resume < s.epoch:
+        return Reject(-1, "superseded", _superseded(resume, s.epoch))
+    # An epoch this server never issued to this engine: keeping it would let a
+    # client choose its own fencing token.
+    return Reject(
+        -1,
+        "bad_request",
+        f"epoch {resume} was not issued to {engine_id} (the last grant was epoch {s.epoch}"
+        f" to {s.last_holder or 'nobody'}); acquire without resume_epoch",
     )
-    epoch = w.resume_epoch if resumed and w.resume_epoch is not None else s.epoch + 1
-    holder = Holder(w.conn, w.engine_id, epoch)
+
+
+def _grant(s: LockState, w: Waiter, now: float) -> Result:
+    """Make ``w`` the holder once its record is written: a resume keeps its
+    epoch, anything else gets a new one. The grant goes out on Persisted."""
+    claim = _claim(s, w.engine_id, w.resume_epoch)
+    resumed = claim == "resume"
+    epoch = s.epoch if resumed else s.epoch + 1
+    if epoch > MAX_EPOCH:
+        rest = tuple(x for x in s.waiters if x.conn != w.conn)
+        return replace(s, waiters=rest), [Reject(w.conn, "internal", "epochs exhausted")]
     rest = tuple(x for x in s.waiters if x.conn != w.conn)
-    actions: list[Action] = [
-        Persist(w.engine_id, epoch),
-        Grant(w.conn, w.engine_id, epoch, resumed, max(0.0, now - w.since)),
-    ]
-    # Resumes of an older grant can never succeed any more: tell them now
-    # rather than let them wait for a lock that is no longer theirs.
-    keep: list[Waiter] = []
-    for x in rest:
-        if x.resume_epoch is not None and x.resume_epoch < epoch:
-            actions.append(Reject(x.conn, "superseded", _superseded(x.resume_epoch, epoch)))
-        else:
-            keep.append(x)
     new = replace(
         s,
         phase=Phase.HELD,
         epoch=epoch,
-        holder=holder,
-        waiters=tuple(keep),
+        holder=Holder(w.conn, w.engine_id, epoch),
+        waiters=rest,
         window=None,
         last_holder=w.engine_id,
+        history_unknown=False,
+        pending=Pending(w, s.epoch, s.last_holder, resumed, claim == "reissue"),
     )
-    return new, actions
+    return new, [Persist(w.engine_id, epoch)]
+
+
+def _holder_gone(s: LockState, e: HolderGone, now: float) -> Result:
+    if s.window is None or s.window.holder != e.engine_id:
+        return s, []
+    new, actions = _release(s, now)
+    return new, [WindowClosed("holder_gone"), *actions]
+
+
+def _persisted(s: LockState, e: Persisted, now: float) -> Result:
+    assert s.holder is not None and s.pending is not None
+    p, h = s.pending, s.holder
+    waited = max(0.0, now - p.waiter.since)
+    actions: list[Action] = [Grant(h.conn, h.engine_id, h.epoch, p.resumed, waited, p.reissued)]
+    # Resumes of an older grant can never succeed any more: tell them now
+    # rather than let them wait for a lock that is no longer theirs.
+    keep: list[Waiter] = []
+    for x in s.waiters:
+        if x.resume_epoch is not None and x.resume_epoch < h.epoch:
+            actions.append(Reject(x.conn, "superseded", _superseded(x.resume_epoch, h.epoch)))
+        else:
+            keep.append(x)
+    return replace(s, waiters=tuple(keep), pending=None), actions
+
+
+def _persist_failed(s: LockState, e: PersistFailed, now: float) -> Result:
+    """Undo the grant: nothing was sent, so nobody holds the lock; the waiter
+    keeps its place at the head of the queue and the grant is tried again."""
+    assert s.pending is not None
+    p = s.pending
+    new = replace(
+        s,
+        phase=Phase.FREE,
+        holder=None,
+        epoch=p.epoch_before,
+        last_holder=p.last_holder_before,
+        waiters=(p.waiter, *s.waiters),
+        pending=None,
+    )
+    return new, [ArmRetry(now + RETRY_S, e.reason)]
+
+
+def _retry(s: LockState, e: RetryGrant, now: float) -> Result:
+    if not s.waiters:
+        return s, []
+    return _release(s, now)
 
 
 def _superseded(theirs: int, ours: int) -> str:
@@ -256,24 +391,40 @@ def _next_waiter(s: LockState) -> Waiter | None:
 def _release(s: LockState, now: float) -> Result:
     """The lock just became free (holder gone or window over): promote or clear."""
     s = replace(s, holder=None, window=None)
-    nxt = _next_waiter(s)
-    if nxt is None:
-        return replace(s, phase=Phase.FREE), [Clear(s.epoch)]
-    return _grant(s, nxt, now)
+    refused: list[Action] = []
+    while (nxt := _next_waiter(s)) is not None:
+        claim = _claim(s, nxt.engine_id, nxt.resume_epoch)
+        if not isinstance(claim, Reject):
+            new, actions = _grant(s, nxt, now)
+            return new, [*refused, *actions]
+        # Its claim went stale while it waited: tell it, and promote the next.
+        refused.append(replace(claim, conn=nxt.conn))
+        s = replace(s, waiters=tuple(w for w in s.waiters if w.conn != nxt.conn))
+    return replace(s, phase=Phase.FREE), [*refused, Clear(s.epoch)]
+
+
+def _refused(e: AcquireRequested, claim: Reject | str | None, s: LockState) -> Reject | None:
+    if isinstance(claim, Reject):
+        return replace(claim, conn=e.conn)
+    return None
 
 
 def _acquire_free(s: LockState, e: AcquireRequested, now: float) -> Result:
+    if (why := _known(s, e.conn)) is not None:
+        return s, [Reject(e.conn, "bad_request", f"this connection {why}")]
+    if (no := _refused(e, _claim(s, e.engine_id, e.resume_epoch), s)) is not None:
+        return s, [no]
     w = Waiter(e.conn, e.engine_id, e.resume_epoch, now)
-    if e.resume_epoch is not None and e.resume_epoch < s.epoch:
-        return s, [Reject(e.conn, "superseded", _superseded(e.resume_epoch, s.epoch))]
-    return _grant(replace(s, waiters=(*s.waiters, w)), w, now)
+    if s.waiters:  # a grant is being retried after a failed write: queue up
+        return replace(s, waiters=(*s.waiters, w)), []
+    return _grant(replace(s, waiters=(w,)), w, now)
 
 
 def _acquire_held(s: LockState, e: AcquireRequested, now: float) -> Result:
     if (why := _known(s, e.conn)) is not None:
         return s, [Reject(e.conn, "bad_request", f"this connection {why}")]
-    if e.resume_epoch is not None and e.resume_epoch < s.epoch:
-        return s, [Reject(e.conn, "superseded", _superseded(e.resume_epoch, s.epoch))]
+    if (no := _refused(e, _claim(s, e.engine_id, e.resume_epoch), s)) is not None:
+        return s, [no]
     w = Waiter(e.conn, e.engine_id, e.resume_epoch, now)
     return replace(s, waiters=(*s.waiters, w)), []
 
@@ -283,15 +434,24 @@ def _acquire_window(s: LockState, e: AcquireRequested, now: float) -> Result:
     if (why := _known(s, e.conn)) is not None:
         return s, [Reject(e.conn, "bad_request", f"this connection {why}")]
     w = Waiter(e.conn, e.engine_id, e.resume_epoch, now)
+    claim = _claim(s, e.engine_id, e.resume_epoch)
     if s.window.holder is not None and e.engine_id == s.window.holder:
         if e.resume_epoch is not None and e.resume_epoch != s.window.epoch:
-            return s, [Reject(e.conn, "superseded", _superseded(e.resume_epoch, s.window.epoch))]
+            return s, [replace(claim, conn=e.conn)] if isinstance(claim, Reject) else [
+                Reject(e.conn, "superseded", _superseded(e.resume_epoch, s.window.epoch))
+            ]
         # The persisted holder is back: same grant, same epoch, no failover.
         w = replace(w, resume_epoch=s.window.epoch)
         new, actions = _grant(replace(s, waiters=(*s.waiters, w)), w, now)
         return new, [WindowClosed("reclaimed"), *actions]
-    if e.resume_epoch is not None and e.resume_epoch < s.epoch:
-        return s, [Reject(e.conn, "superseded", _superseded(e.resume_epoch, s.epoch))]
+    if (no := _refused(e, claim, s)) is not None:
+        return s, [no]
+    if claim == "reissue":
+        # The record was lost: the first engine that says it held the lock is
+        # the one that did (only one can have), and keeps serving under a new
+        # epoch instead of the pod losing its healthy Active engine.
+        new, actions = _grant(replace(s, waiters=(*s.waiters, w)), w, now)
+        return new, [WindowClosed("reclaimed"), *actions]
     return replace(s, waiters=(*s.waiters, w)), []
 
 
@@ -338,6 +498,14 @@ TRANSITIONS: dict[tuple[Phase, type], Entry[LockState, Action, Phase]] = {
     (P.WINDOW, AcquireRequested): Entry(_acquire_window, frozenset({P.WINDOW, P.HELD})),
     (P.WINDOW, Disconnected): Entry(_disconnect_other, frozenset({P.WINDOW})),
     (P.WINDOW, WindowExpired): Entry(_window_timer, frozenset({P.WINDOW, P.HELD, P.FREE})),
+    (P.WINDOW, HolderGone): Entry(_holder_gone, frozenset({P.WINDOW, P.HELD, P.FREE})),
+    (P.FREE, HolderGone): Entry(_noop, frozenset({P.FREE})),
+    (P.HELD, HolderGone): Entry(_noop, frozenset({P.HELD})),
+    (P.HELD, Persisted): Entry(_persisted, frozenset({P.HELD})),
+    (P.HELD, PersistFailed): Entry(_persist_failed, frozenset({P.FREE})),
+    (P.FREE, RetryGrant): Entry(_retry, frozenset({P.FREE, P.HELD})),
+    (P.HELD, RetryGrant): Entry(_noop, frozenset({P.HELD})),
+    (P.WINDOW, RetryGrant): Entry(_noop, frozenset({P.WINDOW})),
 }
 
 
@@ -392,5 +560,7 @@ def describe(action: Action) -> str:
             return "window_opened"
         case WindowClosed():
             return "window_closed"
+        case ArmRetry():
+            return "arm_retry"
         case _:
             assert_never(action)

@@ -16,6 +16,9 @@ from understudy.wire.messages import FROZEN, MessageCodec
 
 MAX_FRAME = 16 * 1024
 MAX_ID = 256
+# Epochs stay exact in the JSON state file (a double holds integers up to
+# 2**53); the core has the same bound (a test checks they agree).
+MAX_EPOCH = 2**53 - 1
 
 
 class LockProtocolError(Exception):
@@ -37,7 +40,7 @@ class Acquire(pydantic.BaseModel):
     # Set when a holder that lost its connection (say, the server restarted)
     # tries to get the same grant back: re-granted with this epoch only if
     # nobody else was granted in between, otherwise refused as superseded.
-    resume_epoch: int | None = None
+    resume_epoch: int | None = pydantic.Field(default=None, ge=0, le=MAX_EPOCH)
     token: Token | None = None
 
 
@@ -64,6 +67,9 @@ class Granted(pydantic.BaseModel):
     engine_id: str
     epoch: int
     resumed: bool = False
+    # The server had lost its record: a resume claim it honoured under a new
+    # epoch. The holder keeps the lock and fences with the new epoch.
+    reissued: bool = False
 
 
 class StatusReply(pydantic.BaseModel):

@@ -15,6 +15,7 @@ import dataclasses
 import hmac
 import itertools
 import logging
+import os
 import socket
 import time
 from collections.abc import Coroutine
@@ -38,6 +39,7 @@ from understudy.lockserver.messages import (
     server_codec,
 )
 from understudy.wire.obs import log_event, start_metrics_server
+from understudy.wire.serving import heartbeat_path, read_beat
 from understudy.wire.uds import bind_unix, peer_credentials, set_keepalive
 
 log = logging.getLogger("understudy.lockserver")
@@ -63,8 +65,17 @@ HANDOVER = prom.Histogram(
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
 WATCHERS = prom.Gauge("understudy_lock_watchers", "Connections watching the holder")
+WRITE_FAILURES = prom.Counter(
+    "understudy_lock_state_write_failures_total",
+    "State file writes that failed (a full or broken volume); a failed grant is retried",
+    ["record"],
+)
 
 _READ_CHUNK = 64 * 1024
+# How often a window looks at its holder's heartbeat, and how old a heartbeat
+# may be before its engine counts as gone (engines beat every 0.1 s).
+HOLDER_CHECK_S = 0.05
+HOLDER_SILENT_S = 2.0
 # asyncio re-listens with its own backlog (100 by default); a burst of clients
 # (every engine and probe of a pod restarting at once) must not see EAGAIN.
 _BACKLOG = 4096
@@ -86,6 +97,7 @@ class LockServer:
         self._watchers: set[int] = set()
         self._published: Holder | None = None
         self._released_at: float | None = None  # loop time the last holder went away
+        self._holder_check: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -118,6 +130,8 @@ class LockServer:
     async def __aexit__(self, *exc: object) -> None:
         if self._timer is not None:
             self._timer.cancel()
+        if self._holder_check is not None:
+            self._holder_check.cancel()
         for server in self._servers:
             server.close()
         for writer, _ in list(self._writers.values()):
@@ -209,14 +223,42 @@ class LockServer:
     def _execute(self, action: fsm.Action) -> None:
         match action:
             case fsm.Persist(engine_id=engine_id, epoch=epoch):
-                statefile.write(self.config.state_file, engine_id, epoch, time.time())
+                try:
+                    statefile.write(self.config.state_file, engine_id, epoch, time.time())
+                except OSError as exc:
+                    WRITE_FAILURES.labels(record="grant").inc()
+                    self._feed(fsm.PersistFailed(f"{exc.strerror or exc} ({exc.errno})"))
+                else:
+                    self._feed(fsm.Persisted())
             case fsm.Clear(epoch=epoch):
-                statefile.write(self.config.state_file, None, epoch, time.time())
+                try:
+                    statefile.write(self.config.state_file, None, epoch, time.time())
+                except OSError as exc:
+                    # The file still names the last holder: a restart would
+                    # wait a reconnect window for it. Slower, never unsafe.
+                    WRITE_FAILURES.labels(record="release").inc()
+                    log_event(
+                        log, "state_write_failed", logging.ERROR, record="release",
+                        epoch=epoch, error=str(exc),
+                    )  # fmt: skip
                 log_event(log, "released", epoch=epoch)
+            case fsm.ArmRetry(deadline=deadline, reason=reason):
+                log_event(
+                    log, "grant_deferred", logging.ERROR, reason=reason,
+                    retry_in_ms=round((deadline - self._now()) * 1000),
+                    consequence="the grant waits until the state file can be written",
+                )  # fmt: skip
+                assert self._loop is not None
+                self._loop.call_at(deadline, lambda: self._feed(fsm.RetryGrant()))
             case fsm.Grant(conn=conn, engine_id=engine_id, epoch=epoch, resumed=resumed):
                 # The grant first (the record is already on disk): the log
                 # line and metrics are off the handover's critical path.
-                self._send(conn, Granted(engine_id=engine_id, epoch=epoch, resumed=resumed))
+                self._send(
+                    conn,
+                    Granted(
+                        engine_id=engine_id, epoch=epoch, resumed=resumed, reissued=action.reissued
+                    ),
+                )
                 if self._released_at is not None and not resumed:
                     HANDOVER.observe(self._now() - self._released_at)
                 self._released_at = None
@@ -256,6 +298,34 @@ class LockServer:
     def _arm_timer(self, deadline: float) -> None:
         assert self._loop is not None
         self._timer = self._loop.call_at(deadline, self._on_timer)
+        if self._holder_check is None:
+            self._holder_check = self._loop.call_later(HOLDER_CHECK_S, self._check_holder)
+
+    def _check_holder(self) -> None:
+        """While a window waits for a persisted holder, look at its heartbeat
+        (engines in the pod write one next to our socket): a pid that no longer
+        runs, or a record that stopped moving, means it will never come back."""
+        self._holder_check = None
+        w = self.state.window
+        if w is None or w.holder is None:
+            return
+        beat = read_beat(heartbeat_path(self.config.socket_path.parent, w.holder))
+        reason = None
+        if beat is not None:
+            try:
+                os.kill(beat.pid, 0)
+            except ProcessLookupError:
+                reason = f"its process {beat.pid} is gone"
+            except PermissionError:
+                pass  # alive, someone else's
+            if reason is None and time.monotonic() - beat.monotonic > HOLDER_SILENT_S:
+                reason = f"its heartbeat stopped {time.monotonic() - beat.monotonic:.1f}s ago"
+        if reason is not None:
+            log_event(log, "holder_gone", logging.WARNING, holder=w.holder, reason=reason)
+            self._feed(fsm.HolderGone(w.holder, reason))
+            return
+        assert self._loop is not None
+        self._holder_check = self._loop.call_later(HOLDER_CHECK_S, self._check_holder)
 
     def _on_timer(self) -> None:
         self._timer = None

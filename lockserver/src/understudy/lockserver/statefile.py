@@ -74,13 +74,22 @@ def write(path: Path, holder: str | None, epoch: int, now_wall: float) -> None:
     body = json.dumps({"holder": holder, "epoch": epoch, "granted_at": granted_at}).encode()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with _locked(path):
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            os.write(fd, body)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, path)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                view = memoryview(body)
+                while view:  # a full volume may take part of it, then refuse
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+        except OSError:
+            # The old record stays whole (the rename never happened); only the
+            # temporary file goes.
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             os.fsync(dfd)

@@ -123,10 +123,7 @@ def _print_where(cfg: Any, pid: int) -> None:
         json.dumps(
             {
                 "serving": f"http://127.0.0.1:{cfg.serve_port}",
-                "try": f"curl -s http://127.0.0.1:{cfg.serve_port}/v1/embeddings "
-                """-H 'Content-Type: application/json' -d '{"input": "hello"}'"""
-                if cfg.engine == "reference"
-                else f"curl -s -XPOST http://127.0.0.1:{cfg.serve_port}/v1/checksum",
+                "try": _try_command(cfg),
                 "engines": {
                     (
                         "engine-primary" if i == 0 else f"engine-shadow-{i}"
@@ -139,6 +136,17 @@ def _print_where(cfg: Any, pid: int) -> None:
         ),
         flush=True,
     )
+
+
+def _try_command(cfg: Any) -> str:
+    url = f"http://127.0.0.1:{cfg.serve_port}"
+    if cfg.engine == "reference":
+        body = '{"input": "hello"}'
+        return f"curl -s {url}/v1/embeddings -H 'Content-Type: application/json' -d '{body}'"
+    if cfg.engine == "synthetic":
+        return f"curl -s -XPOST {url}/v1/checksum"
+    body = '{"messages": [{"role": "user", "content": "hello"}], "max_tokens": 16}'
+    return f"curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
 
 
 def _alive(pid: int) -> bool:
@@ -177,7 +185,10 @@ def cmd_local_down(args: argparse.Namespace) -> int:
 def cmd_drill(args: argparse.Namespace) -> int:
     from understudy.tools import drill as drill_mod
 
-    sig = getattr(signal, f"SIG{args.signal.upper().removeprefix('SIG')}")
+    sig = [
+        getattr(signal, f"SIG{name.strip().upper().removeprefix('SIG')}")
+        for name in args.signal.split(",")
+    ]
     target: Any
     observer = None
     if args.kube:
@@ -213,6 +224,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             log=say,
             check_serving=not args.target,
+            scenario=args.scenario,
             clients=args.clients,
             max_tokens=args.max_tokens,
         )
@@ -246,10 +258,17 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     local = sub.add_parser("local", help="the whole pod as local processes")
     local_sub = local.add_subparsers(dest="local_command", required=True, metavar="COMMAND")
     up = local_sub.add_parser("up", help="start lock server, GMS and engines; restart like kubelet")
-    up.add_argument("--engine", choices=("reference", "synthetic"), default="reference")
+    up.add_argument(
+        "--engine",
+        choices=("llama", "reference", "synthetic"),
+        default="llama",
+        help="llama: a generative Llama (built offline, chat and completions); reference: "
+        "all-MiniLM-L6-v2 embeddings; synthetic: weights of any size, a checksum",
+    )
     up.add_argument(
         "--model",
-        help="model source (reference: builtin or a directory; synthetic: a size such as 1GiB)",
+        help="model source (llama: builtin:tiny-llama or a Hugging Face directory; reference: "
+        "builtin or a directory; synthetic: a size such as 1GiB)",
     )
     up.add_argument("--engine-arg", action="append", help="extra adapter argument (repeatable)")
     up.add_argument("--shadows", type=int, default=1)
@@ -292,7 +311,17 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
     dr = sub.add_parser("drill", help="kill the active engine under load and measure failovers")
     dr.add_argument("--kills", type=int, default=10)
-    dr.add_argument("--signal", default="KILL", help="KILL, STOP (hang) or SEGV")
+    dr.add_argument(
+        "--signal",
+        default="KILL",
+        help="KILL, STOP (hang) or SEGV, or a list (KILL,SEGV,STOP) cycled through the rounds",
+    )
+    dr.add_argument(
+        "--scenario",
+        choices=("takeover-kill", "lockserver", "gms"),
+        help="a second fault in every round: kill the engine that took over as soon as it "
+        "serves; or kill the lock server, or GMS, during the failover",
+    )
     dr.add_argument("--dir", default=str(DEFAULT_DIR), help="the local pod to drill")
     dr.add_argument("--target", help="serving URL to load (default: the local pod's)")
     dr.add_argument(

@@ -69,6 +69,8 @@ class Target(Protocol):
 
     def kill(self, engine: dict[str, Any], sig: int) -> None: ...
 
+    def kill_sidecar(self, which: str) -> None: ...
+
     def serving_listeners(self) -> set[int] | None:
         """Pids listening on an engine serving socket (None: cannot tell)."""
         ...
@@ -183,13 +185,11 @@ def kinds_for(adapter: str, max_tokens: int = 32) -> list[Kind]:
     if adapter == "reference":
         return [Kind("embeddings", "/v1/embeddings", REQUEST)]
     chat = {
-        "model": "default",
         "messages": [{"role": "user", "content": "Tell me about understudies."}],
         "max_tokens": max_tokens,
         "temperature": 0,
     }
     completion = {
-        "model": "default",
         "prompt": "An understudy learns the lines of",
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -332,6 +332,8 @@ class Round:
     killed_pid: int
     killed_epoch: int
     killed_engine_id: str = ""
+    signal: str = ""
+    also_killed: str = ""  # what the scenario killed on top (an engine or a sidecar)
     new_active: str = ""
     new_epoch: int = 0
     kill_to_grant_s: float | None = None
@@ -405,11 +407,15 @@ def _wait(cond: Callable[[], Any], timeout: float) -> Any:
     return None
 
 
+SCENARIOS = ("takeover-kill", "lockserver", "gms")
+
+
 def drill(
     target: Target,
     kills: int,
-    sig: int,
+    sig: int | list[int],
     *,
+    scenario: str | None = None,
     timeout: float = 60.0,
     rearm: bool = True,
     log: Callable[[str], None] = print,
@@ -419,7 +425,9 @@ def drill(
 ) -> Report:
     import signal as signal_mod
 
-    report = Report(signal=signal_mod.Signals(sig).name.removeprefix("SIG"))
+    sigs = sig if isinstance(sig, list) else [sig]
+    names = [signal_mod.Signals(x).name.removeprefix("SIG") for x in sigs]
+    report = Report(signal=",".join(names) + (f" +{scenario}" if scenario else ""))
     watcher = Watcher(target)
     watcher.start()
 
@@ -458,15 +466,30 @@ def drill(
                 active.get("epoch") or 0,
                 killed_engine_id=active.get("engine_id", ""),
             )
+            round_sig = sigs[(i - 1) % len(sigs)]
+            rnd.signal = names[(i - 1) % len(sigs)]
             time.sleep(0.2)  # steady traffic before the kill
             t_kill, wall_kill = time.monotonic(), time.time()
-            target.kill(active, sig)
+            target.kill(active, round_sig)
 
             def new_active(r: Round = rnd) -> dict[str, Any] | None:
                 for e in watcher.snapshot():
                     if e.get("state") == "Active" and (e.get("epoch") or 0) > r.killed_epoch:
                         return e
                 return None
+
+            if scenario in ("lockserver", "gms"):
+                # A second fault inside the failover: the sidecar dies while
+                # the next engine is being granted (lock server) or wakes (GMS).
+                target.kill_sidecar(scenario)
+                rnd.also_killed = scenario
+            elif scenario == "takeover-kill":
+                taker = _wait(new_active, timeout)
+                if taker is not None:
+                    # The engine that just took over dies too, as soon as it serves.
+                    target.kill(taker, round_sig)
+                    rnd.also_killed = taker["name"]
+                    rnd.killed_epoch = taker.get("epoch") or rnd.killed_epoch
 
             new = _wait(new_active, timeout)
             if new is None:
@@ -550,7 +573,9 @@ def _ms(v: float | None) -> str:
 
 def _round_line(r: Round) -> str:
     return (
-        f"round {r.index:>3}: killed {r.killed} (epoch {r.killed_epoch}) -> {r.new_active} "
+        f"round {r.index:>3}: SIG{r.signal} {r.killed}"
+        + (f" + {r.also_killed}" if r.also_killed else "")
+        + f" (epoch {r.killed_epoch}) -> {r.new_active} "
         f"(epoch {r.new_epoch}): kill->grant {_ms(r.kill_to_grant_s)} ms, grant->active "
         f"{_ms(r.grant_to_active_s)} ms, client gap {_ms(r.gap_s)} ms, failed "
         f"{r.failed_requests}, re-arm {_ms(r.rearm_s)} ms"

@@ -53,7 +53,7 @@ STATE_FILE = "local.json"
 @dataclass(frozen=True, slots=True)
 class LocalConfig:
     dir: Path = DEFAULT_DIR
-    engine: str = "reference"
+    engine: str = "llama"
     model: str = ""
     engine_args: tuple[str, ...] = ()
     shadows: int = 1
@@ -108,7 +108,8 @@ def _understudy(*args: str) -> list[str]:
 def engine_env(cfg: LocalConfig, role: str, name: str, index: int) -> dict[str, str]:
     """The engine container's environment, as docs/pod.md specifies it."""
     run = cfg.dir
-    model = cfg.model or ("builtin:all-MiniLM-L6-v2" if cfg.engine == "reference" else "256MiB")
+    defaults = {"reference": "builtin:all-MiniLM-L6-v2", "llama": "builtin:tiny-llama"}
+    model = cfg.model or defaults.get(cfg.engine, "256MiB")
     return {
         "ENGINE_ROLE": role,
         "UNDERSTUDY_ENGINE_NAME": name,

@@ -1,7 +1,10 @@
 """``cuda`` backend: CUDA virtual memory management through cuda-python.
 
-UNVERIFIED: written without a GPU in reach; the tests marked ``gpu`` exercise
-it where a driver is present.
+UNVERIFIED on a GPU: written without one in reach. CI runs every path below
+against the CUDA driver double (hack/cuda-double: host memory, not a GPU),
+which proves our calls and their semantics against our model of the driver,
+not against NVIDIA's; the tests marked ``gpu`` run the same scenarios where a
+driver and a device are present.
 
 Server (``CudaVmmBackend``): ``cuInit`` and ``cuMemCreate`` (pinned, on the
 device, POSIX-fd handle type), ``cuMemExportToShareableHandle`` per export,
@@ -35,6 +38,7 @@ from typing import Any
 
 from understudy.gms.backends.base import BackendUnavailable
 from understudy.gms.messages import GmsError
+from understudy.wire.obs import log_event
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +101,25 @@ def _granularity(drv: Any, device: int) -> int:
     return int(gran)
 
 
+def uuid_string(raw: bytes) -> str:
+    """The 16 bytes of ``cuDeviceGetUuid`` as NVML spells them (``GPU-…``), the
+    key that finds the same device in NVML whatever the two enumerations' order."""
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+def _identity(drv: Any, dev: Any) -> tuple[str, str, int]:
+    """(name, UUID, driver version) of ``dev``, for the log and for NVML."""
+    result, raw_name = drv.cuDeviceGetName(256, dev)
+    _check(drv, result, "cuDeviceGetName")
+    result, uuid = drv.cuDeviceGetUuid(dev)
+    _check(drv, result, "cuDeviceGetUuid")
+    result, version = drv.cuDriverGetVersion()
+    _check(drv, result, "cuDriverGetVersion")
+    name = bytes(raw_name).split(b"\0", 1)[0].decode(errors="replace").strip()
+    return name, uuid_string(bytes(uuid.bytes)), int(version)
+
+
 def _retain_primary(drv: Any, dev: Any) -> Any:
     result, ctx = drv.cuDevicePrimaryCtxRetain(dev)
     _check(drv, result, "cuDevicePrimaryCtxRetain")
@@ -115,8 +138,18 @@ class CudaVmmBackend:
         self._dev = _init(self._drv, device)
         self.device = device
         self.granularity = _granularity(self._drv, device)
+        self.device_name, self.uuid, driver_version = _identity(self._drv, self._dev)
         self._handles: dict[int, Any] = {}
         self._ctx: Any = None
+        log_event(
+            log,
+            "cuda_device",
+            device=device,
+            name=self.device_name,
+            uuid=self.uuid,
+            driver_version=driver_version,
+            granularity=self.granularity,
+        )
 
     def create(self, alloc_id: int, size: int) -> None:
         drv = self._drv

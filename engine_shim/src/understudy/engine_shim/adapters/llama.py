@@ -1,0 +1,482 @@
+"""The ``llama`` engine: a numpy Llama decoder over weights in GMS, with its own KV cache.
+
+Weights follow the reference engine's pattern: the writer (``load``) packs
+the checkpoint's safetensors into one GMS allocation on device 0 and records
+every tensor in GMS metadata; ``attach`` builds the model over read-only
+views of that memory (never a copy), for the writer and for readers alike.
+``wake`` allocates the KV cache — engine-owned numpy arrays, never GMS
+memory, so the process's death frees them — warms the model up and starts
+the batching worker; ``sleep`` stops the worker and drops the cache before
+the shim unmaps the weights.
+
+The engine is a ``generation.Generator``, served by ``openai_api``.
+`Batcher` runs continuous batching on one worker thread: every iteration
+admits waiting requests into free cache slots (a prefill each, which yields
+their first token), samples the next token of every running sequence, and
+appends all of those tokens in one `LlamaModel.decode` call. A request that
+continues a migrated stream (``resume``) is prefilled with its prompt only;
+its resumed ids go through ``decode`` as the first engine's did, which keeps
+the continuation identical (see `llama_model`). Tokens reach the asyncio
+side through ``loop.call_soon_threadsafe`` into one queue per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+import numpy.typing as npt
+from aiohttp import web
+
+from understudy.engine_shim import openai_api
+from understudy.engine_shim.adapters import tiny_llama
+from understudy.engine_shim.adapters.base import AdapterError, Engine
+from understudy.engine_shim.adapters.llama_model import (
+    KVCache,
+    LlamaConfig,
+    LlamaModel,
+    Row,
+    config_digest,
+    sample,
+)
+from understudy.engine_shim.adapters.llama_text import ChatTokenizer
+from understudy.engine_shim.adapters.packing import (
+    WEIGHTS_FILE,
+    WeightsError,
+    pack_into,
+    packed_size,
+    views_from,
+)
+from understudy.engine_shim.generation import Generator, NotServing, SamplingParams, Step
+from understudy.gms.client import GmsClient
+
+__all__ = ["Batcher", "LlamaEngine", "NotServing", "Request"]
+
+META_KEY: Final = "llama"
+DEFAULT_MAX_NUM_SEQS: Final = 8
+STUCK_AFTER_S: Final = 30.0  # one worker iteration longer than this: unhealthy
+STOP_TIMEOUT_S: Final = 60.0
+WARMUP_IDS: Final = (0, 5, 6, 7)
+
+F32 = npt.NDArray[np.float32]
+Deliver = Callable[[Step | BaseException], None]
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One generation, as the worker tracks it (fields below ``deliver``: worker-only)."""
+
+    prompt: tuple[int, ...]
+    resume: tuple[int, ...]
+    params: SamplingParams
+    seed: int
+    stop_ids: frozenset[int]
+    deliver: Deliver
+    cancelled: bool = False
+    slot: int = -1
+    generated: int = 0  # ids generated so far, the resumed ones included
+    position: int = 0  # the next cache position to fill
+    feed: list[int] = field(default_factory=list)  # ids to append before sampling
+    logits: F32 | None = None  # ready to sample from
+
+
+class Batcher:
+    """Continuous batching of `Request`s over a model and its cache, on one thread."""
+
+    def __init__(self, model: LlamaModel, cache: KVCache, max_model_len: int) -> None:
+        self.model = model
+        self.cache = cache
+        self.max_model_len = min(max_model_len, cache.max_len)
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._running: list[Request] = []
+        self._free = list(range(cache.slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._stopping = False
+        self.failure: BaseException | None = None
+        self.busy_since: float | None = None  # monotonic start of the current iteration
+        self.steps = 0  # decode calls so far
+        self._thread = threading.Thread(target=self._run, name="llama-batcher", daemon=True)
+
+    # --- the caller's side ------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, request: Request) -> None:
+        with self._cond:
+            if self._stopping or self.failure is not None or not self.alive:
+                raise NotServing("the engine is not serving")
+            self._waiting.append(request)
+            self._cond.notify()
+
+    def cancel(self, request: Request) -> None:
+        """The consumer has gone: free the request's slot at the next iteration."""
+        with self._cond:
+            request.cancelled = True
+            self._cond.notify()
+
+    def stop(self, reason: str = "the engine stopped", timeout: float = STOP_TIMEOUT_S) -> None:
+        """Stop the worker after its current iteration; fail what is still queued.
+
+        Raises RuntimeError if the worker is still computing after ``timeout``:
+        the caller must not unmap the weights under it.
+        """
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise RuntimeError(f"the batching worker did not stop within {timeout:g}s")
+        with self._cond:
+            leftover = list(self._waiting) + self._running
+            self._waiting.clear()
+            self._running.clear()
+        for req in leftover:
+            self._send(req, NotServing(reason))
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) requests."""
+        with self._cond:
+            return len(self._running), len(self._waiting)
+
+    # --- the worker ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._iteration():
+                pass
+        except BaseException as exc:
+            self.failure = exc
+            with self._cond:
+                leftover = list(self._waiting) + self._running
+                self._waiting.clear()
+                self._running.clear()
+            for req in leftover:
+                self._send(req, NotServing(f"the engine failed: {type(exc).__name__}: {exc}"))
+
+    def _iteration(self) -> bool:
+        with self._cond:
+            while not (self._stopping or self._waiting or self._running):
+                self._cond.wait()
+            if self._stopping:
+                return False
+            self._drop(r for r in self._running if r.cancelled)
+            admitted = []
+            while self._waiting and self._free:
+                req = self._waiting.popleft()
+                if req.cancelled:
+                    continue
+                req.slot = self._free.pop()
+                admitted.append(req)
+            self._running.extend(admitted)
+            running = list(self._running)
+        self.busy_since = time.monotonic()
+        try:
+            for req in admitted:
+                self._prefill(req)
+            for req in running:
+                if req.logits is not None and not req.cancelled:
+                    self._sample(req)
+            self._decode([r for r in running if r.feed and not r.cancelled])
+        finally:
+            self.busy_since = None
+        return True
+
+    def _drop(self, requests: Any) -> None:
+        with self._cond:
+            for req in list(requests):
+                if req in self._running:
+                    self._running.remove(req)
+                    self._free.append(req.slot)
+
+    def _prefill(self, req: Request) -> None:
+        logits = self.model.prefill(req.prompt, self.cache, req.slot)
+        req.position = len(req.prompt)
+        req.generated = len(req.resume)
+        if req.resume:
+            req.feed = list(req.resume)  # through decode, as the first engine did
+        else:
+            req.logits = logits
+
+    def _sample(self, req: Request) -> None:
+        """Pick the next token and deliver it. A finished request leaves its slot
+        before its consumer hears of the end."""
+        assert req.logits is not None
+        p = req.params
+        token = sample(req.logits, p.temperature, p.top_p, req.seed, req.generated)
+        req.logits = None
+        req.generated += 1
+        reason: str | None = None
+        if token in req.stop_ids:
+            reason = "stop"
+        elif req.generated >= p.max_tokens or len(req.prompt) + req.generated >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self._drop([req])
+        else:
+            req.feed = [token]
+        self._send(req, Step(token, reason))
+
+    def _decode(self, requests: Sequence[Request]) -> None:
+        if not requests:
+            return
+        rows: list[Row] = []
+        last: list[int] = []
+        for req in requests:
+            rows.extend(Row(req.slot, req.position + i, t) for i, t in enumerate(req.feed))
+            last.append(len(rows) - 1)
+            req.position += len(req.feed)
+            req.feed = []
+        logits = self.model.decode(rows, self.cache)
+        self.steps += 1
+        for req, row in zip(requests, last, strict=True):
+            req.logits = logits[row]
+
+    def _send(self, req: Request, item: Step | BaseException) -> None:
+        try:
+            req.deliver(item)
+        except RuntimeError:  # the consumer's event loop is closed
+            req.cancelled = True
+
+
+def _parse_args(args: Sequence[str], context: int) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="llama engine", add_help=False, exit_on_error=False)
+    parser.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    parser.add_argument("--max-model-len", type=int, default=context)
+    # Requests generating or waiting beyond this get 429 (OpenAI's "slow down").
+    parser.add_argument("--max-pending", type=int, default=openai_api.MAX_PENDING)
+    try:
+        ns, unknown = parser.parse_known_args(list(args))
+    except (argparse.ArgumentError, SystemExit) as exc:
+        raise AdapterError(f"llama engine arguments {list(args)}: {exc}") from None
+    if unknown:
+        raise AdapterError(f"unknown llama engine arguments {unknown}")
+    if ns.max_num_seqs < 1:
+        raise AdapterError("--max-num-seqs must be at least 1")
+    if ns.max_pending < 1:
+        raise AdapterError("--max-pending must be at least 1")
+    if not 1 < ns.max_model_len <= context:
+        raise AdapterError(f"--max-model-len must be in 2..{context} (the model's context)")
+    return ns
+
+
+class LlamaEngine:
+    """The ``llama`` adapter: an Engine for the shim and a Generator for the OpenAI layer."""
+
+    name = "llama"
+
+    def __init__(self, model: str = tiny_llama.BUILTIN, engine_args: Sequence[str] = ()) -> None:
+        try:
+            self.model_dir = tiny_llama.resolve(model)
+        except ValueError as exc:
+            raise AdapterError(str(exc)) from None
+        except OSError as exc:  # e.g. no writable model cache: say where it looked
+            raise AdapterError(
+                f"model {model!r}: cannot build it in {tiny_llama.cache_dir()} "
+                f"(UNDERSTUDY_MODEL_CACHE): {exc}"
+            ) from exc
+        if not (self.model_dir / WEIGHTS_FILE).is_file():
+            raise AdapterError(f"model {model!r}: no {WEIGHTS_FILE} in {self.model_dir}")
+        try:
+            self.config = LlamaConfig.from_dir(self.model_dir)
+            self.text = ChatTokenizer(self.model_dir)
+        except (WeightsError, OSError, ValueError, KeyError) as exc:
+            raise AdapterError(f"model {model!r}: {exc}") from exc
+        args = _parse_args(engine_args, self.config.max_position_embeddings)
+        self.model_id: str = (
+            model.removeprefix("builtin:") if model.startswith(tiny_llama.BUILTIN) else model
+        )
+        self.max_model_len: int = args.max_model_len
+        self.max_num_seqs: int = args.max_num_seqs
+        self.max_pending: int = args.max_pending
+        self.model: LlamaModel | None = None
+        self._digest = config_digest(self.model_dir)
+        self._private: bytearray | None = None
+        self._batcher: Batcher | None = None
+
+    # --- weights ----------------------------------------------------------------
+
+    def load(self, device: int, session: GmsClient) -> None:
+        if device != 0:
+            return  # the model lives on device 0; the others hold an empty layout
+        alloc = session.allocate(packed_size(self.model_dir))
+        records = pack_into(alloc.view(), self.model_dir)
+        session.put_metadata(
+            META_KEY,
+            {
+                "model": self.model_id,
+                "config_sha256": self._digest,
+                "allocation": alloc.id,
+                "records": list(records),
+            },
+        )
+
+    def attach(self, sessions: Mapping[int, GmsClient]) -> None:
+        session = sessions[min(sessions)]
+        meta = session.metadata().get(META_KEY)
+        if meta is None:
+            raise AdapterError(f"GMS has no {META_KEY!r} metadata: not a llama layout")
+        if meta.get("config_sha256") != self._digest:
+            raise AdapterError(
+                f"GMS holds {meta.get('model')!r}, packed from another config.json than "
+                f"{self.model_dir}'s"
+            )
+        alloc = next((a for a in session.allocations if a.id == meta["allocation"]), None)
+        if alloc is None:
+            raise AdapterError(f"metadata points at allocation {meta['allocation']}, not in GMS")
+        try:
+            self.model = LlamaModel(views_from(alloc.view(), meta["records"]), self.config)
+        except WeightsError as exc:
+            raise AdapterError(str(exc)) from exc
+
+    def attach_private(self) -> None:
+        """Weights in a buffer of this process instead of GMS (tests, benchmarks)."""
+        self._private = bytearray(packed_size(self.model_dir))
+        records = pack_into(self._private, self.model_dir)
+        self.model = LlamaModel(views_from(self._private, records), self.config)
+
+    # --- sleep / wake -------------------------------------------------------------
+
+    def sleep(self) -> None:
+        batcher, self._batcher = self._batcher, None
+        if batcher is not None:
+            batcher.stop("the engine went to sleep")  # drops the KV cache with it
+
+    def wake(self) -> None:
+        if self.model is None:
+            raise AdapterError("wake before attach")
+        cache = KVCache(self.config, self.max_num_seqs, self.max_model_len)
+        # Warm-up: fault in every page of the remapped weights and run both code
+        # paths once, so that the first request after a failover pays for neither.
+        for array in self.model.tensors.values():
+            np.add.reduce(array, axis=None)
+        self.model.prefill(WARMUP_IDS[:-1], cache, 0)
+        self.model.decode([Row(0, len(WARMUP_IDS) - 1, WARMUP_IDS[-1])], cache)
+        batcher = Batcher(self.model, cache, self.max_model_len)
+        batcher.start()
+        self._batcher = batcher
+
+    def close(self) -> None:
+        self.sleep()
+
+    def health(self) -> tuple[bool, str]:
+        batcher = self._batcher
+        if batcher is None or self.model is None:
+            return False, "not awake"
+        if batcher.failure is not None:
+            return False, f"the batching worker failed: {batcher.failure!r}"
+        if not batcher.alive:
+            return False, "the batching worker is not running"
+        since = batcher.busy_since
+        if since is not None and time.monotonic() - since > STUCK_AFTER_S:
+            return False, f"one batch step has run for more than {STUCK_AFTER_S:g}s"
+        return True, "ok"
+
+    def routes(self) -> list[web.RouteDef]:
+        # The OpenAI surface (completions, chat completions, streaming, the
+        # front's continuation) is written once over the Generator protocol.
+        return openai_api.routes(self, self.max_pending)
+
+    # --- the Generator ------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        return self.text.encode(text)
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        return self.text.encode_chat(messages)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.text.decode(ids)
+
+    def request(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        resume: Sequence[int] = (),
+        deliver: Deliver | None = None,
+    ) -> Request:
+        """A validated `Request` (ValueError names what is wrong with it)."""
+        vocab = self.config.vocab_size
+        prompt, resume = tuple(prompt), tuple(resume)
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if not all(0 <= t < vocab for t in prompt + resume):
+            raise ValueError(f"a token id is outside the vocabulary (0..{vocab - 1})")
+        if params.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if params.temperature < 0 or not 0 < params.top_p <= 1:
+            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        stop = self.text.eos_ids | frozenset(params.stop_token_ids)
+        if len(resume) >= params.max_tokens or (resume and resume[-1] in stop):
+            raise ValueError("the resumed ids already finish this generation")
+        if len(prompt) + len(resume) >= self.max_model_len:
+            raise ValueError(
+                f"prompt and resumed ids hold {len(prompt) + len(resume)} tokens; "
+                f"the context is {self.max_model_len}"
+            )
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        return Request(prompt, resume, params, seed, stop, deliver or (lambda _: None))
+
+    def submit(self, request: Request) -> None:
+        batcher = self._batcher
+        if batcher is None:
+            raise NotServing("the engine is not awake")
+        batcher.submit(request)
+
+    def cancel(self, request: Request) -> None:
+        batcher = self._batcher
+        if batcher is not None:
+            batcher.cancel(request)
+
+    def generate(
+        self, prompt: Sequence[int], params: SamplingParams, resume: Sequence[int] = ()
+    ) -> AsyncIterator[Step]:
+        # Validate now, so that a bad request fails before a response starts.
+        req = self.request(prompt, params, resume)
+        if self._batcher is None:
+            raise NotServing("the engine is not awake")
+        return self._stream(req)
+
+    async def _stream(self, req: Request) -> AsyncIterator[Step]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Step | BaseException] = asyncio.Queue()
+
+        def deliver(item: Step | BaseException) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        req.deliver = deliver
+        self.submit(req)
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            self.cancel(req)
+
+    @property
+    def batcher(self) -> Batcher | None:
+        return self._batcher
+
+
+if TYPE_CHECKING:  # mypy holds the engine to both of its contracts
+
+    def _conforms(engine: LlamaEngine) -> tuple[Engine, Generator]:
+        return engine, engine

@@ -1,0 +1,423 @@
+"""A Llama decoder in pure numpy: the generative reference engine's model.
+
+The forward pass is Hugging Face's ``LlamaForCausalLM`` in float32: token
+embedding, then per layer RMSNorm → grouped-query attention with rotary
+position embeddings (HF's "default" RoPE, rotate-half form) → residual →
+RMSNorm → SwiGLU MLP → residual, then a final RMSNorm and the output head.
+
+Like `minilm`, the model holds references to weights it does not own (the
+read-only views `packing.views_from` gives over a GMS allocation) and never
+copies one. Its working memory is a `KVCache` the caller allocates: one slot
+per running sequence, every slot able to hold ``max_len`` positions.
+
+Two paths fill the cache and give logits:
+
+* `prefill` runs a whole prompt as one batch of rows (matrix products), for
+  speed. Its result depends only on the prompt's ids.
+* `decode` appends rows of any number of sequences at once. Every matrix
+  product there is done row by row (vector times matrix), and attention per
+  row over that row's own sequence, so a row's numbers depend only on its
+  sequence — never on which other rows share the step. (OpenBLAS picks its
+  kernels by the number of rows: the row of a 1-row product and the same row
+  inside an 8-row product differ in the last bits, measured with numpy
+  2.4.6's OpenBLAS 0.3.31. Row by row costs ~35% more BLAS time at 8 rows.)
+
+Together: the logits at every generated position are a function of the
+prompt and the ids before that position, bit for bit on one machine with one
+BLAS thread (see `minilm` on ``OPENBLAS_NUM_THREADS=1``), however requests
+were batched and whichever engine generated the earlier ids. That is the
+determinism `generation` promises; an engine that continues a migrated
+stream prefills the prompt and feeds the ids already generated through
+`decode`, exactly as the first engine did.
+
+`sample` picks a token: greedy is the argmax; seeded sampling draws position
+``p``'s uniform number from a generator keyed by ``(seed, p)`` alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from understudy.engine_shim.adapters.packing import WeightsError
+
+__all__ = [
+    "KVCache",
+    "LlamaConfig",
+    "LlamaModel",
+    "Row",
+    "apply_rope",
+    "rms_norm",
+    "rope_tables",
+    "sample",
+    "silu",
+    "uniform",
+]
+
+F32 = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaConfig:
+    """What the forward pass needs from a Llama ``config.json``."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping[str, Any]) -> LlamaConfig:
+        """Read a Hugging Face Llama config; refuse what this code does not compute
+        (another activation, RoPE scaling, biases) rather than compute something else."""
+        arch = cfg.get("architectures") or ["LlamaForCausalLM"]
+        if cfg.get("model_type") != "llama" or arch != ["LlamaForCausalLM"]:
+            raise WeightsError(f"not a Llama causal LM: {cfg.get('model_type')}/{arch}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise WeightsError(f"unsupported activation {cfg.get('hidden_act')!r}")
+        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+            raise WeightsError("attention or MLP biases are not supported")
+        # transformers < 5 writes rope_theta (+ rope_scaling); 5 writes rope_parameters.
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise WeightsError(f"unsupported RoPE type {rope_type!r}")
+        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise WeightsError("partial rotary embeddings are not supported")
+        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        if heads % kv_heads:
+            raise WeightsError(f"{heads} heads do not split into {kv_heads} KV groups")
+        if head_dim % 2:
+            raise WeightsError(f"head_dim {head_dim} is odd: RoPE rotates pairs")
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=int(cfg["max_position_embeddings"]),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: Path | str) -> LlamaConfig:
+        return cls.from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor the model reads, by its name in model.safetensors."""
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
+        for n in range(self.num_layers):
+            p = f"model.layers.{n}."
+            shapes |= {
+                p + "input_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+            }
+        shapes["model.norm.weight"] = (h,)
+        if not self.tie_word_embeddings:
+            shapes["lm_head.weight"] = (self.vocab_size, h)
+        return shapes
+
+
+# --- numerics -------------------------------------------------------------------
+
+
+def rms_norm(x: F32, weight: F32, eps: np.float32) -> F32:
+    """HF's LlamaRMSNorm in float32: x / sqrt(mean(x²) + eps) * weight."""
+    variance = (x * x).mean(axis=-1, keepdims=True)
+    out: F32 = weight * (x * (np.float32(1.0) / np.sqrt(variance + eps)))
+    return out
+
+
+def silu(x: F32) -> F32:
+    out: F32 = (x / (np.float32(1.0) + np.exp(-x))).astype(np.float32, copy=False)
+    return out
+
+
+def rope_tables(head_dim: int, theta: float, max_len: int) -> tuple[F32, F32]:
+    """(cos, sin), each (max_len, head_dim // 2), computed in float32 as HF and
+    vLLM do: inv_freq = 1 / theta ** (2i / d); angle = position * inv_freq."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv_freq = np.float32(1.0) / (np.float32(theta) ** exponents)
+    angles = np.arange(max_len, dtype=np.float32)[:, None] * inv_freq[None, :]
+    return np.cos(angles), np.sin(angles)
+
+
+def apply_rope(x: F32, cos: F32, sin: F32) -> F32:
+    """Rotate ``x`` (..., positions, head_dim) by angles (positions, head_dim // 2)
+    in HF's rotate-half layout: the first and second halves of a head form the pairs."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out: F32 = np.concatenate((x1 * cos - x2 * sin, x2 * cos + x1 * sin), axis=-1)
+    return out
+
+
+def _rowwise(x: F32, weight: F32) -> F32:
+    """x (rows, in) @ weight.T, one vector-matrix product per row (module docstring)."""
+    out = np.empty((x.shape[0], weight.shape[0]), dtype=np.float32)
+    wt = weight.T
+    for r in range(x.shape[0]):
+        np.matmul(x[r], wt, out=out[r])
+    return out
+
+
+def _softmax(scores: F32) -> F32:
+    scores = scores - scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    out: F32 = probs / probs.sum(axis=-1, keepdims=True)
+    return out
+
+
+# --- sampling -------------------------------------------------------------------
+
+
+def uniform(seed: int, position: int) -> float:
+    """A number in [0, 1) that depends on ``(seed, position)`` only.
+
+    From numpy's PCG64 bit generator seeded through a SeedSequence: numpy
+    keeps both stable across releases (its distributions carry no such promise,
+    so the float is made here from the raw 64 bits: their top 53).
+    """
+    seq = np.random.SeedSequence([seed % 2**64, position])
+    raw = int(np.random.PCG64(seq).random_raw())
+    return (raw >> 11) * 2.0**-53
+
+
+def sample(
+    logits: F32, temperature: float, top_p: float = 1.0, seed: int = 0, position: int = 0
+) -> int:
+    """The token for one position: the argmax when ``temperature`` is 0, else a draw
+    from softmax(logits / temperature) cut to its top-``top_p`` nucleus, by the
+    inverse CDF at ``uniform(seed, position)``.
+
+    The CDF runs over the kept tokens in id order, not probability order, so
+    that a change in the last bits of the logits moves the boundaries by as
+    little and reorders nothing.
+    """
+    if temperature == 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / temperature
+    z -= z.max()
+    probs = np.exp(z)
+    probs /= probs.sum()
+    if top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        mass = np.cumsum(probs[order])
+        keep = np.sort(order[: int(np.searchsorted(mass, top_p)) + 1])
+    else:
+        keep = np.arange(probs.size)
+    cdf = np.cumsum(probs[keep])
+    at = int(np.searchsorted(cdf, uniform(seed, position) * cdf[-1], side="right"))
+    return int(keep[min(at, keep.size - 1)])
+
+
+# --- the model ------------------------------------------------------------------
+
+
+class KVCache:
+    """Keys and values of every layer for ``slots`` sequences of up to ``max_len``
+    positions: engine-owned working memory, never in GMS. ``np.zeros`` maps
+    pages lazily, so untouched slots and positions cost no RAM."""
+
+    def __init__(self, config: LlamaConfig, slots: int, max_len: int) -> None:
+        shape = (config.num_layers, slots, config.num_kv_heads, max_len, config.head_dim)
+        self.k: Final = np.zeros(shape, dtype=np.float32)
+        self.v: Final = np.zeros(shape, dtype=np.float32)
+        self.slots: Final = slots
+        self.max_len: Final = max_len
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One token to append to a sequence's cache: ``slot``'s position ``position``."""
+
+    slot: int
+    position: int
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    attn_norm: F32
+    wq: F32
+    wk: F32
+    wv: F32
+    wo: F32
+    mlp_norm: F32
+    w_gate: F32
+    w_up: F32
+    w_down: F32
+
+
+class LlamaModel:
+    """``LlamaForCausalLM`` over weights someone else owns (see the module docstring).
+
+    ``weights`` maps tensor names (as in model.safetensors) to float32 arrays,
+    normally read-only views into shared memory; they are referenced, never
+    copied. The caller keeps the underlying buffer alive and mapped.
+    """
+
+    def __init__(self, weights: Mapping[str, npt.NDArray[np.generic]], config: LlamaConfig):
+        used: dict[str, F32] = {}
+        for name, shape in config.tensor_shapes().items():
+            try:
+                array = weights[name]
+            except KeyError:
+                raise WeightsError(f"missing tensor {name!r}") from None
+            if array.dtype != np.float32 or array.shape != shape:
+                raise WeightsError(f"{name!r}: {array.dtype}{array.shape}, expected float32{shape}")
+            used[name] = array  # type: ignore[assignment]  # dtype checked just above
+        c = config
+        self.config: Final = c
+        self.tensors: Final[Mapping[str, F32]] = MappingProxyType(used)
+        """The arrays the forward pass reads, by name: the caller's, not copies."""
+        self._embed = used["model.embed_tokens.weight"]
+        self._layers: Final = tuple(
+            _Layer(
+                *(
+                    used[f"model.layers.{n}.{part}.weight"]
+                    for part in (
+                        "input_layernorm",
+                        "self_attn.q_proj",
+                        "self_attn.k_proj",
+                        "self_attn.v_proj",
+                        "self_attn.o_proj",
+                        "post_attention_layernorm",
+                        "mlp.gate_proj",
+                        "mlp.up_proj",
+                        "mlp.down_proj",
+                    )
+                )
+            )
+            for n in range(c.num_layers)
+        )
+        self._norm = used["model.norm.weight"]
+        head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+        self._head = used[head]
+        self._eps: Final = np.float32(c.rms_norm_eps)
+        self._scale: Final = np.float32(1.0 / math.sqrt(c.head_dim))
+        self._rep: Final = c.num_heads // c.num_kv_heads
+        # Working memory of the model itself (not weights): 2 x max_pos x d/2 floats.
+        self._cos, self._sin = rope_tables(c.head_dim, c.rope_theta, c.max_position_embeddings)
+
+    def _check_tokens(self, tokens: Sequence[int]) -> npt.NDArray[np.int64]:
+        ids = np.asarray(tokens, dtype=np.int64)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError("expected a non-empty list of token ids")
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise ValueError(f"token id out of range 0..{self.config.vocab_size - 1}")
+        return ids
+
+    def _mlp(self, x: F32, layer: _Layer, matmul: Any) -> F32:
+        h = rms_norm(x, layer.mlp_norm, self._eps)
+        out: F32 = matmul(silu(matmul(h, layer.w_gate)) * matmul(h, layer.w_up), layer.w_down)
+        return out
+
+    def prefill(self, tokens: Sequence[int], cache: KVCache, slot: int) -> F32:
+        """Run ``tokens`` at positions 0.. into ``slot``; the logits after the last one."""
+        last: F32 = self.forward(tokens, cache, slot)[-1]
+        return last
+
+    def forward(self, tokens: Sequence[int], cache: KVCache, slot: int) -> F32:
+        """Like `prefill`, returning the logits after every token: (len(tokens), vocab)."""
+        c = self.config
+        ids = self._check_tokens(tokens)
+        n = ids.size
+        if n > min(cache.max_len, c.max_position_embeddings):
+            raise ValueError(f"{n} tokens exceed the context of {cache.max_len}")
+        kvh, rep, d = c.num_kv_heads, self._rep, c.head_dim
+        cos, sin = self._cos[:n], self._sin[:n]
+        causal = np.triu(np.full((n, n), -np.inf, dtype=np.float32), k=1)
+        x = self._embed[ids]
+        for li, layer in enumerate(self._layers):
+            h = rms_norm(x, layer.attn_norm, self._eps)
+            q = (h @ layer.wq.T).reshape(n, kvh, rep, d).transpose(1, 2, 0, 3)
+            k = (h @ layer.wk.T).reshape(n, kvh, d).transpose(1, 0, 2)
+            v = (h @ layer.wv.T).reshape(n, kvh, d).transpose(1, 0, 2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            cache.k[li, slot, :, :n] = k
+            cache.v[li, slot, :, :n] = v
+            # (kv, rep, n, d) @ (kv, 1, d, n): every query head of a group meets its KV head.
+            scores = (q @ k[:, None].transpose(0, 1, 3, 2)) * self._scale + causal
+            context = _softmax(scores) @ v[:, None]  # (kv, rep, n, d)
+            x += context.transpose(2, 0, 1, 3).reshape(n, c.num_heads * d) @ layer.wo.T
+            x += self._mlp(x, layer, lambda a, w: a @ w.T)
+        out: F32 = rms_norm(x, self._norm, self._eps) @ self._head.T
+        return out
+
+    def decode(self, rows: Sequence[Row], cache: KVCache) -> F32:
+        """Append ``rows`` to their sequences' caches; the logits after each row.
+
+        Rows of one slot must come in position order, each one position after
+        the last the cache holds; a row attends to its own sequence up to and
+        including itself. Each row's result is independent of the others
+        (module docstring).
+        """
+        c = self.config
+        r = len(rows)
+        ids = self._check_tokens([row.token for row in rows])
+        slots = [row.slot for row in rows]
+        positions = np.asarray([row.position for row in rows], dtype=np.int64)
+        if positions.min() < 0 or positions.max() >= min(cache.max_len, c.max_position_embeddings):
+            raise ValueError(f"position out of the context of {cache.max_len}")
+        kvh, rep, d = c.num_kv_heads, self._rep, c.head_dim
+        cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]
+        x = self._embed[ids]
+        for li, layer in enumerate(self._layers):
+            h = rms_norm(x, layer.attn_norm, self._eps)
+            q = apply_rope(_rowwise(h, layer.wq).reshape(r, c.num_heads, d), cos, sin)
+            k = apply_rope(_rowwise(h, layer.wk).reshape(r, kvh, d), cos, sin)
+            v = _rowwise(h, layer.wv).reshape(r, kvh, d)
+            keys, values = cache.k[li], cache.v[li]
+            for i, (slot, pos) in enumerate(zip(slots, positions, strict=True)):
+                keys[slot, :, pos] = k[i]
+                values[slot, :, pos] = v[i]
+            context = np.empty((r, kvh, rep, d), dtype=np.float32)
+            for i, (slot, pos) in enumerate(zip(slots, positions, strict=True)):
+                ks = keys[slot, :, : pos + 1]  # (kv, pos+1, d)
+                qs = q[i].reshape(kvh, rep, d)
+                probs = _softmax((qs @ ks.transpose(0, 2, 1)) * self._scale)
+                context[i] = probs @ values[slot, :, : pos + 1]
+            x += _rowwise(context.reshape(r, c.num_heads * d), layer.wo)
+            x += self._mlp(x, layer, _rowwise)
+        return _rowwise(rms_norm(x, self._norm, self._eps), self._head)
+
+
+def config_digest(model_dir: Path | str) -> str:
+    """sha256 of config.json: says which checkpoint a GMS layout was packed from."""
+    return hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()

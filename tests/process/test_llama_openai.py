@@ -1,0 +1,106 @@
+"""The llama engine behind its OpenAI routes (openai_api over the Generator), on a
+real loopback HTTP server: completions and chat agree with the engine's own
+tokens, and a stream continued after k tokens — what the front sends the next
+engine after a failover — is byte for byte the rest of the uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from understudy.engine_shim.adapters import tiny_llama
+from understudy.engine_shim.adapters.llama import LlamaEngine
+from understudy.engine_shim.generation import SamplingParams
+
+pytestmark = pytest.mark.process
+
+PROMPT = "The shadow engine wakes when the lock is granted"
+IDS = {"request_id": "cmpl-test", "created": 1700000000}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaEngine]:
+    model = tiny_llama.build(tmp_path_factory.mktemp("tiny-llama"))
+    e = LlamaEngine(str(model))
+    e.attach_private()
+    e.wake()
+    yield e
+    e.close()
+
+
+@pytest.fixture
+async def client(engine: LlamaEngine) -> AsyncIterator[TestClient[Any, Any]]:
+    app = web.Application()
+    app.add_routes(engine.routes())
+    async with TestClient(TestServer(app, host="127.0.0.1")) as c:
+        yield c
+
+
+async def events(client: TestClient[Any, Any], path: str, body: dict[str, Any]) -> list[bytes]:
+    resp = await client.post(path, json={**body, "stream": True})
+    assert resp.status == 200, await resp.text()
+    raw = await resp.read()
+    return [e for e in raw.split(b"\n\n") if e]
+
+
+def token_ids(event: bytes) -> list[int]:
+    first = event.split(b"\n", 1)[0]
+    if not first.startswith(b": tokens="):
+        return []
+    listed = first.removeprefix(b": tokens=")
+    return [int(t) for t in listed.split(b",")] if listed else []
+
+
+async def generated(engine: LlamaEngine, prompt: list[int], params: SamplingParams) -> list[int]:
+    return [s.token_id async for s in engine.generate(prompt, params)]
+
+
+async def test_completion_is_the_engines_greedy_text(client, engine: LlamaEngine) -> None:
+    want = await generated(engine, engine.encode(PROMPT), SamplingParams(24, temperature=0))
+    resp = await client.post(
+        "/v1/completions", json={"prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    )
+    doc = await resp.json()
+    assert resp.status == 200, doc
+    assert doc["choices"][0]["text"] == engine.decode(want)
+    assert doc["choices"][0]["finish_reason"] == "length"
+    assert doc["usage"]["completion_tokens"] == 24
+    assert doc["model"] == engine.model_id
+    models = await (await client.get("/v1/models")).json()
+    assert models["data"][0]["max_model_len"] == 2048
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+@pytest.mark.parametrize(
+    "sampling", [{"temperature": 0}, {"temperature": 0.9, "top_p": 0.95, "seed": 5}]
+)
+async def test_a_stream_continued_after_k_tokens_is_the_rest_of_the_stream(
+    client, engine: LlamaEngine, chat: bool, sampling: dict[str, Any]
+) -> None:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body: dict[str, Any] = {"max_tokens": 40, **sampling}
+    if chat:
+        body["messages"] = [{"role": "user", "content": PROMPT}]
+    else:
+        body["prompt"] = PROMPT
+    full = await events(client, path, {**body, "understudy": IDS})
+    ids = [t for e in full for t in token_ids(e)]
+    assert len(ids) == 40 and full[-1] == b"data: [DONE]"
+    for k in (1, 13, 39):
+        # events after the one that carried the k-th token
+        seen, cut = 0, 0
+        while seen < k:
+            seen += len(token_ids(full[cut]))
+            cut += 1
+        resume = {"token_ids": ids[:k], "started": True}
+        rest = await events(client, path, {**body, "understudy": {**IDS, "resume": resume}})
+        assert rest == full[cut:], f"continued after {k} tokens"
+    # the text the client assembles is the engine's decode of every id
+    choices = [json.loads(e.split(b"data: ", 1)[1])["choices"][0] for e in full[:-1]]
+    text = "".join(c["delta"].get("content", "") if chat else c["text"] for c in choices)
+    assert text == engine.decode(ids)
