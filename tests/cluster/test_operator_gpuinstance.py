@@ -27,7 +27,8 @@ import pytest
 import yaml
 from procs import wait_settled
 
-from understudy.operator import crd
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this tier's helpers
+from crd_guard import this_crd
 
 
 def _wait(what: str, fn: Callable[[], Any], timeout: float = 90) -> Any:
@@ -40,10 +41,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def crd_installed(cluster: Any) -> Any:
-    cluster.apply(crd.crd_yaml())
-    cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd.CRD_NAME}", "--timeout=60s")
-    return cluster
+def crd_installed(cluster: Any) -> Iterator[Any]:
+    with this_crd(cluster):
+        yield cluster
 
 
 def _instance(name: str, **spec: Any) -> dict[str, Any]:

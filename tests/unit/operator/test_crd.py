@@ -43,7 +43,19 @@ def test_crd_is_a_valid_crd(version: str) -> None:
 
 def test_printer_columns() -> None:
     cols = crd.generate_crd()["spec"]["versions"][0]["additionalPrinterColumns"]
-    assert [c["name"] for c in cols] == ["Ready", "Phase", "Active", "Failovers", "Age"]
+    assert [c["name"] for c in cols] == ["Ready", "Phase", "Active", "Replicas", "Failovers", "Age"]
+
+
+def test_scale_subresource_points_at_the_replica_count() -> None:
+    version = crd.generate_crd()["spec"]["versions"][0]
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas.desired",
+        "statusReplicasPath": ".status.currentReplicas",
+        "labelSelectorPath": ".status.selector",
+    }
+    status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    assert status["currentReplicas"]["type"] == "integer"
+    assert status["selector"]["type"] == "string"
 
 
 # ----------------------------------------------------------- offline apiserver
@@ -137,6 +149,9 @@ def test_defaults_are_materialised() -> None:
     assert spec["failover"]["shadows"] == 1 and spec["failover"]["enabled"] is True
     assert spec["replicas"] == {"min": 1}
     assert spec["servingPort"] == 8000 and spec["gms"]["backend"] == "cuda"
+    assert spec["autoscaling"]["enabled"] is False
+    assert spec["rollout"] == {"maxSurge": 1, "maxUnavailable": 0}
+    assert spec["drain"] == {"timeoutSeconds": 30, "settleSeconds": 2, "gracePeriodSeconds": 30}
     # The API server's defaults agree with the model's.
     model = GpuInstance.from_body(obj)
     assert model.spec == GpuInstance.from_body(_base()).spec
@@ -161,6 +176,15 @@ INVALID = {
         "single replica",
     ),
     "shadows zero": ({"failover": {"shadows": 0}}, "minimum"),
+    "autoscaling without max": ({"autoscaling": {"enabled": True}}, "needs replicas.max"),
+    "no surge, no unavailable": (
+        {"rollout": {"maxSurge": 0, "maxUnavailable": 0}},
+        "cannot both be 0",
+    ),
+    "bad toleration operator": (
+        {"placement": {"tolerations": [{"key": "k", "operator": "In"}]}},
+        "is not one of",
+    ),
 }
 
 
@@ -179,6 +203,16 @@ def test_valid_elastic_replicas_are_admitted() -> None:
     assert admit(_base(replicas={"min": 2, "desired": 3, "max": 4})) == []
     assert admit(_base(replicas={"min": 2, "desired": 1})) == []
     assert admit(_base(servingPort=8102, failover={"shadows": 1})) == []
+    assert (
+        admit(
+            _base(
+                replicas={"min": 1, "max": 4},
+                autoscaling={"enabled": True, "targetPressure": 2},
+                rollout={"maxSurge": 0, "maxUnavailable": 1},
+            )
+        )
+        == []
+    )
 
 
 @pytest.mark.parametrize(

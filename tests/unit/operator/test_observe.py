@@ -121,3 +121,30 @@ def test_node_infos_from_slices_and_claims() -> None:
     assert n2.devices == frozenset() and not n2.schedulable
     infos, _ = node_infos(INST, nodes, None, None)
     assert infos[0].devices is None  # unknown: kube-scheduler and DRA decide
+
+
+def test_pressure_view_accepts_the_fronts_json_only() -> None:
+    from understudy.operator.observe import pressure_view
+
+    p = pressure_view({"inflight": 3, "held": 2, "active": True})
+    assert p is not None and (p.inflight, p.held, p.active, p.total) == (3, 2, True, 5)
+    assert pressure_view(None) is None
+    assert pressure_view({"inflight": -1, "held": 0}) is None
+    assert pressure_view({"inflight": True, "held": 0}) is None
+    assert pressure_view({"inflight": "3", "held": 0}) is None
+
+
+def test_endpoint_pods_lists_every_pod_target() -> None:
+    from understudy.operator.observe import endpoint_pods
+
+    slices = [
+        {
+            "endpoints": [
+                {"targetRef": {"kind": "Pod", "name": "d-0"}, "conditions": {"ready": True}},
+                {"targetRef": {"kind": "Pod", "name": "d-1"}, "conditions": {"ready": False}},
+                {"addresses": ["10.0.0.9"]},
+            ]
+        },
+        {"endpoints": None},
+    ]
+    assert endpoint_pods(slices) == {"d-0", "d-1"}

@@ -5,9 +5,24 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import pytest
+
+from understudy.operator import lifecycle as lc
 from understudy.operator import render
-from understudy.operator.api import GpuInstance
-from understudy.operator.plan import ContainerView, EngineView, Observed, Plan, PodView, plan
+from understudy.operator.api import GpuInstance, ReplicaPhase
+from understudy.operator.plan import (
+    CHECKS,
+    ContainerView,
+    Context,
+    EngineView,
+    Observed,
+    Plan,
+    PodView,
+    Pressure,
+    check_replica,
+    plan,
+    policy_for,
+)
 from understudy.operator.scheduler import NodeInfo
 
 CFG = render.RenderConfig()
@@ -202,15 +217,6 @@ def test_scale_down_terminates_the_highest_replica() -> None:
     assert p.status is not None and [r["index"] for r in p.status["replicas"]] == [0]
 
 
-def test_spec_change_replaces_a_running_pod() -> None:
-    b, pod, _ = run_to_serving()
-    pod = replace(pod, routable_label="true")
-    b["spec"]["engine"] = {"args": ["--new"]}
-    b["metadata"]["generation"] = 2
-    p = plan(GpuInstance.from_body(b), Observed({pod.name: pod}, {"n1": True}, NODES), 130.0, CFG)
-    assert [d.reason for d in p.deletes] == ["replica 0: spec changed"]
-
-
 def test_no_feasible_node_is_reported() -> None:
     b = body(placement={"targetNode": "nowhere"})
     p = plan(GpuInstance.from_body(b), Observed(node_ready={}, nodes=NODES), 100.0, CFG)
@@ -225,3 +231,251 @@ def test_a_pod_newer_than_the_status_is_never_fenced_off() -> None:
     pod = pod_from(p1)  # attempt 1, while b still has no status (attempt 0)
     p2 = plan(GpuInstance.from_body(b), Observed({pod.name: pod}, {}, NODES), 100.5, CFG)
     assert p2.deletes == () and p2.create_pods == ()
+
+
+# ------------------------------------------------- a small world to step through
+
+
+class World:
+    """Pods as the API server would hold them after each plan is applied.
+
+    Endpoints follow the routable label only when ``sync()`` is called, as
+    the EndpointSlice controller does some time after a label change.
+    """
+
+    def __init__(self, b: dict[str, Any], nodes: tuple[NodeInfo, ...] = NODES) -> None:
+        self.body, self.nodes = b, nodes
+        self.pods: dict[str, PodView] = {}
+        self.endpoints: set[str] = set()
+
+    def step(self, now: float) -> Plan:
+        obs = Observed(
+            dict(self.pods),
+            {"n1": True, "n2": True},
+            self.nodes,
+            endpoints=frozenset(self.endpoints),
+        )
+        p = plan(GpuInstance.from_body(self.body), obs, now, CFG)
+        self.body = after(p, self.body)
+        for obj in p.create_pods:
+            view = pod_from(Plan(create_pods=(obj,)))
+            self.pods[view.name] = view
+        for d in p.deletes:
+            if d.kind == "Pod" and d.name in self.pods:
+                self.pods[d.name] = replace(self.pods[d.name], deleting=True)
+        for lp in p.labels:
+            self.pods[lp.pod] = replace(self.pods[lp.pod], routable_label=lp.value)
+        if p.scale is not None:
+            self.set_desired(p.scale)
+        return p
+
+    def set_desired(self, n: int) -> None:
+        self.body["spec"]["replicas"] = {**self.body["spec"].get("replicas", {}), "desired": n}
+        self.body["metadata"]["generation"] += 1
+
+    def serve(self, name: str, node: str = "n1", pressure: Pressure | None = None) -> None:
+        self.pods[name] = replace(
+            self.pods[name],
+            node=node,
+            phase="Running",
+            ready=True,
+            front_ready=True,
+            containers=ARMED,
+            engines={"engine-primary": EngineView(state="Active", epoch=1)},
+            pressure=pressure,
+        )
+
+    def load(self, name: str, inflight: int, held: int) -> None:
+        self.pods[name] = replace(self.pods[name], pressure=Pressure(inflight, held, True))
+
+    def sync(self) -> None:
+        self.endpoints = {
+            n for n, p in self.pods.items() if p.routable_label == "true" and not p.deleting
+        }
+
+    def gone(self, name: str) -> None:
+        del self.pods[name]
+        self.endpoints.discard(name)
+
+    def phases(self) -> dict[int, str]:
+        return {r["index"]: r["phase"] for r in self.body["status"]["replicas"]}
+
+
+def serving_world(**spec: Any) -> tuple[World, float]:
+    """Every replica of the spec serving and in the endpoints."""
+    w = World(body(**spec))
+    t = 100.0
+    w.step(t)
+    for name in list(w.pods):
+        w.serve(name)
+    for _ in range(3):
+        t += 1
+        w.step(t)
+        w.sync()
+    assert set(w.phases().values()) == {"Running"}
+    return w, t
+
+
+def test_spec_change_surges_then_drains_the_old_pod() -> None:
+    w, t = serving_world()
+    w.body["spec"]["engine"] = {"args": ["--new"]}
+    w.body["metadata"]["generation"] += 1
+    p = w.step(t := t + 1)
+    # Surge first: the replacement is created, nothing is deleted or unrouted.
+    assert [o["metadata"]["name"] for o in p.create_pods] == ["demo-1"]
+    assert p.deletes == () and p.labels == ()
+    assert w.phases() == {0: "Running", 1: "Scheduled"}
+    p = w.step(t := t + 1)
+    assert p.deletes == ()
+    # Running with one engine Standby: routable, in the endpoints, but nothing
+    # serves yet (the pod is not Ready): the old pod must stay.
+    w.pods["demo-1"] = replace(
+        w.pods["demo-1"],
+        node="n2",
+        phase="Running",
+        containers=(ContainerView("engine-primary", ready=True),),
+    )
+    p = w.step(t := t + 1)
+    assert [(lp.pod, lp.value) for lp in p.labels] == [("demo-1", "true")]
+    w.sync()
+    p = w.step(t := t + 1)
+    assert w.phases() == {0: "Running", 1: "Running"} and p.labels == ()
+    # Ready and in the endpoints: now the old pod is unrouted.
+    w.serve("demo-1", node="n2")
+    p = w.step(t := t + 1)
+    assert w.phases()[0] == "Draining"
+    assert [(lp.pod, lp.value) for lp in p.labels] == [("demo-0", "false")]
+    assert p.deletes == () and p.requeue_after == 0.5
+    assert any("replaced by a pod of the current spec" in e.message for e in p.events)
+    # Still listed: no delete.
+    p = w.step(t := t + 1)
+    assert p.deletes == ()
+    w.sync()  # the EndpointSlice controller drops it
+    p = w.step(t := t + 1)
+    assert p.deletes == () and w.body["status"]["replicas"][0]["unroutedSince"]
+    p = w.step(t := t + 2.5)  # settled: a graceful delete
+    assert [(d.name, d.grace_seconds) for d in p.deletes] == [("demo-0", 30)]
+    assert w.phases()[0] == "Terminating"
+    w.gone("demo-0")
+    p = w.step(t := t + 1)
+    assert w.phases() == {1: "Running"}
+    assert w.body["status"]["currentReplicas"] == 1 == w.body["status"]["updatedReplicas"]
+    assert w.endpoints == {"demo-1"}
+
+
+def test_spec_change_never_leaves_the_service_without_an_endpoint() -> None:
+    w, t = serving_world(replicas={"min": 2})
+    w.body["spec"]["engine"] = {"args": ["--new"]}
+    w.body["metadata"]["generation"] += 1
+    for _ in range(40):
+        w.step(t := t + 1.5)
+        for name, pod in list(w.pods.items()):
+            if pod.deleting:
+                w.gone(name)
+            elif pod.phase != "Running":
+                w.serve(name, node="n2")
+        w.sync()
+        assert len(w.endpoints) >= 2, w.phases()  # maxUnavailable 0
+    assert set(w.phases()) == {2, 3} and w.body["status"]["updatedReplicas"] == 2
+
+
+def test_drain_gives_up_waiting_for_the_endpoints_after_its_timeout() -> None:
+    w, t = serving_world(replicas={"min": 1, "desired": 2, "max": 2})
+    w.set_desired(1)
+    w.step(t := t + 1)
+    assert w.phases()[1] == "Draining"
+    t0 = t
+    p = w.step(t := t + 10)  # never synced: still an endpoint
+    assert p.deletes == ()
+    p = w.step(t := t0 + 33)  # past timeoutSeconds + settleSeconds
+    assert [d.name for d in p.deletes] == ["demo-1"] and w.phases()[1] == "Terminating"
+    assert any(e.reason == "Expired" for e in p.events)
+
+
+def test_scale_down_drains_the_highest_indices_first() -> None:
+    w, t = serving_world(replicas={"min": 1, "desired": 3, "max": 3})
+    w.set_desired(1)
+    p = w.step(t := t + 1)
+    assert w.phases() == {0: "Running", 1: "Draining", 2: "Draining"}
+    assert sorted((lp.pod, lp.value) for lp in p.labels) == [
+        ("demo-1", "false"),
+        ("demo-2", "false"),
+    ]
+    assert w.body["status"]["currentReplicas"] == 1
+
+
+def test_scale_up_through_desired_adds_the_lowest_free_indices() -> None:
+    w, t = serving_world(replicas={"min": 1, "max": 4})
+    w.set_desired(3)
+    p = w.step(t := t + 1)
+    assert sorted(o["metadata"]["name"] for o in p.create_pods) == ["demo-1", "demo-2"]
+    st = w.body["status"]
+    assert st["currentReplicas"] == 3 and st["selector"] == "understudy.dev/instance=demo"
+    ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "True"  # a scale-up never makes a serving instance un-Ready
+
+
+def test_autoscaler_scales_up_under_pressure_and_back_to_min_when_idle() -> None:
+    w, t = serving_world(
+        replicas={"min": 1, "max": 4},
+        autoscaling={"enabled": True, "targetPressure": 2, "scaleDownStabilizationSeconds": 60},
+    )
+    w.load("demo-0", inflight=1, held=6)  # 7 requests: ceil(7 / 2) = 4
+    p = w.step(t := t + 1)
+    assert p.scale == 4 and p.autoscale is not None and p.autoscale.reason == "ScaleUp"
+    assert len(p.create_pods) == 3 and p.requeue_after == 5.0
+    auto = w.body["status"]["autoscaler"]
+    assert auto["desiredReplicas"] == 4 and auto["pressure"] == 7 and auto["reason"] == "ScaleUp"
+    assert w.body["spec"]["replicas"]["desired"] == 4
+    for name in list(w.pods):
+        if w.pods[name].phase != "Running":
+            w.serve(name, node="n2", pressure=Pressure(0, 0, True))
+    w.load("demo-0", 0, 0)
+    p = w.step(t := t + 10)
+    assert p.scale is None and p.autoscale is not None and p.autoscale.reason == "Stabilizing"
+    t_idle = t  # the first pass that saw no pressure: the window runs from here
+    p = w.step(t := t_idle + 30)
+    assert p.scale is None
+    p = w.step(t := t_idle + 61)
+    assert p.scale == 1 and p.autoscale is not None and p.autoscale.reason == "Idle"
+    assert w.phases()[0] == "Running" and {w.phases()[i] for i in (1, 2, 3)} <= {
+        "Draining",
+        "Terminating",
+    }
+
+
+def test_autoscaler_off_never_writes_desired_or_reads_pressure() -> None:
+    w, t = serving_world(replicas={"min": 1, "max": 4})
+    w.load("demo-0", inflight=50, held=50)
+    p = w.step(t := t + 1)
+    assert p.scale is None and p.autoscale is None
+    assert "autoscaler" not in w.body["status"]
+
+
+def test_an_external_write_while_autoscaling_is_reported() -> None:
+    w, t = serving_world(replicas={"min": 1, "max": 4}, autoscaling={"enabled": True})
+    w.load("demo-0", 0, 0)
+    w.step(t := t + 1)
+    w.set_desired(3)  # an HPA, or a person
+    p = w.step(t := t + 1)
+    assert any(e.reason == "ScaleOverridden" and e.type == "Warning" for e in p.events)
+
+
+@pytest.mark.parametrize("phase", list(ReplicaPhase))
+def test_checks_run_exactly_for_the_phases_the_handlers_table_targets(phase: ReplicaPhase) -> None:
+    """plan dispatches its checks from lifecycle.HANDLERS, not from a copy of it."""
+    b, pod, _ = run_to_serving()
+    inst = GpuInstance.from_body(b)
+    obs = Observed({pod.name: pod}, {"n1": True}, NODES, endpoints=frozenset())
+    ctx = Context(inst, obs, 130.0, CFG, policy_for(inst), render.spec_hash(inst, CFG))
+    rec = lc.Replica(index=0, phase=phase, attempt=pod.attempt or 0, since=0.0)
+    _, entries = check_replica(ctx, rec, drain_clock=None)
+    # Walk the table: a check runs when the phase at its turn is one of its
+    # targets (a check that moves the phase hands the replica to the next).
+    expected, current, ran = [], phase, iter(entries)
+    for handler in [h for h, _ in CHECKS] + [lc.Handler.DRAIN]:
+        if current in lc.HANDLERS[handler].targets:
+            expected.append(handler)
+            current = next(ran).phase
+    assert [e.handler for e in entries] == expected
+    assert entries or all(phase not in lc.HANDLERS[h].targets for h, _ in CHECKS)

@@ -283,3 +283,35 @@ def test_render_cli_prints_a_yaml_stream() -> None:
     assert [d["kind"] for d in docs] == ["ResourceClaimTemplate", "Service", "Pod"]
     for d in docs:
         kubernetes_validate.validate(d, "1.34.0", strict=True)
+
+
+def test_tolerations_are_rendered_into_the_pod() -> None:
+    inst = GpuInstance.from_body(
+        {
+            "metadata": {"name": "d", "uid": "u"},
+            "spec": {
+                "model": {"source": "x"},
+                "placement": {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]},
+            },
+        }
+    )
+    assert render.pod_spec(inst, render.RenderConfig())["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists"}
+    ]
+    plain = GpuInstance.from_body(
+        {"metadata": {"name": "d", "uid": "u"}, "spec": {"model": {"source": "x"}}}
+    )
+    assert "tolerations" not in render.pod_spec(plain, render.RenderConfig())
+
+
+def test_drain_grace_sets_the_pods_grace_and_the_drains_within_it() -> None:
+    inst = make(drain={"gracePeriodSeconds": 300})
+    spec = render.pod_spec(inst, render.RenderConfig())
+    assert spec["terminationGracePeriodSeconds"] == 300
+    front = next(c for c in spec["initContainers"] if c["name"] == "front")
+    assert front["args"][front["args"].index("--drain") + 1] == "295"
+    for c in spec["containers"]:
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["UNDERSTUDY_DRAIN_S"] == "295"
+    # The default renders the pod contract's 30 s grace and 25 s drains.
+    assert render.pod_spec(make(), render.RenderConfig())["terminationGracePeriodSeconds"] == 30

@@ -260,6 +260,15 @@ class FailoverSpec(_Model):
     )
 
 
+class Toleration(_Model):
+    """A pod toleration (``core/v1``), copied into every replica pod."""
+
+    key: str | None = Field(default=None, max_length=316)
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: str | None = Field(default=None, max_length=63)
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+
+
 class PlacementSpec(_Model):
     target_node: str | None = Field(
         default=None, max_length=_NAME, description="Place every replica on this node."
@@ -271,16 +280,31 @@ class PlacementSpec(_Model):
         default=PlacementStrategy.SPREAD,
         description="binpack: fill the busiest fitting node; spread: the least busy.",
     )
+    preferred_node_labels: dict[str, Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=dict,
+        max_length=16,
+        description=(
+            "Locality: node labels that make a node preferred (not required), e.g. a label "
+            "a user puts on the nodes that hold the model's files."
+        ),
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Tolerations of the replica pods (GPU nodes are often tainted).",
+    )
 
 
 class ReplicasSpec(_Model):
     """min / desired / max replicas: an elastic pool.
 
-    ``min`` pods always exist. ``desired`` (default ``min``) is the readiness
-    threshold: the instance is Ready when that many replicas serve. Without
-    ``max`` the instance is fixed-size and ``desired <= min``; with ``max`` it is
-    elastic, ``desired <= max``, and the operator runs ``max(min, desired)``
-    pods until the autoscaler (later) moves within [min, max].
+    ``min`` pods always exist. ``desired`` (default ``min``) is the replica
+    count: the ``scale`` subresource reads and writes it, so ``kubectl scale``,
+    an HPA or KEDA move it, or the built-in autoscaler when
+    ``autoscaling.enabled`` (then it owns the field). Without ``max`` the
+    instance is fixed-size and ``desired <= min`` is a readiness threshold
+    below ``min`` (start work when that many serve); with ``max`` it is
+    elastic and the operator runs ``max(min, desired)`` pods.
     """
 
     model_config = ConfigDict(
@@ -300,17 +324,121 @@ class ReplicasSpec(_Model):
 
     min: int = Field(default=1, ge=1, le=64, description="Pods that always exist.")
     desired: int | None = Field(
-        default=None, ge=1, le=64, description="Ready replicas needed for Ready (default min)."
+        default=None,
+        ge=1,
+        le=64,
+        description=(
+            "Replica count (the scale subresource's spec.replicas); default min. Below min "
+            "it is the number of serving replicas that makes the instance Ready."
+        ),
     )
     max: int | None = Field(default=None, ge=1, le=64, description="Upper bound when elastic.")
 
     @property
     def ready_threshold(self) -> int:
-        return self.desired if self.desired is not None else self.min
+        """Serving replicas that make the instance Ready.
+
+        ``desired`` below ``min`` is a partial-readiness threshold (seed 001);
+        above ``min`` it is a count a scaler moved, and a scale-up must not
+        make a serving instance un-Ready, so the threshold stays ``min``.
+        """
+        return min(self.min, self.desired if self.desired is not None else self.min)
 
     @property
     def target(self) -> int:
-        return max(self.min, self.ready_threshold)
+        desired = self.desired if self.desired is not None else self.min
+        return max(self.min, desired)
+
+
+class AutoscalingSpec(_Model):
+    """The built-in autoscaler (``operator/autoscaler.py``): desired replicas from pressure.
+
+    Pressure is what the front of every pod reports: requests being served
+    plus requests held waiting for an Active engine. The recommendation is
+    ``ceil(total pressure / targetPressure)`` within ``[replicas.min,
+    replicas.max]``; it is stabilised like the HPA's: a scale-up takes the
+    lowest recommendation of the last ``scaleUpStabilizationSeconds``, a
+    scale-down the highest of the last ``scaleDownStabilizationSeconds``, so
+    an idle instance returns to ``min`` one down-window after its load ends.
+    """
+
+    enabled: bool = Field(
+        default=False,
+        description=(
+            "Run the built-in autoscaler; it then owns replicas.desired (point no HPA or KEDA "
+            "at an instance with this on)."
+        ),
+    )
+    target_pressure: int = Field(
+        default=4,
+        ge=1,
+        le=100000,
+        description="Requests in flight or held per replica that the autoscaler aims at.",
+    )
+    scale_up_stabilization_seconds: int = Field(
+        default=0,
+        ge=0,
+        le=3600,
+        description="Scale up to the lowest recommendation of this window.",
+    )
+    scale_down_stabilization_seconds: int = Field(
+        default=300,
+        ge=0,
+        le=3600,
+        description="Scale down to the highest recommendation of this window.",
+    )
+
+
+class RolloutSpec(_Model):
+    """How a spec change replaces pods: surge first, like a Deployment's RollingUpdate."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_validations(
+            # has(): the apiserver also checks this rule against the bare
+            # `default: {}` of the rollout object, before its fields default.
+            cel(
+                "(has(self.maxSurge) ? self.maxSurge : 1)"
+                " + (has(self.maxUnavailable) ? self.maxUnavailable : 0) >= 1",
+                "rollout.maxSurge and rollout.maxUnavailable cannot both be 0",
+            ),
+        )
+    )
+
+    max_surge: int = Field(
+        default=1, ge=0, le=16, description="Replicas created above the count during a rollout."
+    )
+    max_unavailable: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        description="Serving replicas a rollout may take away before their replacement serves.",
+    )
+
+
+class DrainSpec(_Model):
+    """How a replica leaves (scale-down, rollout): unroute, wait, then a graceful delete."""
+
+    timeout_seconds: int = Field(
+        default=30,
+        ge=1,
+        le=600,
+        description="Longest wait for the pod to leave the Service's endpoints.",
+    )
+    settle_seconds: int = Field(
+        default=2,
+        ge=0,
+        le=60,
+        description="Wait after it left them (kube-proxy catching up) before the delete.",
+    )
+    grace_period_seconds: int = Field(
+        default=30,
+        ge=6,
+        le=3600,
+        description=(
+            "The pod's termination grace and that of the operator's delete: the front and "
+            "the Active engine finish in-flight requests for 5 s less than this."
+        ),
+    )
 
 
 class GpuInstanceSpec(_Model):
@@ -331,6 +459,11 @@ class GpuInstanceSpec(_Model):
                 "gpus.indices pins devices of one node: use it with a single replica",
                 field_path=".gpus.indices",
             ),
+            cel(
+                "!self.autoscaling.enabled || has(self.replicas.max)",
+                "autoscaling.enabled needs replicas.max",
+                field_path=".autoscaling.enabled",
+            ),
         )
     )
 
@@ -341,6 +474,9 @@ class GpuInstanceSpec(_Model):
     failover: FailoverSpec = Field(default_factory=FailoverSpec)
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
     replicas: ReplicasSpec = Field(default_factory=ReplicasSpec)
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    drain: DrainSpec = Field(default_factory=DrainSpec)
     serving_port: int = Field(
         default=8000, ge=1024, le=65535, description="Port of the OpenAI-compatible API."
     )
@@ -392,6 +528,7 @@ class ReplicaPhase(StrEnum):
     RUNNING = "Running"
     UNKNOWN = "Unknown"
     FAILED = "Failed"
+    DRAINING = "Draining"  # leaving: unrouted, waiting to be out of the Service's endpoints
     TERMINATING = "Terminating"
 
 
@@ -421,6 +558,42 @@ class ReplicaStatus(_Model):
     routable: bool = False
     standby_ready: bool = False
     failovers: int = Field(default=0, ge=0)
+    updated: bool = Field(
+        default=True, description="The pod has the current spec (or has yet to be created)."
+    )
+    pressure: int | None = Field(
+        default=None, ge=0, description="Requests in flight or held (the front's /pressure)."
+    )
+    unrouted_since: str | None = Field(
+        default=None,
+        max_length=64,
+        description="Draining: RFC 3339 time the pod was first seen out of the endpoints.",
+    )
+
+
+class Recommendation(_Model):
+    """Raw recommendations from ``time`` on: between ``low`` and ``high`` (equal unless merged)."""
+
+    time: str = Field(max_length=64)
+    low: int = Field(ge=0)
+    high: int = Field(ge=0)
+
+
+class AutoscalerStatus(_Model):
+    """The built-in autoscaler's last decision and the window it decided from."""
+
+    desired_replicas: int = Field(
+        ge=0, description="What it decided (written to replicas.desired)."
+    )
+    pressure: int | None = Field(default=None, ge=0, description="Total pressure observed.")
+    reason: str = Field(max_length=64)
+    message: str = Field(default="", max_length=1024)
+    last_scale_time: str | None = Field(default=None, max_length=64)
+    recommendations: list[Recommendation] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Raw recommendations (only changes) inside the longest window.",
+    )
 
 
 class GpuInstanceStatus(_Model):
@@ -430,6 +603,14 @@ class GpuInstanceStatus(_Model):
     attempt: int = Field(default=0, ge=0, description="Sum of placement attempts over replicas.")
     replicas: list[ReplicaStatus] = Field(default_factory=list, max_length=64)
     ready_replicas: int = Field(default=0, ge=0)
+    current_replicas: int = Field(
+        default=0, ge=0, description="Replicas that exist and are not leaving (scale: status)."
+    )
+    updated_replicas: int = Field(default=0, ge=0, description="Replicas with the current spec.")
+    selector: str = Field(
+        default="", max_length=_TEXT, description="Label selector of the pods (scale: selector)."
+    )
+    autoscaler: AutoscalerStatus | None = None
     active: str = Field(
         default="0/0", max_length=32, description="Replicas with an Active engine / target."
     )

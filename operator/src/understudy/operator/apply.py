@@ -25,6 +25,7 @@ from understudy.wire.obs import log_event
 log = logging.getLogger("understudy.operator.apply")
 
 FIELD_MANAGER = "understudy-operator"
+AUTOSCALER_MANAGER = "understudy-autoscaler"  # owns spec.replicas.desired when enabled
 MERGE = "application/merge-patch+json"
 
 
@@ -166,8 +167,30 @@ async def post_event(dyn: Any, inst: GpuInstance, ev: EventSpec) -> None:
         log_event(log, "event_failed", logging.WARNING, reason=ev.reason, error=exc)
 
 
+async def scale(dyn: Any, inst: GpuInstance, replicas: int) -> None:
+    """The built-in autoscaler's decision: ``spec.replicas.desired`` (what /scale writes)."""
+    res = await _resource(dyn, api.API_VERSION, api.KIND)
+    body = {"spec": {"replicas": {"desired": replicas}}}
+    await dyn.patch(
+        res,
+        body=body,
+        name=inst.metadata.name,
+        namespace=inst.metadata.namespace,
+        content_type=MERGE,
+        field_manager=AUTOSCALER_MANAGER,
+    )
+    ACTIONS.labels("scale").inc()
+    log_event(log, "scaled", instance=inst.metadata.name, replicas=replicas)
+
+
 def writes(plan: Plan) -> bool:
-    return bool(plan.create_pods or plan.deletes or plan.labels or plan.status is not None)
+    return bool(
+        plan.create_pods
+        or plan.deletes
+        or plan.labels
+        or plan.status is not None
+        or plan.scale is not None
+    )
 
 
 async def apply(
@@ -195,6 +218,8 @@ async def apply(
         await create_pod(dyn, pod)
     for patch in plan.labels:
         await label(dyn, ns, patch)
+    if plan.scale is not None:
+        await scale(dyn, inst, plan.scale)
     for ev in plan.events:
         log_event(
             log, "transition", instance=inst.metadata.name, reason=ev.reason, message=ev.message

@@ -56,6 +56,9 @@ class Reason(StrEnum):
     RECOVERED = "Recovered"
     RESET = "Reset"
     SCALED_DOWN = "ScaledDown"
+    SCALED_UP = "ScaledUp"
+    REMOVED = "Removed"
+    SCALE_OVERRIDDEN = "ScaleOverridden"  # someone else wrote replicas.desired (autoscaler on)
     STALE_POD = "StalePod"
     SPEC_CHANGED = "SpecChanged"
     FAILOVER = "Failover"

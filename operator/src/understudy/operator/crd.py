@@ -46,6 +46,15 @@ _KEEP_SCALAR = (
     "x-kubernetes-list-map-keys",
 )
 
+# The scale subresource: `kubectl scale`, an HPA or KEDA read and write the
+# replica count through /scale. The selector is the pods' instance label, so
+# an HPA on resource metrics finds the replica pods.
+SCALE: dict[str, str] = {
+    "specReplicasPath": ".spec.replicas.desired",
+    "statusReplicasPath": ".status.currentReplicas",
+    "labelSelectorPath": ".status.selector",
+}
+
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {
         "name": "Ready",
@@ -58,6 +67,12 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "type": "string",
         "jsonPath": ".status.active",
         "description": "Replicas with an Active engine / replicas",
+    },
+    {
+        "name": "Replicas",
+        "type": "integer",
+        "jsonPath": ".status.currentReplicas",
+        "description": "Replicas that exist and are not leaving",
     },
     {"name": "Failovers", "type": "integer", "jsonPath": ".status.failovers"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
@@ -175,7 +190,7 @@ def generate_crd() -> dict[str, Any]:
                     "name": api.VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    "subresources": {"status": {}, "scale": SCALE},
                     "additionalPrinterColumns": PRINTER_COLUMNS,
                     "schema": {
                         "openAPIV3Schema": {

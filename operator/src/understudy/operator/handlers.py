@@ -10,6 +10,15 @@ pass re-triggers itself: a pass that writes nothing generates no event, so
 there is no hot loop; the timer is the slow safety net and the deadline clock
 of the lifecycle (expiry is judged when a pass runs).
 
+A plan may ask for another pass after a delay (``Plan.requeue_after``): a
+replica draining out of the Service's endpoints (EndpointSlices are not
+watched here), a phase deadline, or an autoscaled instance's next pressure
+sample. :class:`Requeue` keeps at most one such wake-up per instance, the
+earliest.
+
+Placement reads the watch-based :class:`~understudy.operator.cache.ClusterCache`
+of Nodes, ResourceSlices and ResourceClaims, started with the operator.
+
 Failures map to kopf's vocabulary: a status conflict or an API error is a
 ``TemporaryError`` (retried with a delay), an invalid spec a
 ``PermanentError``. Deletion needs no cleanup outside the cluster: owner
@@ -21,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Coroutine, Hashable
 from typing import Any
 
 import aiohttp
@@ -31,9 +40,19 @@ import pydantic
 from understudy.operator import api
 from understudy.operator.api import GpuInstance
 from understudy.operator.apply import Conflict, apply
-from understudy.operator.metrics import RECONCILE_DURATION, RECONCILE_ERRORS, TRANSITIONS
+from understudy.operator.cache import ClusterCache
+from understudy.operator.metrics import (
+    AUTOSCALER_DECISIONS,
+    AUTOSCALER_DESIRED,
+    AUTOSCALER_PRESSURE,
+    CACHE_EVENTS,
+    RECONCILE_DURATION,
+    RECONCILE_ERRORS,
+    TRANSITIONS,
+    timed_select,
+)
 from understudy.operator.observe import observe
-from understudy.operator.plan import plan
+from understudy.operator.plan import Plan, plan
 from understudy.operator.render import MANAGED_BY
 from understudy.operator.settings import RESYNC_S, OperatorConfig, configure
 from understudy.wire.obs import log_event
@@ -67,6 +86,46 @@ class Coalescer:
             self._dirty.discard(key)
 
 
+class Requeue:
+    """At most one delayed pass per key, at the earliest time any plan asked for."""
+
+    MIN_DELAY_S = 0.5
+
+    def __init__(self) -> None:
+        self._handles: dict[Hashable, asyncio.TimerHandle] = {}
+        self._due: dict[Hashable, float] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def after(
+        self, key: Hashable, delay: float, fire: Callable[[], Coroutine[Any, Any, None]]
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        delay = max(self.MIN_DELAY_S, delay)
+        due = loop.time() + delay
+        if key in self._due and self._due[key] <= due:
+            return
+        if key in self._handles:
+            self._handles[key].cancel()
+        self._due[key] = due
+        self._handles[key] = loop.call_later(delay, self._fire, key, fire)
+
+    def _fire(self, key: Hashable, fire: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        self._handles.pop(key, None)
+        self._due.pop(key, None)
+        task = asyncio.get_running_loop().create_task(fire())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        for handle in self._handles.values():
+            handle.cancel()
+        self._handles.clear()
+        self._due.clear()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     from kubernetes.aio import config as kconfig
@@ -84,11 +143,19 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     memo["dyn"] = await DynamicClient(memo["api_client"])  # type: ignore[no-untyped-call]
     memo["http"] = aiohttp.ClientSession()
     memo["coalescer"] = Coalescer()
+    memo["requeue"] = Requeue()
+    cache = ClusterCache(memo["api_client"])
+    cache.start()
+    memo["cache"] = cache
     log_event(log, "operator_started", resync_s=RESYNC_S, image=cfg.render.image)
 
 
 @kopf.on.cleanup()
 async def cleanup(memo: Any, **_: Any) -> None:
+    if "requeue" in memo:
+        await memo["requeue"].close()
+    if "cache" in memo:
+        await memo["cache"].stop()
     if "http" in memo:
         await memo["http"].close()
     if "api_client" in memo:
@@ -106,7 +173,22 @@ def _rv(body: Any) -> str | None:
     return str(rv) if rv is not None else None
 
 
-async def _pass(body: Any, memo: Any, trigger: str) -> Any:
+def _record(inst: GpuInstance, the_plan: Plan, memo: Any) -> None:
+    """Metrics of one pass that the plan carries (the autoscaler's decision, the caches)."""
+    decision = the_plan.autoscale
+    ns, name = inst.metadata.namespace, inst.metadata.name
+    if decision is not None:
+        AUTOSCALER_DECISIONS.labels(str(decision.reason)).inc()
+        AUTOSCALER_DESIRED.labels(ns, name).set(decision.desired)
+        if decision.pressure is not None:
+            AUTOSCALER_PRESSURE.labels(ns, name).set(decision.pressure)
+    cache: ClusterCache | None = memo.get("cache")
+    if cache is not None:
+        for kind, informer in cache.informers.items():
+            CACHE_EVENTS.labels(kind).set(informer.events)
+
+
+async def _pass(body: Any, memo: Any, trigger: str, key: Key | None = None) -> Any:
     """One observe -> plan -> apply pass; returns the body after our own status write."""
     cfg: OperatorConfig = memo["config"]
     try:
@@ -116,12 +198,22 @@ async def _pass(body: Any, memo: Any, trigger: str) -> Any:
         raise kopf.PermanentError(f"invalid GpuInstance: {exc}") from exc
     started = asyncio.get_running_loop().time()
     try:
-        observed = await observe(memo["dyn"], memo["http"], inst, state_timeout=cfg.state_timeout_s)
+        observed = await observe(
+            memo["dyn"],
+            memo["http"],
+            inst,
+            state_timeout=cfg.state_timeout_s,
+            cache=memo.get("cache"),
+        )
         # Wall-clock: the lifecycle's deadlines are persisted in status.
-        the_plan = plan(inst, observed, time.time(), cfg.render)
+        the_plan = plan(inst, observed, time.time(), cfg.render, placer=timed_select)
         new_body = await apply(memo["dyn"], inst, the_plan, _rv(body))
         for ev in the_plan.events:
             TRANSITIONS.labels(trigger, str(ev.reason)).inc()
+        _record(inst, the_plan, memo)
+        wait = the_plan.requeue_after
+        if key is not None and wait is not None and wait < RESYNC_S:
+            memo["requeue"].after(key, wait, lambda: _requeued(key, memo))
         return new_body or body
     except Conflict as exc:
         RECONCILE_ERRORS.labels("conflict").inc()
@@ -136,12 +228,28 @@ async def _pass(body: Any, memo: Any, trigger: str) -> Any:
         RECONCILE_DURATION.labels(trigger).observe(asyncio.get_running_loop().time() - started)
 
 
+async def _requeued(key: Key, memo: Any) -> None:
+    """A delayed pass a plan asked for, from the newest body in the index."""
+    index = memo.get("index")
+    if index is None or key not in index:
+        return
+    current = next(iter(index[key]), None)
+    if current is None or (current.get("metadata") or {}).get("deletionTimestamp"):
+        return
+    try:
+        await reconcile(key, current, memo, "requeue", index)
+    except kopf.TemporaryError as exc:
+        log_event(log, "requeue_deferred", logging.DEBUG, instance=key[1], error=exc)
+
+
 async def reconcile(key: Key, body: Any, memo: Any, trigger: str, index: Any = None) -> None:
     latest: list[Any] = [body]
+    if index is not None:
+        memo["index"] = index
 
     async def once() -> None:
         used = latest[0]
-        after = await _pass(used, memo, trigger)
+        after = await _pass(used, memo, trigger, key)
         # A rerun plans from the newest body: the index's, unless it has not yet
         # seen our own status write (then the body that write returned).
         fresh = next(iter(index[key]), None) if index is not None and key in index else None

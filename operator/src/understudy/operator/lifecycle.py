@@ -55,6 +55,8 @@ class Event(StrEnum):
     EXPIRED = "Expired"  # too long in the current phase (coordinator)
     GAVE_UP = "GaveUp"  # too many failures in the current phase (coordinator)
     RESET = "Reset"  # a failed replica gets another chance (spec changed)
+    DRAIN = "Drain"  # a serving replica leaves (scale-down, rollout): unroute it first
+    DRAINED = "Drained"  # out of the Service's endpoints and settled: delete it gracefully
     DELETE = "Delete"  # scale down or instance deletion
 
 
@@ -102,7 +104,13 @@ TRANSITIONS: dict[tuple[ReplicaPhase, Event], Entry[Replica, Never, ReplicaPhase
     (P.STARTING, Event.DELETE): _to(P.TERMINATING),
     (P.RUNNING, Event.NODE_LOST): _to(P.UNKNOWN),
     (P.RUNNING, Event.POD_LOST): _to(P.PENDING),
+    (P.RUNNING, Event.DRAIN): _to(P.DRAINING),
     (P.RUNNING, Event.DELETE): _to(P.TERMINATING),
+    (P.DRAINING, Event.DRAINED): _to(P.TERMINATING),
+    (P.DRAINING, Event.EXPIRED): _to(P.TERMINATING),
+    (P.DRAINING, Event.POD_LOST): _to(P.TERMINATING),
+    (P.DRAINING, Event.NODE_LOST): _to(P.TERMINATING),
+    (P.DRAINING, Event.DELETE): _to(P.TERMINATING),
     (P.UNKNOWN, Event.NODE_BACK): _to(P.RUNNING),
     (P.UNKNOWN, Event.POD_LOST): _to(P.PENDING),
     (P.UNKNOWN, Event.EXPIRED): _to(P.PENDING),
@@ -113,6 +121,8 @@ TRANSITIONS: dict[tuple[ReplicaPhase, Event], Entry[Replica, Never, ReplicaPhase
 }
 
 TERMINAL: frozenset[ReplicaPhase] = frozenset({P.TERMINATING})
+# Phases of a replica on its way out: it no longer counts toward the replica count.
+LEAVING: frozenset[ReplicaPhase] = frozenset({P.DRAINING, P.TERMINATING})
 
 
 class LifecycleError(Exception):
@@ -149,6 +159,7 @@ class Handler(StrEnum):
     START = "start"  # Starting: the pod runs
     RECOVER = "recover"  # Unknown: the node is back and the pod still runs
     RETRY_FAILED = "retry-failed"  # Failed: wait out the back-off
+    DRAIN = "drain"  # Draining: the pod is out of the Service's endpoints and settled
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +188,7 @@ HANDLERS: dict[Handler, HandlerSpec] = {
         timeout=None,
     ),
     Handler.PRESENCE: HandlerSpec(
-        frozenset({P.SCHEDULED, P.STARTING, P.RUNNING, P.UNKNOWN}),
+        frozenset({P.SCHEDULED, P.STARTING, P.RUNNING, P.UNKNOWN, P.DRAINING}),
         Transitions(need_retry=Event.POD_LOST),
         max_retries=None,
         timeout=None,
@@ -189,7 +200,7 @@ HANDLERS: dict[Handler, HandlerSpec] = {
         timeout="bind_timeout",
     ),
     Handler.NODE: HandlerSpec(
-        frozenset({P.STARTING, P.RUNNING}),
+        frozenset({P.STARTING, P.RUNNING, P.DRAINING}),
         Transitions(need_retry=Event.NODE_LOST),
         max_retries=None,
         timeout=None,
@@ -212,6 +223,12 @@ HANDLERS: dict[Handler, HandlerSpec] = {
         max_retries=None,
         timeout="failed_backoff",
     ),
+    Handler.DRAIN: HandlerSpec(
+        frozenset({P.DRAINING}),
+        Transitions(success=Event.DRAINED, expired=Event.EXPIRED),
+        max_retries=None,
+        timeout="drain_timeout",
+    ),
 }
 
 
@@ -223,6 +240,7 @@ class Policy:
     start_timeout: float = 1800.0 + 300.0
     unknown_timeout: float = 60.0
     failed_backoff: float = 300.0
+    drain_timeout: float = 30.0 + 2.0
 
     def budget(self, name: str | None) -> float | None:
         if name is None:
@@ -331,10 +349,24 @@ def judge(
 
 
 def delete(replica: Replica, now: float) -> Replica:
-    """Scale-down or deletion: every non-terminal phase may be terminated."""
+    """Deletion without a drain: every non-terminal phase may be terminated."""
     if replica.phase in TERMINAL:
         return replica
     return step(replica, Event.DELETE, now)[0]
+
+
+def retire(replica: Replica, now: float) -> Replica:
+    """Scale-down or rollout: drain where the table allows it, else terminate.
+
+    Only a phase with a ``DRAIN`` entry (a serving replica) drains; one
+    that serves nothing has nothing to drain and is terminated at once. A
+    replica already leaving is left alone.
+    """
+    if replica.phase in LEAVING:
+        return replica
+    if (replica.phase, Event.DRAIN) in TRANSITIONS:
+        return step(replica, Event.DRAIN, now)[0]
+    return delete(replica, now)
 
 
 def reset(replica: Replica, now: float) -> Replica:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
+
 import prometheus_client as prom
+
+from understudy.operator.scheduler import NodeInfo, Placement, Request, select
 
 RECONCILE_DURATION = prom.Histogram(
     "understudy_operator_reconcile_duration_seconds",
@@ -25,3 +30,44 @@ ACTIONS = prom.Counter(
     "API writes made by the operator, by kind of action.",
     ["action"],
 )
+SCHEDULER_DECISION = prom.Histogram(
+    "understudy_scheduler_decision_seconds",
+    "Time to place one replica: filters and scorers over every candidate node.",
+    ["strategy", "result"],
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+)
+SCHEDULER_CANDIDATES = prom.Gauge(
+    "understudy_scheduler_candidate_nodes",
+    "Nodes the last placement decision looked at.",
+)
+AUTOSCALER_DESIRED = prom.Gauge(
+    "understudy_autoscaler_desired_replicas",
+    "Replica count the built-in autoscaler decided.",
+    ["namespace", "instance"],
+)
+AUTOSCALER_PRESSURE = prom.Gauge(
+    "understudy_autoscaler_pressure",
+    "Requests in flight or held over every replica, as the fronts report them.",
+    ["namespace", "instance"],
+)
+AUTOSCALER_DECISIONS = prom.Counter(
+    "understudy_autoscaler_decisions_total",
+    "Autoscaler decisions, by reason (ScaleUp, ScaleDown, Idle, Stabilizing, ...).",
+    ["reason"],
+)
+CACHE_EVENTS = prom.Gauge(
+    "understudy_operator_cache_events",
+    "Watch events the scheduler's caches applied since start, by kind.",
+    ["kind"],
+)
+
+
+def timed_select(req: Request, nodes: Sequence[NodeInfo]) -> Placement:
+    """The scheduler's ``select``, observed into ``understudy_scheduler_decision_seconds``."""
+    started = time.perf_counter()
+    placement = select(req, nodes)
+    elapsed = time.perf_counter() - started
+    result = "feasible" if placement.feasible else "infeasible"
+    SCHEDULER_DECISION.labels(str(req.strategy), result).observe(elapsed)
+    SCHEDULER_CANDIDATES.set(len(nodes))
+    return placement

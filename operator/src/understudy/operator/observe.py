@@ -1,15 +1,21 @@
-"""Observed state of one GpuInstance: its pods, the nodes, devices and engines.
+"""Observed state of one GpuInstance: its pods, the nodes, devices, engines and fronts.
 
-Shell module: reads the API with the ``kubernetes.aio`` dynamic client and
-each engine's ``/state`` over HTTP, then builds the plain, frozen
+Shell module: reads the API with the ``kubernetes.aio`` dynamic client, each
+engine's ``/state`` and (when the instance autoscales) each front's
+``/pressure`` over HTTP, then builds the plain, frozen
 :class:`~understudy.operator.plan.Observed` that ``plan`` decides from. The
-parsing functions (``pod_view``, ``node_infos``, ``engine_view``) are pure and
-unit-tested; the coroutines only fetch.
+parsing functions (``pod_view``, ``node_infos``, ``engine_view``,
+``pressure_view``, ``endpoint_pods``) are pure and unit-tested; the
+coroutines only fetch.
+
+Nodes, ResourceSlices and ResourceClaims come from the watch-based
+:class:`~understudy.operator.cache.ClusterCache` once it has synced, and
+from a list per pass before that (or without a cache).
 
 Every read that the operator may lack permission for (nodes, ResourceSlices,
-cluster-wide ResourceClaims) degrades to "unknown" rather than failing the
-reconcile; an engine that does not answer ``/state`` within a short timeout
-is unknown too (never blocking the loop for long).
+cluster-wide ResourceClaims, EndpointSlices) degrades to "unknown" rather
+than failing the reconcile; an engine or front that does not answer within
+a short timeout is unknown too (never blocking the loop for long).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
@@ -24,8 +31,9 @@ import aiohttp
 
 from understudy.operator import api, render
 from understudy.operator.api import GpuInstance
-from understudy.operator.plan import ContainerView, EngineView, Observed, PodView
-from understudy.operator.scheduler import NodeInfo
+from understudy.operator.cache import ClusterCache
+from understudy.operator.plan import ContainerView, EngineView, Observed, PodView, Pressure
+from understudy.operator.scheduler import NodeInfo, inventory
 
 log = logging.getLogger("understudy.operator.observe")
 
@@ -58,9 +66,12 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
     spec = pod.get("spec") or {}
     status = pod.get("status") or {}
     unschedulable = None
+    ready = False
     for cond in status.get("conditions") or []:
         if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
             unschedulable = f"{cond.get('reason', '')}: {cond.get('message', '')}".strip(": ")
+        if cond.get("type") == "Ready":
+            ready = cond.get("status") == "True"
     front_ready = any(
         c.get("name") == render.FRONT and bool(c.get("ready"))
         for c in status.get("initContainerStatuses") or []
@@ -85,6 +96,7 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         deleting=meta.get("deletionTimestamp") is not None,
         unschedulable=unschedulable or None,
         routable_label=labels.get(render.LABEL_ROUTABLE),
+        ready=ready,
         front_ready=front_ready,
         containers=containers,
     )
@@ -104,11 +116,31 @@ def engine_view(data: Mapping[str, Any] | None) -> EngineView:
     )
 
 
-def _ready(node: Mapping[str, Any]) -> bool:
-    for cond in (node.get("status") or {}).get("conditions") or []:
-        if cond.get("type") == "Ready":
-            return bool(cond.get("status") == "True")
-    return False
+def pressure_view(data: Mapping[str, Any] | None) -> Pressure | None:
+    """A front's ``/pressure`` JSON (inflight, held, active); None when unusable."""
+    if not data:
+        return None
+    inflight, held = data.get("inflight"), data.get("held")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (inflight, held)):
+        return None
+    assert isinstance(inflight, int) and isinstance(held, int)
+    return Pressure(inflight=inflight, held=held, active=bool(data.get("active")))
+
+
+def endpoint_pods(slices: Iterable[Mapping[str, Any]]) -> frozenset[str]:
+    """The pods an EndpointSlice list names (any condition: listed is listed)."""
+    return frozenset(
+        str(ref.get("name"))
+        for sl in slices
+        for ep in sl.get("endpoints") or []
+        if (ref := ep.get("targetRef") or {}).get("kind") == "Pod"
+    )
+
+
+def device_view(inst: GpuInstance) -> tuple[str, str]:
+    """(driver, index attribute) of the instance's devices."""
+    g = inst.spec.gpus
+    return g.device_class_name, g.index_attribute or f"{g.device_class_name}/index"
 
 
 def node_infos(
@@ -117,61 +149,9 @@ def node_infos(
     slices: Iterable[Mapping[str, Any]] | None,
     claims: Iterable[Mapping[str, Any]] | None,
 ) -> tuple[tuple[NodeInfo, ...], dict[str, bool]]:
-    """Placement candidates from Nodes, ResourceSlices and allocated ResourceClaims.
-
-    The driver is assumed to be named like the DeviceClass (true of NVIDIA's
-    ``gpu.nvidia.com`` and of our fake ``gpu.understudy.dev``); a device's
-    index is its ``index`` attribute (or ``gpus.indexAttribute``).
-    """
-    g = inst.spec.gpus
-    attr = g.index_attribute or f"{g.device_class_name}/index"
-    domain, attr_name = attr.split("/", 1)
-    driver = g.device_class_name
-    # (driver, pool, device) -> (node, index)
-    where: dict[tuple[str, str, str], tuple[str, int]] = {}
-    per_node: dict[str, set[int]] = {}
-    for sl in slices or ():
-        spec = sl.get("spec") or {}
-        if spec.get("driver") != driver or not spec.get("nodeName"):
-            continue
-        node = spec["nodeName"]
-        pool = (spec.get("pool") or {}).get("name", "")
-        for dev in spec.get("devices") or []:
-            attrs = dev.get("attributes") or {}
-            raw = attrs.get(attr_name) if domain == driver else None
-            raw = raw or attrs.get(attr)
-            index = _int((raw or {}).get("int"))
-            if index is None:
-                continue
-            where[(driver, pool, dev.get("name", ""))] = (node, index)
-            per_node.setdefault(node, set()).add(index)
-    allocated: dict[str, set[int]] = {}
-    for claim in claims or ():
-        results = ((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}
-        for res in results.get("results") or []:
-            key = (res.get("driver", ""), res.get("pool", ""), res.get("device", ""))
-            if key in where:
-                node, index = where[key]
-                allocated.setdefault(node, set()).add(index)
-    infos = []
-    ready: dict[str, bool] = {}
-    for n in nodes:
-        meta = n.get("metadata") or {}
-        name = meta.get("name", "")
-        ready[name] = _ready(n)
-        infos.append(
-            NodeInfo(
-                name=name,
-                labels=dict(meta.get("labels") or {}),
-                ready=ready[name],
-                schedulable=not (n.get("spec") or {}).get("unschedulable", False),
-                devices=frozenset(per_node[name])
-                if slices is not None and name in per_node
-                else (frozenset() if slices is not None else None),
-                allocated=frozenset(allocated.get(name, set())),
-            )
-        )
-    return tuple(infos), ready
+    """Placement candidates from Nodes, ResourceSlices and allocated ResourceClaims."""
+    driver, attribute = device_view(inst)
+    return inventory.node_infos(driver, attribute, nodes, slices, claims)
 
 
 async def _list(
@@ -195,13 +175,13 @@ async def _list(
     return items
 
 
-async def fetch_state(
-    http: aiohttp.ClientSession, ip: str, port: int, limit_s: float = STATE_TIMEOUT_S
+async def fetch_json(
+    http: aiohttp.ClientSession, ip: str, port: int, path: str, limit_s: float = STATE_TIMEOUT_S
 ) -> dict[str, Any] | None:
-    """An engine's /state, or None (unknown) when it does not answer within ``limit_s``."""
+    """``GET http://ip:port/path`` as a JSON object, or None (unknown) past ``limit_s``."""
     try:
         async with asyncio.timeout(limit_s):
-            async with http.get(f"http://{ip}:{port}/state") as resp:
+            async with http.get(f"http://{ip}:{port}{path}") as resp:
                 if resp.status != 200:
                     return None
                 data = await resp.json(content_type=None)
@@ -210,12 +190,38 @@ async def fetch_state(
         return None
 
 
+async def fetch_state(
+    http: aiohttp.ClientSession, ip: str, port: int, limit_s: float = STATE_TIMEOUT_S
+) -> dict[str, Any] | None:
+    """An engine's /state, or None (unknown) when it does not answer within ``limit_s``."""
+    return await fetch_json(http, ip, port, "/state", limit_s)
+
+
+async def placement_inputs(
+    dyn: Any, inst: GpuInstance, cache: ClusterCache | None
+) -> tuple[tuple[NodeInfo, ...], dict[str, bool] | None]:
+    """Candidates and node readiness: from the cache once synced, else a list per pass."""
+    if cache is not None and cache.synced:
+        if not cache.nodes_known:
+            return (), None
+        return cache.node_infos(*device_view(inst)), dict(cache.node_ready())
+    nodes_raw, slices, claims = await asyncio.gather(
+        _list(dyn, "v1", "Node"),
+        _list(dyn, "resource.k8s.io/v1", "ResourceSlice"),
+        _list(dyn, "resource.k8s.io/v1", "ResourceClaim"),
+    )
+    if nodes_raw is None:
+        return (), None
+    return node_infos(inst, nodes_raw, slices, claims)
+
+
 async def observe(
     dyn: Any,
     http: aiohttp.ClientSession,
     inst: GpuInstance,
     *,
     state_timeout: float = STATE_TIMEOUT_S,
+    cache: ClusterCache | None = None,
 ) -> Observed:
     ns = inst.metadata.namespace
     selector = f"{render.LABEL_INSTANCE}={inst.metadata.name}"
@@ -228,15 +234,15 @@ async def observe(
             for o in (p.get("metadata") or {}).get("ownerReferences") or []
         )
     ]
-    nodes_raw, slices, claims = await asyncio.gather(
-        _list(dyn, "v1", "Node"),
-        _list(dyn, "resource.k8s.io/v1", "ResourceSlice"),
-        _list(dyn, "resource.k8s.io/v1", "ResourceClaim"),
+    nodes, node_ready = await placement_inputs(dyn, inst, cache)
+    slices = await _list(
+        dyn,
+        "discovery.k8s.io/v1",
+        "EndpointSlice",
+        namespace=ns,
+        label_selector=f"kubernetes.io/service-name={render.service_name(inst)}",
     )
-    nodes: tuple[NodeInfo, ...] = ()
-    node_ready: dict[str, bool] | None = None
-    if nodes_raw is not None:
-        nodes, node_ready = node_infos(inst, nodes_raw, slices, claims)
+    endpoints = endpoint_pods(slices) if slices is not None else None
 
     kind = "ResourceClaimTemplate" if inst.spec.gpus.exclusive else "ResourceClaim"
     claim_list = await _list(
@@ -251,27 +257,28 @@ async def observe(
     views: dict[str, PodView] = {}
     engines = render.engine_names(inst)
     probes: list[tuple[str, str, Any]] = []
+    fronts: list[tuple[str, Any]] = []
     for p in owned:
         view = pod_view(p)
         views[view.name] = view
         ip = (p.get("status") or {}).get("podIP")
         if ip and view.phase == "Running" and not view.deleting:
             for i, name in enumerate(engines):
-                probes.append(
-                    (
-                        view.name,
-                        name,
-                        fetch_state(http, ip, api.STATUS_PORT_BASE + i, state_timeout),
-                    )
-                )
-    if probes:
-        results = await asyncio.gather(*(c for _, _, c in probes))
-        per_pod: dict[str, dict[str, EngineView]] = {}
-        for (pod_name, engine, _), data in zip(probes, results, strict=True):
-            per_pod.setdefault(pod_name, {})[engine] = engine_view(data)
-        for pod_name, states in per_pod.items():
-            v = views[pod_name]
-            views[pod_name] = PodView(
-                **{**{f: getattr(v, f) for f in PodView.__slots__}, "engines": states}
-            )
-    return Observed(pods=views, node_ready=node_ready, nodes=nodes, claim=claim)
+                port = api.STATUS_PORT_BASE + i
+                probes.append((view.name, name, fetch_state(http, ip, port, state_timeout)))
+            if inst.spec.autoscaling.enabled:
+                port = api.FRONT_STATUS_PORT
+                fronts.append((view.name, fetch_json(http, ip, port, "/pressure", state_timeout)))
+    states, pressures = await asyncio.gather(
+        asyncio.gather(*(c for _, _, c in probes)), asyncio.gather(*(c for _, c in fronts))
+    )
+    per_pod: dict[str, dict[str, EngineView]] = {}
+    for (pod_name, engine, _), data in zip(probes, states, strict=True):
+        per_pod.setdefault(pod_name, {})[engine] = engine_view(data)
+    for pod_name, engine_states in per_pod.items():
+        views[pod_name] = replace(views[pod_name], engines=engine_states)
+    for (pod_name, _), data in zip(fronts, pressures, strict=True):
+        views[pod_name] = replace(views[pod_name], pressure=pressure_view(data))
+    return Observed(
+        pods=views, node_ready=node_ready, nodes=nodes, claim=claim, endpoints=endpoints
+    )

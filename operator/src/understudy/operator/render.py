@@ -57,7 +57,16 @@ class RenderConfig:
     # Probe timings of docs/pod.md; the startup probe's failureThreshold is
     # derived from the startup budget.
     engine_startup_period_s: int = 2
-    termination_grace_s: int = 30
+
+
+def drain_seconds(inst: GpuInstance) -> int:
+    """How long the front and an Active engine finish in-flight work after SIGTERM.
+
+    ``drain.gracePeriodSeconds`` is the pod's grace (and the operator's delete
+    uses it); the drains end 5 s before it so that they exit on their own
+    rather than by SIGKILL.
+    """
+    return max(1, inst.spec.drain.grace_period_seconds - 5)
 
 
 def pod_name(inst: GpuInstance, index: int) -> str:
@@ -264,7 +273,7 @@ def front_container(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]:
             "--hang-after",
             f"{f.hang_after_seconds:g}",
             "--drain",
-            str(max(1, cfg.termination_grace_s - 5)),
+            str(drain_seconds(inst)),
         ],
         "ports": [
             {"name": "http", "containerPort": inst.spec.serving_port, "protocol": "TCP"},
@@ -310,8 +319,8 @@ def engine_env(inst: GpuInstance, name: str, i: int) -> list[dict[str, Any]]:
         "UNDERSTUDY_LOCK_RECONNECT_S": str(s.failover.lock_reconnect_window_seconds + 5),
         # One BLAS thread: answers stay bit-identical across engines and nodes.
         "OPENBLAS_NUM_THREADS": "1",
-        # SIGTERM drains an Active engine this long, within the pod's 30 s grace.
-        "UNDERSTUDY_DRAIN_S": "25",
+        # SIGTERM drains an Active engine this long, within the pod's grace.
+        "UNDERSTUDY_DRAIN_S": str(drain_seconds(inst)),
     }
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in values.items()]
     env += [
@@ -400,7 +409,7 @@ def pod_spec(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]:
     """The pod spec without placement: what the spec hash covers."""
     spec: dict[str, Any] = {
         "restartPolicy": "Always",
-        "terminationGracePeriodSeconds": cfg.termination_grace_s,
+        "terminationGracePeriodSeconds": inst.spec.drain.grace_period_seconds,
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
         "securityContext": {
@@ -426,6 +435,10 @@ def pod_spec(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]:
     }
     if inst.spec.placement.node_selector:
         spec["nodeSelector"] = dict(inst.spec.placement.node_selector)
+    if inst.spec.placement.tolerations:
+        spec["tolerations"] = [
+            t.model_dump(by_alias=True, exclude_none=True) for t in inst.spec.placement.tolerations
+        ]
     return spec
 
 

@@ -15,8 +15,34 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from understudy.operator.api import PlacementStrategy
+
+
+@dataclass(frozen=True, slots=True)
+class Taint:
+    key: str
+    value: str = ""
+    effect: str = "NoSchedule"
+
+
+@dataclass(frozen=True, slots=True)
+class Toleration:
+    key: str | None = None  # None with Exists: tolerates every taint
+    operator: str = "Equal"  # Equal | Exists
+    value: str | None = None
+    effect: str | None = None  # None: every effect
+
+    def tolerates(self, taint: Taint) -> bool:
+        """core/v1 semantics (``Toleration.ToleratesTaint``)."""
+        if self.effect is not None and self.effect != taint.effect:
+            return False
+        if self.key is not None and self.key != taint.key:
+            return False
+        if self.operator == "Exists":
+            return True
+        return (self.value or "") == taint.value
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +51,8 @@ class NodeInfo:
     labels: Mapping[str, str] = field(default_factory=dict)
     ready: bool = True
     schedulable: bool = True
+    taints: tuple[Taint, ...] = ()
+    images: frozenset[str] = frozenset()  # image names the node holds (status.images)
     # Device indices of the requested class on this node (ResourceSlices) and
     # those allocated to any claim. None: unknown (no ResourceSlice access).
     devices: frozenset[int] | None = None
@@ -47,6 +75,10 @@ class Request:
     target_node: str | None = None
     node_selector: Mapping[str, str] = field(default_factory=dict)
     exclusive: bool = True
+    tolerations: tuple[Toleration, ...] = ()
+    # Locality (scorers.locality_score): the engine image, and node labels preferred.
+    image: str | None = None
+    preferred_labels: Mapping[str, str] = field(default_factory=dict)
 
 
 Filter = Callable[[Request, NodeInfo], str | None]
@@ -73,6 +105,23 @@ def status_filter(req: Request, node: NodeInfo) -> str | None:
     return None
 
 
+# Taint effects that keep a pod off a node (PreferNoSchedule only discourages).
+HARD_EFFECTS = frozenset({"NoSchedule", "NoExecute"})
+
+
+@lru_cache(maxsize=4096)
+def tolerated(tolerations: tuple[Toleration, ...], taint: Taint) -> bool:
+    """Whether any toleration tolerates the taint (memoised: a fleet repeats its taints)."""
+    return any(t.tolerates(taint) for t in tolerations)
+
+
+def taint_filter(req: Request, node: NodeInfo) -> str | None:
+    for taint in node.taints:
+        if taint.effect in HARD_EFFECTS and not tolerated(req.tolerations, taint):
+            return f"untolerated taint {taint.key}={taint.value}:{taint.effect}"
+    return None
+
+
 def device_filter(req: Request, node: NodeInfo) -> str | None:
     if node.devices is None:
         return None  # unknown: leave it to kube-scheduler and DRA
@@ -91,7 +140,13 @@ def device_filter(req: Request, node: NodeInfo) -> str | None:
     return None
 
 
-CHAIN: tuple[Filter, ...] = (target_node_filter, node_selector_filter, status_filter, device_filter)
+CHAIN: tuple[Filter, ...] = (
+    target_node_filter,
+    node_selector_filter,
+    status_filter,
+    taint_filter,
+    device_filter,
+)
 
 
 def filter_nodes(
@@ -100,10 +155,19 @@ def filter_nodes(
     """Candidates, and the first rejection reason of every other node."""
     kept: list[NodeInfo] = []
     rejected: dict[str, str] = {}
+    # Filters that cannot reject anything for this request are skipped: a
+    # fleet is filtered node by node, and each call costs.
+    idle: dict[Filter, bool] = {
+        target_node_filter: req.target_node is None,
+        node_selector_filter: not req.node_selector,
+    }
+    chain = [f for f in chain if not idle.get(f, False)]
     for node in nodes:
-        reason = next((r for f in chain if (r := f(req, node)) is not None), None)
-        if reason is None:
-            kept.append(node)
+        for check in chain:
+            reason = check(req, node)
+            if reason is not None:
+                rejected[node.name] = reason
+                break
         else:
-            rejected[node.name] = reason
+            kept.append(node)
     return kept, rejected
