@@ -299,7 +299,10 @@ class Inventory:
             else:
                 view.infos[name] = self._info(rec, driver, attribute)
         view.dirty = set()
-        view.snapshot = tuple(view.infos.values())
+        # In the nodes' own order (as the API listed and watched them), not the
+        # order a set of dirty names happened to iterate in: a decision between
+        # equal nodes must not change from one process to the next.
+        view.snapshot = tuple(view.infos[n] for n in self.nodes if n in view.infos)
         return view.snapshot
 
     def node_ready(self) -> dict[str, bool]:
