@@ -78,6 +78,7 @@ IntOrString = int | str  # a Kubernetes quantity: `1`, `"500m"`, `"8Gi"`
 
 
 class EngineAdapter(StrEnum):
+    LLAMA = "llama"
     REFERENCE = "reference"
     SYNTHETIC = "synthetic"
     VLLM = "vllm"
