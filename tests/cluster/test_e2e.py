@@ -81,8 +81,8 @@ def installed(cluster: Any, image: str) -> Iterator[Any]:
     )
 
 
-def _sample(name: str, device_class: str) -> dict[str, Any]:
-    doc = yaml.safe_load((ROOT / "manifests/samples/gpuinstance-reference.yaml").read_text())
+def _sample(name: str, device_class: str, sample: str = "reference") -> dict[str, Any]:
+    doc = yaml.safe_load((ROOT / f"manifests/samples/gpuinstance-{sample}.yaml").read_text())
     doc["metadata"] = {"name": name}
     doc["spec"]["gpus"]["deviceClassName"] = device_class
     # Two shadows: a takeover can itself be killed at once and still find a standby.
@@ -106,9 +106,9 @@ def _condition(obj: dict[str, Any], kind: str) -> dict[str, Any]:
 
 
 class Instance:
-    def __init__(self, cluster: Any, ns: str, name: str = "minilm") -> None:
+    def __init__(self, cluster: Any, ns: str, name: str = "minilm", sample: str = "reference"):
         self.cluster, self.ns, self.name = cluster, ns, name
-        cluster.apply(json.dumps(_sample(name, cluster.device_class)), namespace=ns)
+        cluster.apply(json.dumps(_sample(name, cluster.device_class, sample)), namespace=ns)
 
     def get(self) -> dict[str, Any]:
         return self.cluster.get_json("gpuinstance", self.name, "-n", self.ns)
@@ -238,6 +238,29 @@ def test_chaos_second_fault_inside_a_failover(instance: Instance, scenario: str)
     assert s["wrong_answers"] == 0 and s["split_brain"] == 0 and s["epoch_regressions"] == 0
     assert report["exit_code"] == 0
     instance.wait_ready(300)
+
+
+@pytest.mark.timeout(1800)
+def test_llama_streams_through_the_service_survive_engine_deaths(installed: Any) -> None:
+    """The generative engine on the cluster: 16 clients streaming and not
+    through the Service while its Active engines are killed (KILL, SEGV, STOP):
+    streams continue on the next engine, and every answer is the same."""
+    ns = f"llama-{int(time.time())}"
+    installed.kubectl("create", "namespace", ns)
+    installed.kubectl("wait", "--for=create", "-n", ns, "serviceaccount/default", "--timeout=30s")
+    try:
+        inst = Instance(installed, ns, name="tiny-llama", sample="llama")
+        inst.wait_ready(600)
+        kills = max(6, KILLS // 6)
+        report = inst.drill("--kills", str(kills), "--signal", SIGNALS)
+        s = report["summary"]
+        assert s["failovers_ok"] == kills, report["rounds"]
+        assert s["failed_requests"] == 0, report.get("errors")
+        assert s["wrong_answers"] == 0 and s["split_brain"] == 0
+        assert {"chat-stream", "completion"} <= set(s["requests_by_kind"])
+        assert report["exit_code"] == 0
+    finally:
+        installed.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
 def _restarts(pod: dict[str, Any], name: str) -> int:
