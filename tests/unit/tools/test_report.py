@@ -14,7 +14,7 @@ import pytest
 from matplotlib.image import imread
 
 from understudy.tools.drill import Kind, Sample, request_series, stats
-from understudy.tools.report import CHARTS, phases, write_report
+from understudy.tools.report import CHARTS, by_signal, phases, write_report
 
 KINDS = [Kind("chat-stream", "/v1/chat/completions", {}, streaming=True), Kind("chat", "/x", {})]
 
@@ -103,6 +103,16 @@ def test_every_chart_is_a_real_png_and_the_page_shows_it(tmp_path: Path) -> None
     # the drill's nearest-rank p50 of 45, 50, .. 70 ms
     assert "<td>client-observed gap</td><td>6</td><td>60.0</td>" in page
     assert "no new Active engine" in page and "HTTP 503" in page
+    assert "<td>SIGKILL: client-observed gap</td><td>6</td><td>60.0</td>" in page
+
+
+def test_mixed_signals_get_their_own_percentiles() -> None:
+    rounds = synthetic()["rounds"]
+    split = by_signal(rounds)
+    assert sorted(split) == ["KILL", "STOP"]
+    assert split["KILL"]["gap_s"]["n"] == 6 and split["KILL"]["gap_s"]["max"] == 0.070
+    assert split["STOP"]["gap_s"] is None  # its one round failed: nothing measured
+    assert by_signal(rounds[:6]) == {}  # one signal: the drill's own numbers say it all
 
 
 def test_a_json_without_series_draws_what_it_can(tmp_path: Path) -> None:

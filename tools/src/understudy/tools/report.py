@@ -31,7 +31,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from understudy.tools.drill import percentile, verdict
+from understudy.tools.drill import percentile, stats, verdict
 
 CHARTS = ("latency.png", "around-kills.png", "gaps.png", "phases.png")
 SERIES_CHARTS = ("latency.png", "around-kills.png")  # need the per-request series
@@ -40,6 +40,7 @@ MAX_AROUND_S = 10.0
 DPI = 100
 
 STREAMING, PLAIN, FAILED, KILL = "tab:blue", "tab:orange", "tab:red", "tab:red"
+SIGNAL_COLORS = ("tab:blue", "tab:purple", "tab:olive", "tab:cyan", "tab:brown")
 PHASES = (
     ("detection", "kill → lock granted", "tab:red"),
     ("wake", "granted → Active", "tab:orange"),
@@ -95,6 +96,24 @@ def _rows(series: dict[str, Any]) -> list[tuple[float, float, bool, bool]]:
         streaming = bool(0 <= kind < len(kinds) and kinds[kind].get("streaming"))
         out.append((start + latency, latency, streaming, bool(ok)))
     return out
+
+
+def by_signal(rounds: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The drill's percentiles again, for the rounds of each signal apart (a
+    hang is detected in a second, a death in milliseconds: mixed, their
+    percentiles say little). Empty when every round had the same signal."""
+    signals = sorted({r["signal"] for r in rounds if r.get("signal")})
+    if len(signals) < 2:
+        return {}
+    return {
+        sig: {
+            key: stats(
+                [r[key] for r in rounds if r.get("signal") == sig and r.get(key) is not None]
+            )
+            for key, _ in STATS
+        }
+        for sig in signals
+    }
 
 
 def phases(rnd: dict[str, Any]) -> dict[str, float]:
@@ -222,17 +241,34 @@ def gap_chart(rounds: list[dict[str, Any]], summary: dict[str, Any], path: Path)
     fig = _figure(11, 3.8)
     hist, cdf = fig.subplots(1, 2)
     gaps = sorted(r["gap_s"] * 1000 for r in rounds if r.get("gap_s") is not None)
-    stats = summary.get("gap_s") or {}
+    marks = summary.get("gap_s") or {}
     if gaps:
-        hist.hist(gaps, bins=min(30, max(5, len(gaps) // 2)), color="tab:blue", alpha=0.8)
+        # stacked by signal when the drill mixed them: a hang's gap is not a death's
+        signals = sorted({r.get("signal") or "?" for r in rounds if r.get("gap_s") is not None})
+        groups = [
+            [
+                r["gap_s"] * 1000
+                for r in rounds
+                if r.get("gap_s") is not None and r.get("signal", "?") == s
+            ]
+            for s in signals
+        ]
+        hist.hist(
+            groups,
+            bins=min(30, max(5, len(gaps) // 2)),
+            stacked=True,
+            color=[SIGNAL_COLORS[i % len(SIGNAL_COLORS)] for i in range(len(signals))],
+            label=[f"SIG{s} ({len(g)})" for s, g in zip(signals, groups, strict=True)],
+            alpha=0.85,
+        )
         cdf.step(gaps, [(i + 1) / len(gaps) for i in range(len(gaps))], where="post")
         cdf.set_ylim(0, 1.02)
     else:
         for ax in (hist, cdf):
             ax.text(0.5, 0.5, "no gaps measured", ha="center", transform=ax.transAxes)
     for key, style in (("p50", "--"), ("p99", ":")):
-        if key in stats:
-            v = stats[key] * 1000
+        if key in marks:
+            v = marks[key] * 1000
             for ax in (hist, cdf):
                 ax.axvline(v, color="black", ls=style, lw=1, label=f"{key} {v:.1f} ms")
     hist.set_title(f"Client-observed gap per failover ({len(gaps)} rounds)")
@@ -243,7 +279,7 @@ def gap_chart(rounds: list[dict[str, Any]], summary: dict[str, Any], path: Path)
     cdf.set_ylabel("fraction of rounds")
     for ax in (hist, cdf):
         ax.grid(True, alpha=0.3)
-        if stats:
+        if gaps:
             ax.legend(fontsize=8)
     return _save(fig, path)
 
@@ -294,9 +330,12 @@ def phases_chart(rounds: list[dict[str, Any]], path: Path) -> Path:
         ncols=3,
         fontsize=8,
     )
-    fast.set_xlabel("round")
+    fast.set_xlabel("round (and its signal)")
     if len(index) <= 40:
-        fast.set_xticks(index)
+        fast.set_xticks(
+            index, [f"{i}\n{r.get('signal', '')}" for i, r in zip(index, rounds, strict=True)]
+        )
+        fast.tick_params(axis="x", labelsize=7)
     return _save(fig, path)
 
 
@@ -376,6 +415,23 @@ def render_html(result: dict[str, Any], images: list[str]) -> str:
             cells = "".join(f"<td>{_fmt_ms(st.get(q))}</td>" for q in ("p50", "p95", "p99", "max"))
             out.append(f"<tr><td>{e(label)}</td><td>{st.get('n')}</td>{cells}</tr>")
     out.append("</table>")
+    split = by_signal(result.get("rounds", []))
+    if split:
+        out.append(
+            "<table><tr><th>ms, by signal</th><th>n</th><th>p50</th><th>p95</th>"
+            "<th>p99</th><th>max</th></tr>"
+        )
+        for sig, per in split.items():
+            for key, label in STATS:
+                st = per[key]
+                if st and key in ("gap_s", "kill_to_grant_s", "grant_to_active_s", "rearm_s"):
+                    cells = "".join(
+                        f"<td>{_fmt_ms(st.get(q))}</td>" for q in ("p50", "p95", "p99", "max")
+                    )
+                    out.append(
+                        f"<tr><td>SIG{e(sig)}: {e(label)}</td><td>{st.get('n')}</td>{cells}</tr>"
+                    )
+        out.append("</table>")
     if "latency.png" not in images:
         out.append(
             "<p>This drill's JSON has no per-request series (run the drill with "
