@@ -115,6 +115,23 @@ def test_mixed_signals_get_their_own_percentiles() -> None:
     assert by_signal(rounds[:6]) == {}  # one signal: the drill's own numbers say it all
 
 
+def test_a_cluster_drill_shows_what_its_observer_saw(tmp_path: Path) -> None:
+    result = synthetic()
+    # what `understudy drill --kube` adds to the JSON (drill_kube.Observer.report)
+    result["cluster"] = {
+        "samples": 400,
+        "seconds_not_an_endpoint": {"minilm-0": 0.0},
+        "left_endpoints": False,
+        "seconds_pod_not_ready": {"minilm-0": 12.5},
+        "pod_ready_timeline": [],
+        "restarts": {"minilm-0/engine-primary": 3, "minilm-0/gms": 0},
+    }
+    page = write_report(result, tmp_path)[0].read_text()
+    assert "<h2>The cluster</h2>" in page
+    assert "<td>left_endpoints</td><td>False</td>" in page
+    assert "minilm-0/engine-primary&#x27;: 3" in page
+
+
 def test_a_json_without_series_draws_what_it_can(tmp_path: Path) -> None:
     files = write_report(synthetic(with_series=False), tmp_path)
     assert [f.name for f in files] == ["index.html", "gaps.png", "phases.png"]
