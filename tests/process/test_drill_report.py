@@ -81,3 +81,13 @@ def test_a_real_drill_draws_its_report(tmp_path: Path) -> None:
     assert (again / "index.html").read_text() == page
     for name in CHARTS:
         assert imread(again / name).shape == imread(out / name).shape
+
+
+def test_drawing_what_is_not_a_kill_drill_is_refused(tmp_path: Path) -> None:
+    sidecar = tmp_path / "sidecar.json"  # what `drill --sidecar gms --output` writes
+    sidecar.write_text(json.dumps({"sidecar": "gms", "failover": True, "recovered_s": 4.9}))
+    run = _drill("--from", str(sidecar), "--report", str(tmp_path / "r"), timeout=60)
+    assert run.returncode == 2 and "not the JSON of a kill drill" in run.stderr
+    assert not (tmp_path / "r").exists()
+    run = _drill("--from", str(sidecar), timeout=60)
+    assert run.returncode == 2 and "--from needs --report" in run.stderr

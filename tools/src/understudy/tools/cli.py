@@ -200,7 +200,15 @@ def cmd_drill(args: argparse.Namespace) -> int:
         if not args.report:
             print("understudy drill: --from needs --report DIR", file=sys.stderr)
             return 2
-        _report(json.loads(Path(args.from_json).read_text()), Path(args.report))
+        saved = json.loads(Path(args.from_json).read_text())
+        if not isinstance(saved, dict) or "rounds" not in saved or "summary" not in saved:
+            print(
+                f"understudy drill: {args.from_json} is not the JSON of a kill drill "
+                "(understudy drill --output)",
+                file=sys.stderr,
+            )
+            return 2
+        _report(saved, Path(args.report))
         return 0
     sig = [
         getattr(signal, f"SIG{name.strip().upper().removeprefix('SIG')}")
