@@ -29,6 +29,10 @@ LABEL_REPLICA = f"{PREFIX}/replica"
 LABEL_ROUTABLE = f"{PREFIX}/routable"
 ANNOTATION_ATTEMPT = f"{PREFIX}/attempt"
 ANNOTATION_SPEC_HASH = f"{PREFIX}/spec-hash"
+# Every container port whose name is here serves Prometheus /metrics (the
+# chart's PodMonitor lists them; docs/monitoring-kubernetes.md): the lock
+# server, GMS, the front's status port and each engine's status port.
+METRICS_PORT_NAMES = ("lock-metrics", "gms-metrics", "front-status")
 MANAGED_BY = "understudy-operator"
 
 RUN_DIR = "/run/understudy"
@@ -448,6 +452,23 @@ def spec_hash(inst: GpuInstance, cfg: RenderConfig) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def scrape_annotations() -> dict[str, str]:
+    """The ``prometheus.io/*`` convention of plain Prometheus: one port per pod.
+
+    The pod serves metrics on several ports (``METRICS_PORT_NAMES`` and every
+    engine's ``status-N``); the convention names one, so it names the lock
+    server's: it sees both ends of every handover and outlives the engines, so
+    its counters (grants, epoch, handover time) are the failover record. The
+    PodMonitor, and the scrape config of docs/monitoring-kubernetes.md, take
+    every metrics port by name.
+    """
+    return {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(api.LOCKSERVER_METRICS_PORT),
+        "prometheus.io/path": "/metrics",
+    }
+
+
 def render_pod(
     inst: GpuInstance, index: int, attempt: int, node: str | None, cfg: RenderConfig
 ) -> dict[str, Any]:
@@ -462,6 +483,7 @@ def render_pod(
     meta["annotations"] = {
         ANNOTATION_ATTEMPT: str(attempt),
         ANNOTATION_SPEC_HASH: spec_hash(inst, cfg),
+        **scrape_annotations(),
     }
     spec = pod_spec(inst, cfg)
     if node is not None:

@@ -199,6 +199,31 @@ def cmd_local_down(args: argparse.Namespace) -> int:
 def cmd_drill(args: argparse.Namespace) -> int:
     from understudy.tools import drill as drill_mod
 
+    if args.report:
+        from understudy.tools.report import ReportUnavailable, check_available
+
+        try:  # before a drill that would end without its pictures
+            check_available()
+        except ReportUnavailable as exc:
+            print(f"understudy drill: {exc}", file=sys.stderr)
+            return 2
+        if args.sidecar:
+            print("understudy drill: --report draws kill rounds, not --sidecar", file=sys.stderr)
+            return 2
+    if args.from_json:
+        if not args.report:
+            print("understudy drill: --from needs --report DIR", file=sys.stderr)
+            return 2
+        saved = json.loads(Path(args.from_json).read_text())
+        if not isinstance(saved, dict) or "rounds" not in saved or "summary" not in saved:
+            print(
+                f"understudy drill: {args.from_json} is not the JSON of a kill drill "
+                "(understudy drill --output)",
+                file=sys.stderr,
+            )
+            return 2
+        _report(saved, Path(args.report))
+        return 0
     sig = [
         getattr(signal, f"SIG{name.strip().upper().removeprefix('SIG')}")
         for name in args.signal.split(",")
@@ -230,6 +255,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
             Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result))
         return 0
+    load_start = os.getloadavg()
     try:
         report = drill_mod.drill(
             target,
@@ -246,7 +272,12 @@ def cmd_drill(args: argparse.Namespace) -> int:
         if observer is not None:
             observer.stop.set()
             observer.join(5)
-    result = drill_mod.to_json(report)
+    result = drill_mod.to_json(report, series=args.series or bool(args.report))
+    result["host"] = {
+        "cpus": os.cpu_count(),
+        "loadavg_start": list(load_start),
+        "loadavg_end": list(os.getloadavg()),
+    }
     if observer is not None:
         result["cluster"] = observer.report()
     if args.output:
@@ -263,7 +294,16 @@ def cmd_drill(args: argparse.Namespace) -> int:
                 f"; seconds pod not Ready: {c['seconds_pod_not_ready']}"
                 f"; restarts: {c['restarts']}"
             )
+    if args.report:
+        _report(result, Path(args.report))
     return 0 if report.passed() else 1
+
+
+def _report(result: dict[str, Any], out: Path) -> None:
+    from understudy.tools.report import write_report
+
+    files = write_report(result, out)
+    print(f"report: {files[0]} ({len(files) - 1} charts)", file=sys.stderr)
 
 
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -364,4 +404,21 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     )
     dr.add_argument("--json", action="store_true", help="print the report as one JSON line")
     dr.add_argument("--output", help="also write the JSON report to this file")
+    dr.add_argument(
+        "--report",
+        metavar="DIR",
+        help="also write an HTML page with PNG charts into DIR (needs understudy-tools[report]); "
+        "the JSON then carries every request (--series)",
+    )
+    dr.add_argument(
+        "--series",
+        action="store_true",
+        help="put every request (start, latency, kind, ok) in the JSON, thinned out in long drills",
+    )
+    dr.add_argument(
+        "--from",
+        dest="from_json",
+        metavar="FILE",
+        help="with --report: draw the report of a saved drill JSON instead of drilling",
+    )
     dr.set_defaults(func=cmd_drill)

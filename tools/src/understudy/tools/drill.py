@@ -29,6 +29,7 @@ import itertools
 import json
 import os
 import signal
+import sys
 import threading
 import time
 import urllib.parse
@@ -43,7 +44,7 @@ REQUEST = {
 }
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
     return ordered[rank - 1]
@@ -54,9 +55,9 @@ def stats(values: list[float]) -> dict[str, float] | None:
         return None
     return {
         "n": len(values),
-        "p50": _percentile(values, 50),
-        "p95": _percentile(values, 95),
-        "p99": _percentile(values, 99),
+        "p50": percentile(values, 50),
+        "p95": percentile(values, 95),
+        "p99": percentile(values, 99),
         "max": max(values),
         "min": min(values),
     }
@@ -157,7 +158,7 @@ def unix_listeners(directory: Path) -> set[int]:
     return pids
 
 
-@dataclass
+@dataclass(slots=True)
 class Sample:
     start: float
     end: float
@@ -165,6 +166,62 @@ class Sample:
     digest: str = ""
     error: str = ""
     kind: str = ""
+
+
+# The per-request series a report draws: every request near a kill (the part
+# worth looking at) and every failure, the steady stretches between kills
+# thinned out so that a long drill's JSON and charts stay small.
+SERIES_LIMIT = 20_000
+KILL_WINDOW_S = (-1.0, 3.0)  # around each kill, kept whole
+
+
+def request_series(
+    samples: list[Sample],
+    kinds: list[Kind],
+    origin: float,
+    kills: list[float],
+    limit: int = SERIES_LIMIT,
+) -> dict[str, Any]:
+    """The requests as ``[start_s, latency_s, kind, ok]`` rows, times in seconds
+    since ``origin``, ``kind`` an index into ``kinds``; at most ``limit`` rows
+    (kept: failures and requests overlapping a kill's window; the rest evenly
+    thinned, and the kept ones too if they alone exceed the limit)."""
+    index = {k.name: i for i, k in enumerate(kinds)}
+    ordered = sorted(samples, key=lambda s: s.start)
+    lo, hi = KILL_WINDOW_S
+
+    def near_kill(s: Sample) -> bool:
+        return any(s.end >= k + lo and s.start <= k + hi for k in kills)
+
+    keep = [s for s in ordered if not s.ok or near_kill(s)]
+    rest = [s for s in ordered if s.ok and not near_kill(s)]
+    if len(keep) >= limit:
+        keep, rest = _thin(keep, limit), []
+    chosen = sorted([*keep, *_thin(rest, limit - len(keep))], key=lambda s: s.start)
+    return {
+        "columns": ["start_s", "latency_s", "kind", "ok"],
+        "kinds": [{"name": k.name, "streaming": k.streaming} for k in kinds],
+        "total": len(samples),
+        "rows": [
+            [
+                round(s.start - origin, 4),
+                round(s.end - s.start, 4),
+                index.get(s.kind, -1),
+                int(s.ok),
+            ]
+            for s in chosen
+        ],
+    }
+
+
+def _thin(items: list[Sample], n: int) -> list[Sample]:
+    """``n`` of ``items``, evenly spaced (all of them if there are no more)."""
+    if n <= 0:
+        return []
+    if len(items) <= n:
+        return items
+    step = len(items) / n
+    return [items[int(i * step)] for i in range(n)]
 
 
 @dataclass(frozen=True)
@@ -270,7 +327,10 @@ class Client(threading.Thread):
             answer = _answer(kind, data)
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             return Sample(t0, t1, False, error=f"bad response: {exc}"[:200], kind=kind.name)
-        return Sample(t0, t1, True, hashlib.sha256(answer).hexdigest(), kind=kind.name)
+        # interned: the answers of a kind are (should be) all the same, so a
+        # long drill keeps one copy of each digest, not one per request
+        digest = sys.intern(hashlib.sha256(answer).hexdigest())
+        return Sample(t0, t1, True, digest, kind=kind.name)
 
     def run(self) -> None:
         for n in itertools.count(self.index):
@@ -345,6 +405,7 @@ class Round:
     rearm_s: float | None = None
     serving_ok: bool | None = None  # only the new Active engine listens for requests
     error: str = ""
+    kill_at_s: float | None = None  # when the kill was sent, seconds since the clients started
 
 
 @dataclass
@@ -359,6 +420,7 @@ class Report:
     clients: int = 0
     by_kind: dict[str, int] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
+    series: dict[str, Any] = field(default_factory=dict)  # request_series()
 
     def summary(self) -> dict[str, Any]:
         def col(name: str) -> list[float]:
@@ -385,16 +447,20 @@ class Report:
         }
 
     def passed(self) -> bool:
-        s = self.summary()
-        # Zero loss is the bar: an engine death may cost latency, never an error.
-        return (
-            s["failovers_ok"] == s["kills"]
-            and not s["failed_requests"]
-            and not s["wrong_answers"]
-            and not s["split_brain"]
-            and not s["epoch_regressions"]
-            and not s["serving_violations"]
-        )
+        return verdict(self.summary())
+
+
+def verdict(s: dict[str, Any]) -> bool:
+    """Whether a drill's summary passes. Zero loss is the bar: an engine death
+    may cost latency, never an error."""
+    return (
+        s["failovers_ok"] == s["kills"]
+        and not s["failed_requests"]
+        and not s["wrong_answers"]
+        and not s["split_brain"]
+        and not s["epoch_regressions"]
+        and not s["serving_violations"]
+    )
 
 
 def _wait(cond: Callable[[], Any], timeout: float) -> Any:
@@ -446,6 +512,7 @@ def drill(
     kinds = kinds_for(first[0].get("adapter", "reference"), max_tokens)
     report.clients = clients
     pool = [Client(target.serve_url, kinds, i) for i in range(clients)]
+    origin = time.monotonic()
     for c in pool:
         c.start()
 
@@ -471,6 +538,7 @@ def drill(
             time.sleep(0.2)  # steady traffic before the kill
             t_kill, wall_kill = time.monotonic(), time.time()
             target.kill(active, round_sig)
+            rnd.kill_at_s = t_kill - origin
 
             def new_active(r: Round = rnd) -> dict[str, Any] | None:
                 for e in watcher.snapshot():
@@ -564,6 +632,8 @@ def drill(
             report.wrong_answers += sum(1 for d in digests if d != expected)
     report.split_brain = watcher.split_brain
     report.epoch_regressions = watcher.epoch_regressions
+    killed_at = [origin + r.kill_at_s for r in report.rounds if r.kill_at_s is not None]
+    report.series = request_series(every, kinds, origin, killed_at)
     return report
 
 
@@ -610,14 +680,19 @@ def render(report: Report) -> str:
     return "\n".join(lines)
 
 
-def to_json(report: Report) -> dict[str, Any]:
-    return {
+def to_json(report: Report, *, series: bool = False) -> dict[str, Any]:
+    """The drill's JSON; with ``series``, also every request (thinned out in a
+    long drill: see request_series) for ``understudy drill --report``."""
+    out = {
         "summary": report.summary(),
         "errors": report.errors,
         "rounds": [asdict(r) for r in report.rounds],
         "split_brain": report.split_brain,
         "epoch_regressions": report.epoch_regressions,
     }
+    if series:
+        out["series"] = report.series
+    return out
 
 
 SIDECAR_COMMANDS = {"lockserver": "lockserver serve", "gms": "gms serve"}
