@@ -39,7 +39,7 @@ log = logging.getLogger("understudy.engine_shim")
 # percentile agrees with a drill's measurement within a bucket.
 _PHASE_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25,
-    0.3, 0.4, 0.5, 0.75, 1, 1.5, 2, 2.5, 5, 10, 30,
+    0.3, 0.4, 0.5, 0.75, 1, 1.5, 2, 2.5, 3, 4, 5, 7.5, 10, 20, 30,
 )  # fmt: skip
 # Init (re-arm or a cold load): a second to the longest startup budget.
 _INIT_BUCKETS = (0.25, 0.5, 1, 1.5, 2, 3, 5, 7.5, 10, 15, 20, 30, 60, 120, 300, 600, 1800)
@@ -86,6 +86,14 @@ class Metrics:
             ["engine", "role"],
             registry=self.registry,
         )
+
+        # Every labelled series from the start, at zero: a rate() sees the
+        # first observation only as a rise from a scraped zero (an engine
+        # observes each of these about once in its life).
+        for phase in ("detect", "wake", "serve", "grant_to_active"):
+            self.failover.labels(**labels, phase=phase)
+        for source in ("imported", "loaded"):
+            self.init_s.labels(**labels, weights=source)
 
     def set_state(self, state: State) -> None:
         for s in State:
