@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 import urllib.parse
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -175,33 +176,35 @@ SERIES_LIMIT = 20_000
 KILL_WINDOW_S = (-1.0, 3.0)  # around each kill, kept whole
 
 
+def _near_kill(s: Sample, kills: list[float]) -> bool:
+    lo, hi = KILL_WINDOW_S
+    return any(s.end >= k + lo and s.start <= k + hi for k in kills)
+
+
 def request_series(
     samples: list[Sample],
     kinds: list[Kind],
     origin: float,
     kills: list[float],
     limit: int = SERIES_LIMIT,
+    total: int | None = None,
 ) -> dict[str, Any]:
     """The requests as ``[start_s, latency_s, kind, ok]`` rows, times in seconds
     since ``origin``, ``kind`` an index into ``kinds``; at most ``limit`` rows
     (kept: failures and requests overlapping a kill's window; the rest evenly
-    thinned, and the kept ones too if they alone exceed the limit)."""
+    thinned, and the kept ones too if they alone exceed the limit). ``total``:
+    how many requests there were, if ``samples`` is already a thinned part."""
     index = {k.name: i for i, k in enumerate(kinds)}
     ordered = sorted(samples, key=lambda s: s.start)
-    lo, hi = KILL_WINDOW_S
-
-    def near_kill(s: Sample) -> bool:
-        return any(s.end >= k + lo and s.start <= k + hi for k in kills)
-
-    keep = [s for s in ordered if not s.ok or near_kill(s)]
-    rest = [s for s in ordered if s.ok and not near_kill(s)]
+    keep = [s for s in ordered if not s.ok or _near_kill(s, kills)]
+    rest = [s for s in ordered if s.ok and not _near_kill(s, kills)]
     if len(keep) >= limit:
         keep, rest = _thin(keep, limit), []
     chosen = sorted([*keep, *_thin(rest, limit - len(keep))], key=lambda s: s.start)
     return {
         "columns": ["start_s", "latency_s", "kind", "ok"],
         "kinds": [{"name": k.name, "streaming": k.streaming} for k in kinds],
-        "total": len(samples),
+        "total": len(samples) if total is None else total,
         "rows": [
             [
                 round(s.start - origin, 4),
@@ -212,6 +215,74 @@ def request_series(
             for s in chosen
         ],
     }
+
+
+class Tally:
+    """The requests a drill no longer needs one by one, folded into counts
+    (requests, failures and errors by kind, each kind's answers by digest) and
+    a bounded sample for the series: every failure and every request near a
+    kill, and of the rest every ``stride``-th, the stride doubling whenever
+    they exceed the limit. A long drill's memory, and the cost of the rounds'
+    polls over the requests still held, stay bounded by the requests of about
+    one round."""
+
+    def __init__(self, limit: int = SERIES_LIMIT) -> None:
+        self.limit = limit
+        self.requests = 0
+        self.failed = 0
+        self.by_kind: dict[str, int] = {}
+        self.errors: dict[str, int] = {}
+        self.answers: dict[str, Counter[str]] = {}
+        self.near: list[Sample] = []
+        self.rest: list[Sample] = []
+        self.stride = 1
+        self.seen_rest = 0
+
+    def add(self, samples: list[Sample], kills: list[float]) -> None:
+        """Fold ``samples``, which end before any kill after ``kills``."""
+        for s in samples:
+            self.requests += 1
+            self.by_kind[s.kind] = self.by_kind.get(s.kind, 0) + 1
+            if s.ok:
+                self.answers.setdefault(s.kind, Counter())[s.digest] += 1
+            else:
+                self.failed += 1
+                self.errors[s.error] = self.errors.get(s.error, 0) + 1
+            if not s.ok or _near_kill(s, kills):
+                self.near.append(s)
+                if len(self.near) > 2 * self.limit:
+                    self.near = self.near[::2]
+                continue
+            if self.seen_rest % self.stride == 0:
+                self.rest.append(s)
+                if len(self.rest) > self.limit:
+                    self.rest, self.stride = self.rest[::2], self.stride * 2
+            self.seen_rest += 1
+
+    def wrong_answers(self) -> int:
+        """Answers that differ from their kind's most common one."""
+        return sum(sum(c.values()) - max(c.values()) for c in self.answers.values() if c)
+
+    def series(self, kinds: list[Kind], origin: float, kills: list[float]) -> dict[str, Any]:
+        return request_series(
+            [*self.near, *self.rest], kinds, origin, kills, self.limit, total=self.requests
+        )
+
+
+def fold(pool: list[Client], tally: Tally, before: float, kills: list[float]) -> None:
+    """Move the requests that ended before ``before`` from the clients into the
+    tally. A client's requests are one at a time, so they end in order; only
+    this thread removes from its list, the client only appends to it."""
+    for c in pool:
+        n = 0
+        for s in c.samples:
+            if s.end >= before:
+                break
+            n += 1
+        if n:
+            taken = c.samples[:n]
+            del c.samples[:n]
+            tally.add(taken, kills)
 
 
 def _thin(items: list[Sample], n: int) -> list[Sample]:
@@ -519,12 +590,19 @@ def drill(
     def samples() -> list[Sample]:
         return [s for c in pool for s in list(c.samples)]
 
+    tally = Tally()
+
+    def killed_at() -> list[float]:
+        return [origin + r.kill_at_s for r in report.rounds if r.kill_at_s is not None]
+
     try:
         for i in range(1, kills + 1):
             got = _wait(armed, timeout)
             if got is None:
                 report.rounds.append(Round(i, "?", 0, 0, error="pod not armed"))
                 break
+            # what ended well before this round's kill is needed only as counts
+            fold(pool, tally, time.monotonic() + KILL_WINDOW_S[0] - 0.5, killed_at())
             active, _ = got
             rnd = Round(
                 i,
@@ -618,22 +696,15 @@ def drill(
             c.join(120)
         watcher.stop.set()
         watcher.join(5)
-    every = samples()
-    report.requests = len(every)
-    report.failed_requests = sum(1 for s in every if not s.ok)
-    for s in every:
-        report.by_kind[s.kind] = report.by_kind.get(s.kind, 0) + 1
-        if not s.ok:
-            report.errors[s.error] = report.errors.get(s.error, 0) + 1
-    for kind in {s.kind for s in every}:
-        digests = [s.digest for s in every if s.ok and s.kind == kind]
-        if digests:
-            expected = max(set(digests), key=digests.count)
-            report.wrong_answers += sum(1 for d in digests if d != expected)
+    fold(pool, tally, float("inf"), killed_at())
+    report.requests = tally.requests
+    report.failed_requests = tally.failed
+    report.by_kind = tally.by_kind
+    report.errors = tally.errors
+    report.wrong_answers = tally.wrong_answers()
     report.split_brain = watcher.split_brain
     report.epoch_regressions = watcher.epoch_regressions
-    killed_at = [origin + r.kill_at_s for r in report.rounds if r.kill_at_s is not None]
-    report.series = request_series(every, kinds, origin, killed_at)
+    report.series = tally.series(kinds, origin, killed_at())
     return report
 
 
