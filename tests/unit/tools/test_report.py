@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from understudy.tools.drill import Kind, Sample, Tally, request_series, stats
+from understudy.tools.drill import Kind, stats
 from understudy.tools.report import CHARTS, by_signal, phases, write_report
+from understudy.tools.series import Sample, Tally, request_series
 
 KINDS = [Kind("chat-stream", "/v1/chat/completions", {}, streaming=True), Kind("chat", "/x", {})]
 
