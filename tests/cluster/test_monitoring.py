@@ -109,6 +109,7 @@ def installed(cluster: Any, image: str, crds: None) -> Iterator[tuple[Any, str]]
     )
 
 
+@pytest.mark.timeout(900)
 def test_apiserver_admits_the_monitoring_objects_as_rendered(installed: tuple[Any, str]) -> None:
     cluster, _ = installed
     manifest = subprocess.run(
