@@ -81,3 +81,31 @@ def test_a_real_drill_draws_its_report(tmp_path: Path) -> None:
     assert (again / "index.html").read_text() == page
     for name in CHARTS:
         assert imread(again / name).shape == imread(out / name).shape
+
+
+def test_drawing_what_is_not_a_kill_drill_is_refused(tmp_path: Path) -> None:
+    sidecar = tmp_path / "sidecar.json"  # what `drill --sidecar gms --output` writes
+    sidecar.write_text(json.dumps({"sidecar": "gms", "failover": True, "recovered_s": 4.9}))
+    run = _drill("--from", str(sidecar), "--report", str(tmp_path / "r"), timeout=60)
+    assert run.returncode == 2 and "not the JSON of a kill drill" in run.stderr
+    assert not (tmp_path / "r").exists()
+    run = _drill("--from", str(sidecar), timeout=60)
+    assert run.returncode == 2 and "--from needs --report" in run.stderr
+
+
+def test_without_matplotlib_the_drill_says_what_to_install(tmp_path: Path) -> None:
+    # the CLI as a user without the [report] extra runs it: matplotlib unimportable
+    code = (
+        "import runpy, sys; sys.modules['matplotlib'] = None; "
+        "sys.argv = ['understudy', *sys.argv[1:]]; "
+        "runpy.run_module('understudy.cli', run_name='__main__')"
+    )
+    run = subprocess.run(
+        [understudy("x")[0], "-c", code, "drill", "--kills", "1", "--report", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2, run.stderr
+    assert "pip install 'understudy-tools[report]'" in run.stderr
+    assert list(tmp_path.iterdir()) == []  # refused before anything ran

@@ -51,5 +51,7 @@ def test_each_adapter_has_its_default_model():
     assert from_env(BASE).model == "builtin:all-MiniLM-L6-v2"
     llama = from_env({**BASE, "UNDERSTUDY_ENGINE_ADAPTER": "llama"})
     assert (llama.adapter, llama.model) == ("llama", "builtin:tiny-llama")
+    vllm = from_env({**BASE, "UNDERSTUDY_ENGINE_ADAPTER": "vllm"})
+    assert (vllm.adapter, vllm.model) == ("vllm", "builtin:tiny-llama")
     chosen = {**BASE, "UNDERSTUDY_ENGINE_ADAPTER": "llama", "UNDERSTUDY_MODEL": "/models/x"}
     assert from_env(chosen).model == "/models/x"

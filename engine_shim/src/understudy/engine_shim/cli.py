@@ -13,10 +13,36 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 
 
+def _reexec_for_vllm(args: argparse.Namespace) -> None:
+    """A vllm engine runs under the vLLM venv's python (``python_env``): become
+    that python, with the same environment, before anything else happens."""
+    from understudy.engine_shim import python_env
+
+    if args.engine:
+        os.environ["UNDERSTUDY_ENGINE_ADAPTER"] = args.engine
+    if os.environ.get("UNDERSTUDY_ENGINE_ADAPTER") != "vllm":
+        return
+    if os.environ.get(python_env.REEXEC_MARK) and not args.engine_python:
+        return
+    python = python_env.vllm_python(args.engine_python)
+    if python == sys.executable:
+        return
+    env = {**os.environ, **python_env.engine_env(python)}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(python, [python, "-m", "understudy.cli", "engine", "run"], env)
+
+
 def cmd_engine_run(args: argparse.Namespace) -> int:
+    try:
+        _reexec_for_vllm(args)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        print(f"understudy engine: vllm: no python with vLLM: {exc}", file=sys.stderr)
+        return 1
     # Fix BLAS threading before numpy loads: one thread keeps the summation
     # order (and so every answer) identical across processes and nodes.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -29,7 +55,7 @@ def cmd_engine_run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"understudy engine: bad configuration: {exc}", file=sys.stderr)
         return 2
-    from understudy.engine_shim.adapters.base import AdapterError, Engine
+    from understudy.engine_shim.adapters.base import AdapterError, Engine, FailsFast
     from understudy.engine_shim.mainloop import Shim
 
     engine: Engine
@@ -42,6 +68,10 @@ def cmd_engine_run(args: argparse.Namespace) -> int:
             from understudy.engine_shim.adapters.llama import LlamaEngine
 
             engine = LlamaEngine(cfg.model, cfg.engine_args)
+        elif cfg.adapter == "vllm":
+            from understudy.engine_shim.adapters.vllm import VllmEngine
+
+            engine = VllmEngine(cfg.model, cfg.engine_args, cfg.gms_backend)
         else:
             from understudy.engine_shim.adapters.synthetic import SyntheticEngine
 
@@ -51,7 +81,14 @@ def cmd_engine_run(args: argparse.Namespace) -> int:
         # `kubectl logs --previous` show a user.
         print(f"understudy engine: {cfg.adapter}: {exc}", file=sys.stderr)
         return 1
-    Shim(cfg, engine).run()
+    shim = Shim(cfg, engine)
+    if isinstance(engine, FailsFast):
+        from understudy.engine_shim import fsm
+
+        # An engine that dies inside (vLLM's engine core) ends the process
+        # through the state machine, with its exit code (Decision 2).
+        engine.set_on_fatal(lambda why: shim.report(fsm.Fatal(why)))
+    shim.run()
     return 0
 
 
@@ -73,6 +110,15 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     engine = sub.add_parser("engine", help="an engine under the shim (configured by environment)")
     engine_sub = engine.add_subparsers(dest="engine_command", required=True, metavar="COMMAND")
     run = engine_sub.add_parser("run", help="run the engine: init, sleep, acquire, wake, serve")
+    run.add_argument(
+        "--engine",
+        help="the adapter (default: $UNDERSTUDY_ENGINE_ADAPTER, else reference)",
+    )
+    run.add_argument(
+        "--engine-python",
+        help="vllm adapter: the python with vLLM (default: $UNDERSTUDY_VLLM_PYTHON; in a "
+        "checkout, hack/vllm/venv's; else this one)",
+    )
     run.set_defaults(func=cmd_engine_run)
     model = sub.add_parser("model", help="the engines' built-in models")
     model_sub = model.add_subparsers(dest="model_command", required=True, metavar="COMMAND")

@@ -13,9 +13,9 @@ from pathlib import Path
 from understudy.wire.serving import heartbeat_path, serving_socket
 
 ROLES = ("primary", "shadow")
-ADAPTERS = ("reference", "synthetic", "llama")
+ADAPTERS = ("reference", "synthetic", "llama", "vllm")
 # The model an adapter serves when UNDERSTUDY_MODEL is not set.
-DEFAULT_MODELS = {"llama": "builtin:tiny-llama"}
+DEFAULT_MODELS = {"llama": "builtin:tiny-llama", "vllm": "builtin:tiny-llama"}
 DEFAULT_MODEL = "builtin:all-MiniLM-L6-v2"
 
 
@@ -97,10 +97,6 @@ def from_env(env: Mapping[str, str] | None = None) -> EngineConfig:
     name = env.get("UNDERSTUDY_ENGINE_NAME") or f"engine-{role}"
     run_dir = Path(env.get("UNDERSTUDY_RUN_DIR", "/run/understudy"))
     adapter = env.get("UNDERSTUDY_ENGINE_ADAPTER", "reference")
-    if adapter == "vllm":
-        raise ConfigError(
-            "the vllm adapter is not implemented yet; use reference, synthetic or llama"
-        )
     if adapter not in ADAPTERS:
         raise ConfigError(f"UNDERSTUDY_ENGINE_ADAPTER must be one of {ADAPTERS}, got {adapter!r}")
     devices_raw = env.get("UNDERSTUDY_DEVICES", "0")

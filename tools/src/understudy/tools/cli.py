@@ -27,6 +27,7 @@ def _local_config(args: argparse.Namespace) -> Any:
         engine=args.engine,
         model=args.model or "",
         engine_args=tuple(args.engine_arg or ()),
+        engine_python=args.engine_python or "",
         shadows=args.shadows,
         devices=tuple(int(d) for d in args.devices.split(",")),
         serve_port=args.port,
@@ -61,6 +62,17 @@ def cmd_local_up(args: argparse.Namespace) -> int:
     from understudy.tools.local import KeepsFailing, Supervisor, read_state, wait_serving
     from understudy.wire.obs import setup_logging
 
+    if args.engine == "vllm" and not args.engine_python:
+        from understudy.engine_shim import python_env
+
+        try:
+            args.engine_python = python_env.vllm_python()
+        except (OSError, subprocess.CalledProcessError) as exc:
+            print(f"understudy local up: no python with vLLM: {exc}", file=sys.stderr)
+            return 2
+    if args.ready_timeout is None:
+        # vLLM's imports alone take about a minute.
+        args.ready_timeout = 600.0 if args.engine == "vllm" else 120.0
     cfg = _local_config(args)
     if (problem := _preflight(cfg)) is not None:
         print(f"understudy local up: {problem}", file=sys.stderr)
@@ -78,6 +90,8 @@ def cmd_local_up(args: argparse.Namespace) -> int:
     if args.detach:
         cfg.dir.mkdir(parents=True, exist_ok=True)
         argv = [a for a in sys.argv[1:] if a != "--detach"]
+        if cfg.engine_python and "--engine-python" not in argv:
+            argv += ["--engine-python", cfg.engine_python]  # resolved once, here
         with open(cfg.dir / "supervisor.log", "ab") as logf:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "understudy.cli", *argv],
@@ -200,7 +214,15 @@ def cmd_drill(args: argparse.Namespace) -> int:
         if not args.report:
             print("understudy drill: --from needs --report DIR", file=sys.stderr)
             return 2
-        _report(json.loads(Path(args.from_json).read_text()), Path(args.report))
+        saved = json.loads(Path(args.from_json).read_text())
+        if not isinstance(saved, dict) or "rounds" not in saved or "summary" not in saved:
+            print(
+                f"understudy drill: {args.from_json} is not the JSON of a kill drill "
+                "(understudy drill --output)",
+                file=sys.stderr,
+            )
+            return 2
+        _report(saved, Path(args.report))
         return 0
     sig = [
         getattr(signal, f"SIG{name.strip().upper().removeprefix('SIG')}")
@@ -292,9 +314,10 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     up = local_sub.add_parser("up", help="start lock server, GMS and engines; restart like kubelet")
     up.add_argument(
         "--engine",
-        choices=("llama", "reference", "synthetic"),
+        choices=("llama", "vllm", "reference", "synthetic"),
         default="llama",
-        help="llama: a generative Llama (built offline, chat and completions); reference: "
+        help="llama: a generative Llama (built offline, chat and completions); vllm: the same "
+        "model served by vLLM (its CPU build here; needs the vLLM venv); reference: "
         "all-MiniLM-L6-v2 embeddings; synthetic: weights of any size, a checksum",
     )
     up.add_argument(
@@ -303,6 +326,11 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "builtin or a directory; synthetic: a size such as 1GiB)",
     )
     up.add_argument("--engine-arg", action="append", help="extra adapter argument (repeatable)")
+    up.add_argument(
+        "--engine-python",
+        help="vllm: the python with vLLM for the engines (default: $UNDERSTUDY_VLLM_PYTHON; "
+        "in a checkout, hack/vllm/venv's, built on first use)",
+    )
     up.add_argument("--shadows", type=int, default=1)
     up.add_argument("--devices", default="0")
     up.add_argument("--dir", default=str(DEFAULT_DIR), help="sockets, state, logs")
@@ -335,7 +363,9 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     up.add_argument(
         "--detach", action="store_true", help="run in the background; return once the pod serves"
     )
-    up.add_argument("--ready-timeout", type=float, default=120.0)
+    up.add_argument(
+        "--ready-timeout", type=float, default=None, help="seconds (default 120; vllm: 600)"
+    )
     up.set_defaults(func=cmd_local_up)
     down = local_sub.add_parser("down", help="stop a local pod")
     down.add_argument("--dir", default=str(DEFAULT_DIR))

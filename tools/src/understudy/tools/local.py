@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from understudy.engine_shim import python_env
 from understudy.gms.client import GmsError, query_state
 from understudy.lockserver import client as lock_client
 from understudy.tools import backoff
@@ -56,6 +57,9 @@ class LocalConfig:
     engine: str = "llama"
     model: str = ""
     engine_args: tuple[str, ...] = ()
+    # The python the engines run with ("": this one); a vllm engine needs the
+    # vLLM venv's (engine_shim.python_env).
+    engine_python: str = ""
     shadows: int = 1
     devices: tuple[int, ...] = (0,)
     serve_port: int = 8000
@@ -108,7 +112,11 @@ def _understudy(*args: str) -> list[str]:
 def engine_env(cfg: LocalConfig, role: str, name: str, index: int) -> dict[str, str]:
     """The engine container's environment, as docs/pod.md specifies it."""
     run = cfg.dir
-    defaults = {"reference": "builtin:all-MiniLM-L6-v2", "llama": "builtin:tiny-llama"}
+    defaults = {
+        "reference": "builtin:all-MiniLM-L6-v2",
+        "llama": "builtin:tiny-llama",
+        "vllm": "builtin:tiny-llama",
+    }
     model = cfg.model or defaults.get(cfg.engine, "256MiB")
     return {
         "ENGINE_ROLE": role,
@@ -130,6 +138,7 @@ def engine_env(cfg: LocalConfig, role: str, name: str, index: int) -> dict[str, 
         "UNDERSTUDY_DRAIN_S": "25",
         "POD_NAME": "local",
         "POD_NAMESPACE": "local",
+        **(python_env.engine_env(cfg.engine_python) if cfg.engine_python else {}),
     }
 
 
@@ -199,7 +208,7 @@ def containers(cfg: LocalConfig) -> list[Container]:
         out.append(
             Container(
                 name,
-                _understudy("engine", "run"),
+                [cfg.engine_python or sys.executable, "-m", "understudy.cli", "engine", "run"],
                 engine_env(cfg, role, name, index),
                 cfg.status_port + index,
             )

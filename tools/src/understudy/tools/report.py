@@ -249,7 +249,7 @@ def gap_chart(rounds: list[dict[str, Any]], summary: dict[str, Any], path: Path)
             [
                 r["gap_s"] * 1000
                 for r in rounds
-                if r.get("gap_s") is not None and r.get("signal", "?") == s
+                if r.get("gap_s") is not None and (r.get("signal") or "?") == s
             ]
             for s in signals
         ]
@@ -258,7 +258,10 @@ def gap_chart(rounds: list[dict[str, Any]], summary: dict[str, Any], path: Path)
             bins=min(30, max(5, len(gaps) // 2)),
             stacked=True,
             color=[SIGNAL_COLORS[i % len(SIGNAL_COLORS)] for i in range(len(signals))],
-            label=[f"SIG{s} ({len(g)})" for s, g in zip(signals, groups, strict=True)],
+            label=[
+                f"{'SIG' + s if s != '?' else 'rounds'} ({len(g)})"
+                for s, g in zip(signals, groups, strict=True)
+            ],
             alpha=0.85,
         )
         cdf.step(gaps, [(i + 1) / len(gaps) for i in range(len(gaps))], where="post")

@@ -20,8 +20,8 @@ process's death frees it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from typing import Protocol, runtime_checkable
 
 from aiohttp import web
 
@@ -44,6 +44,14 @@ class Engine(Protocol):
     def health(self) -> tuple[bool, str]: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class FailsFast(Protocol):
+    """An engine that can die on its own (an engine core inside the process):
+    it reports that through ``on_fatal`` and the shim ends the process."""
+
+    def set_on_fatal(self, on_fatal: Callable[[str], None]) -> None: ...
 
 
 class AdapterError(RuntimeError):
