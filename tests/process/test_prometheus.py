@@ -38,6 +38,7 @@ import yaml
 from monitoring_tools import DASHBOARDS, RULES, tool
 from procs import Proc, understudy, wait_for
 
+from understudy.engine_shim.mainloop import PHASE_BUCKETS
 from understudy.front.metrics import GAP_BUCKETS
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
@@ -147,9 +148,9 @@ def _has_data(result: list[dict[str, Any]]) -> bool:
     return False
 
 
-def _bucket(value: float) -> tuple[float, float]:
+def _bucket(value: float, bounds: tuple[float, ...]) -> tuple[float, float]:
     lo = 0.0
-    for hi in GAP_BUCKETS:
+    for hi in bounds:
         if value <= hi:
             return lo, hi
         lo = hi
@@ -236,21 +237,32 @@ def _check(drill: dict[str, Any], started: float) -> None:
     )
     assert float(gaps["data"]["result"][0]["value"][1]) == KILLS
 
-    # The gap p99: Prometheus's estimate from the histogram against the drill's
-    # own measurement, within the resolution of the buckets they fall in.
-    p99 = _api(
-        "query",
-        query="histogram_quantile(0.99, sum by (le) (increase("
-        f"understudy_front_failover_gap_seconds_bucket{{{sel}}}[{range_s}s])))",
-        time=str(end),
-    )
-    estimate = float(p99["data"]["result"][0]["value"][1])
-    measured = drill["summary"]["gap_s"]["p99"]
-    lo, hi = _bucket(measured)
-    elo, ehi = _bucket(estimate)
-    tolerance = max(hi - lo, ehi - elo)
-    print(
-        f"gap p99: drill {measured * 1000:.1f} ms, Prometheus {estimate * 1000:.1f} ms "
-        f"(drill summary: {json.dumps(drill['summary'])})"
-    )
-    assert abs(estimate - measured) <= tolerance, (estimate, measured, (lo, hi), (elo, ehi))
+    # p99s: Prometheus's estimate from each histogram against the drill's own
+    # measurement of the same thing, within the resolution of the buckets
+    # they fall in. The gap (front), detection (front: route lost to grant;
+    # the drill: kill to grant) and grant -> Active (the new engine).
+    checks = [
+        ("understudy_front_failover_gap_seconds", "", "gap_s", GAP_BUCKETS),
+        ("understudy_front_detection_seconds", "", "kill_to_grant_s", GAP_BUCKETS),
+        (
+            "understudy_failover_duration_seconds",
+            'phase="grant_to_active", ',
+            "grant_to_active_s",
+            PHASE_BUCKETS,
+        ),
+    ]
+    for metric, extra, key, bounds in checks:
+        body = _api(
+            "query",
+            query="histogram_quantile(0.99, sum by (le) (increase("
+            f"{metric}_bucket{{{extra}{sel}}}[{range_s}s])))",
+            time=str(end),
+        )
+        estimate = float(body["data"]["result"][0]["value"][1])
+        measured = drill["summary"][key]["p99"]
+        lo, hi = _bucket(measured, bounds)
+        elo, ehi = _bucket(estimate, bounds)
+        tolerance = max(hi - lo, ehi - elo)
+        print(f"{key} p99: drill {measured * 1000:.1f} ms, Prometheus {estimate * 1000:.1f} ms")
+        assert abs(estimate - measured) <= tolerance, (key, estimate, measured, (lo, hi))
+    print(f"drill summary: {json.dumps(drill['summary'])}")
