@@ -424,3 +424,54 @@ def test_watch_sees_every_holder_and_a_restart(pod):
 
     asyncio.run(asyncio.wait_for(after_restart(), 10))
     assert seen[-1] == ("b", first + 2)
+
+
+def _scrape(port: int) -> dict[str, float]:
+    """Every sample of the lock server's /metrics: {'name{labels}': value}."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def test_failover_counters_survive_the_lock_servers_kill9(tmp_path):
+    """The counters are the lock server's durable record: a handover counted
+    before a kill -9 of the lock server is still counted after its restart
+    (the engines die, the lock server may die: the count stays)."""
+    port = free_port_block(1)
+    pod = Pod(tmp_path, extra=("--metrics-port", str(port)))
+    pod.start_server()
+    try:
+        a = pod.acquire("a")
+        granted(a)
+        b = pod.acquire("b")
+        pod.wait_waiting("b")
+        a.kill9()  # a failover: b is granted a new epoch
+        granted(b, timeout=5)
+        m = _scrape(port)
+        assert m['understudy_lock_grants_total{resumed="false"}'] == 2
+        assert m["understudy_lock_handovers_total"] == 1
+        assert m["understudy_lock_handover_seconds_count"] == 1
+        assert m['understudy_lock_handover_seconds_bucket{le="1.0"}'] == 1  # EOF → grant, fast
+        assert json.loads(pod.state.read_text())["counters"]["handovers"] == 1
+        pod.server.kill9()  # before any further write or scrape
+        pod.start_server()
+        wait_for(lambda: pod.status().holder == "b", 10, what="b resumes")
+        after = _scrape(port)
+        assert after['understudy_lock_grants_total{resumed="false"}'] == 2
+        assert after['understudy_lock_grants_total{resumed="true"}'] == 1  # b's resume
+        assert after["understudy_lock_handovers_total"] == 1  # the resume is no failover
+        assert after["understudy_lock_handover_seconds_count"] == 1
+        assert after['understudy_lock_window_closed_total{reason="reclaimed"}'] == 1
+        assert (
+            after["understudy_lock_handover_seconds_sum"]
+            == m["understudy_lock_handover_seconds_sum"]
+        )
+    finally:
+        pod.close()

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from understudy.lockserver import statefile
+from understudy.lockserver import statefile, tally
 from understudy.lockserver.fsm import PersistedRecord
 
 
@@ -51,3 +51,33 @@ def test_keep_copy_leaves_original(tmp_path):
     p.write_bytes(b"garbage")
     copy = statefile.keep_copy(p, 1000.0)
     assert copy is not None and copy.read_bytes() == b"garbage" and p.exists()
+
+
+def test_counters_round_trip_with_the_record(tmp_path):
+    p = tmp_path / "lock.state"
+    t = tally.granted(tally.Tally(), resumed=False, reissued=False, handover=True, handover_s=0.003)
+    t = tally.window_closed(t, "expired")
+    statefile.write(p, "b", 4, 1_700_000_000.0, t)
+    r = statefile.read(p)
+    assert r.record == PersistedRecord("b", 4) and not r.corrupt
+    assert r.counters == t and not r.counters_detail
+
+
+def test_a_file_from_before_counters_reads_as_none(tmp_path):
+    p = tmp_path / "lock.state"
+    p.write_text('{"holder": "a", "epoch": 7, "granted_at": null}')
+    r = statefile.read(p)
+    assert r.record == PersistedRecord("a", 7) and not r.corrupt
+    assert r.counters is None and not r.counters_detail
+
+
+@pytest.mark.parametrize(
+    "counters",
+    ['"x"', '{"grants": -1}', '{"handovers": 1.5}', '{"windows_closed": {"expired": "2"}}'],
+)
+def test_bad_counters_cost_the_counts_never_the_holder(tmp_path, counters):
+    p = tmp_path / "lock.state"
+    p.write_text('{"holder": "a", "epoch": 7, "granted_at": null, "counters": ' + counters + "}")
+    r = statefile.read(p)
+    assert r.record == PersistedRecord("a", 7) and not r.corrupt
+    assert r.counters is None and "counters" in r.counters_detail

@@ -138,6 +138,17 @@ def test_failover_is_counted_once() -> None:
     assert p.status is None
 
 
+def test_failover_duration_includes_detection() -> None:
+    """lastFailoverDurationSeconds runs from the old holder's release (the
+    lock server's time, in the new engine's /state), not from the grant."""
+    b, pod, _ = run_to_serving()
+    view = EngineView(state="Active", epoch=2, released_at=9.9, granted_at=10.0, active_at=10.25)
+    pod = replace(pod, routable_label="true", engines={"engine-shadow-1": view})
+    p = plan(GpuInstance.from_body(b), Observed({pod.name: pod}, {"n1": True}, NODES), 130.0, CFG)
+    assert p.status is not None
+    assert p.status["lastFailoverDurationSeconds"] == pytest.approx(0.35)
+
+
 def test_unreachable_engines_are_unknown_not_a_failover() -> None:
     b, pod, _ = run_to_serving()
     pod = replace(pod, routable_label="true", engines={"engine-primary": EngineView()})

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from understudy.tools.drill import Kind, Sample, request_series, stats
+from understudy.tools.drill import Kind, stats
 from understudy.tools.report import CHARTS, by_signal, phases, write_report
+from understudy.tools.series import Sample, Tally, request_series
 
 KINDS = [Kind("chat-stream", "/v1/chat/completions", {}, streaming=True), Kind("chat", "/x", {})]
 
@@ -116,7 +117,7 @@ def test_mixed_signals_get_their_own_percentiles() -> None:
 
 
 def test_a_cluster_drill_shows_what_its_observer_saw(tmp_path: Path) -> None:
-    result = synthetic()
+    result = synthetic(with_series=False)  # the page is the point here, not the charts
     # what `understudy drill --kube` adds to the JSON (drill_kube.Observer.report)
     result["cluster"] = {
         "samples": 400,
@@ -168,3 +169,44 @@ def test_the_series_keeps_failures_and_kill_windows_within_its_limit() -> None:
     assert {r[2] for r in rows} == {0, 1}
     # a short drill is kept whole
     assert len(request_series(samples[:500], KINDS, origin, [kill])["rows"]) == 500
+
+
+def test_a_long_drill_is_folded_into_counts_and_a_bounded_series() -> None:
+    """What the drill does round by round: requests that ended before the next
+    kill are folded into a Tally; the counts are exact, what it holds bounded."""
+    origin, limit = 1000.0, 500
+    kills = [origin + 10.0 * k for k in range(1, 20)]
+    samples = []
+    for n in range(20_000):  # 100 requests a second for 200 s
+        start = origin + n * 0.01
+        ok = n % 997 != 0
+        digest = "odd" if n in (5, 6, 7) else f"answer-{n % 2}"
+        samples.append(
+            Sample(
+                start,
+                start + 0.03,
+                ok,
+                digest if ok else "",
+                "" if ok else "HTTP 503",
+                KINDS[n % 2].name,
+            )
+        )
+    tally = Tally(limit)
+    # folded as a drill folds: at each kill, what ended 1.5 s before it
+    done = 0
+    for k in [*kills, float("inf")]:
+        upto = next((i for i, s in enumerate(samples) if s.end >= k - 1.5), len(samples))
+        tally.add(samples[done:upto], [x for x in kills if x < k])
+        done = upto
+        assert len(tally.near) + len(tally.rest) <= 3 * limit
+    failed = [s for s in samples if not s.ok]
+    assert tally.requests == 20_000 and tally.failed == len(failed) == 21
+    assert tally.errors == {"HTTP 503": 21}
+    assert tally.by_kind == {"chat-stream": 10_000, "chat": 10_000}
+    assert tally.wrong_answers() == 3  # the three odd answers, whichever kind
+    series = tally.series(KINDS, origin, kills)
+    assert series["total"] == 20_000 and len(series["rows"]) <= limit
+    assert sum(1 for r in series["rows"] if not r[3]) >= 1
+    # the steady stretches are thinned evenly: rows spread over the whole drill
+    starts = [r[0] for r in series["rows"]]
+    assert min(starts) < 10 and max(starts) > 190

@@ -212,7 +212,7 @@ def acquire(
             sock.close()
             raise
         if isinstance(reply, Granted):
-            return HeldLock(
+            held = HeldLock(
                 addr,
                 sock,
                 reply.engine_id,
@@ -222,6 +222,8 @@ def acquire(
                 reconnect_timeout,
                 on_epoch,
             )
+            held.released_at = reply.released_at
+            return held
         sock.close()
         if isinstance(reply, Error):
             raise LockRefused(reply.code, reply.message)
@@ -248,6 +250,8 @@ class HeldLock:
         self.lost = threading.Event()
         self.lost_reason: str | None = None
         self.resumes = 0
+        # Wall time the previous holder let go (from the grant), if known.
+        self.released_at: float | None = None
         self._sock = sock
         self._token = token
         self._on_lost = on_lost

@@ -70,6 +70,10 @@ class Granted(pydantic.BaseModel):
     # The server had lost its record: a resume claim it honoured under a new
     # epoch. The holder keeps the lock and fences with the new epoch.
     reissued: bool = False
+    # Wall time (Unix seconds) the previous holder's connection closed, when
+    # this grant follows it: the new engine and the operator measure a
+    # failover from the old engine's death, detection included.
+    released_at: float | None = None
 
 
 class StatusReply(pydantic.BaseModel):

@@ -18,12 +18,14 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Self, assert_never
 
 import prometheus_client as prom
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
 
-from understudy.lockserver import fsm, statefile
+from understudy.lockserver import fsm, statefile, tally
 from understudy.lockserver.config import ServerConfig
 from understudy.lockserver.messages import (
     Acquire,
@@ -44,7 +46,6 @@ from understudy.wire.uds import bind_unix, peer_credentials, set_keepalive
 
 log = logging.getLogger("understudy.lockserver")
 
-GRANTS = prom.Counter("understudy_lock_grants_total", "Lock grants", ["resumed"])
 EPOCH = prom.Gauge("understudy_lock_epoch", "Highest epoch granted or restored")
 WAIT = prom.Histogram(
     "understudy_lock_wait_seconds",
@@ -54,16 +55,8 @@ WAIT = prom.Histogram(
 WAITERS = prom.Gauge("understudy_lock_waiters", "Connections waiting in acquire")
 HELD = prom.Gauge("understudy_lock_held", "1 while an engine holds the lock")
 WINDOW_OPEN = prom.Gauge("understudy_lock_window_open", "1 while the reconnect window is open")
-WINDOW_CLOSED = prom.Counter(
-    "understudy_lock_window_closed_total", "Reconnect windows closed", ["reason"]
-)
 REJECTS = prom.Counter("understudy_lock_rejects_total", "Requests refused", ["code"])
 CONNECTIONS = prom.Gauge("understudy_lock_connections", "Open client connections")
-HANDOVER = prom.Histogram(
-    "understudy_lock_handover_seconds",
-    "From the holder's connection closing (its process died) to the next grant",
-    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-)
 WATCHERS = prom.Gauge("understudy_lock_watchers", "Connections watching the holder")
 WRITE_FAILURES = prom.Counter(
     "understudy_lock_state_write_failures_total",
@@ -79,6 +72,51 @@ HOLDER_SILENT_S = 2.0
 # asyncio re-listens with its own backlog (100 by default); a burst of clients
 # (every engine and probe of a pod restarting at once) must not see EAGAIN.
 _BACKLOG = 4096
+
+
+class TallyCollector(Collector):
+    """The durable counters (``tally``) in Prometheus form: grants, handovers,
+    reissues, closed windows and the handover histogram, read from the
+    server's tally at every scrape."""
+
+    def __init__(self, server: LockServer) -> None:
+        self.server = server
+
+    def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
+        t = self.server.tally
+        grants = CounterMetricFamily(
+            "understudy_lock_grants",
+            "Lock grants (resumed: the same holder back with its epoch); durable",
+            labels=["resumed"],
+        )
+        grants.add_metric(["false"], t.grants)
+        grants.add_metric(["true"], t.resumed_grants)
+        yield grants
+        yield CounterMetricFamily(
+            "understudy_lock_handovers",
+            "Grants of a new epoch after an earlier holder went away (failovers); durable",
+            value=t.handovers,
+        )
+        yield CounterMetricFamily(
+            "understudy_lock_reissues",
+            "Resume claims honoured under a new epoch (the record was lost); durable",
+            value=t.reissues,
+        )
+        windows = CounterMetricFamily(
+            "understudy_lock_window_closed",
+            "Reconnect windows closed, by reason; durable",
+            labels=["reason"],
+        )
+        for reason in sorted({*tally.WINDOW_REASONS, *dict(t.windows_closed)}):
+            windows.add_metric([reason], t.window_count(reason))
+        yield windows
+        yield HistogramMetricFamily(
+            "understudy_lock_handover_seconds",
+            "From the holder's connection closing (its process died) to the next grant "
+            "being decided (sent once its record is on disk); durable",
+            buckets=t.cumulative(),
+            sum_value=t.handover_sum,
+        )
 
 
 class LockServer:
@@ -98,6 +136,8 @@ class LockServer:
         self._published: Holder | None = None
         self._released_at: float | None = None  # loop time the last holder went away
         self._holder_check: asyncio.TimerHandle | None = None
+        self.tally = tally.Tally()
+        self._collector = TallyCollector(self)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -124,10 +164,13 @@ class LockServer:
                 )
             )
             log_event(log, "listening", transport="tcp", address=f"{host}:{port}")
+        prom.REGISTRY.register(self._collector)
         start_metrics_server(self.config.metrics_port)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        with contextlib.suppress(KeyError):
+            prom.REGISTRY.unregister(self._collector)
         if self._timer is not None:
             self._timer.cancel()
         if self._holder_check is not None:
@@ -172,6 +215,13 @@ class LockServer:
                 copy=str(copy) if copy else None,
                 consequence="unknown holder assumed; every acquire waits for the reconnect window",
             )
+        if result.counters is not None:
+            self.tally = result.counters
+        elif result.counters_detail:
+            log_event(
+                log, "counters_unreadable", logging.WARNING, path=str(path),
+                detail=result.counters_detail, consequence="failover counters restart at zero",
+            )  # fmt: skip
         self._feed(
             fsm.Restored(
                 record=result.record,
@@ -223,16 +273,20 @@ class LockServer:
     def _execute(self, action: fsm.Action) -> None:
         match action:
             case fsm.Persist(engine_id=engine_id, epoch=epoch):
+                # The grant's counts go to disk with the grant itself: kept
+                # only if the write succeeds (a failed write undoes the grant).
+                staged = self._counted_grant()
                 try:
-                    statefile.write(self.config.state_file, engine_id, epoch, time.time())
+                    statefile.write(self.config.state_file, engine_id, epoch, time.time(), staged)
                 except OSError as exc:
                     WRITE_FAILURES.labels(record="grant").inc()
                     self._feed(fsm.PersistFailed(f"{exc.strerror or exc} ({exc.errno})"))
                 else:
+                    self.tally = staged
                     self._feed(fsm.Persisted())
             case fsm.Clear(epoch=epoch):
                 try:
-                    statefile.write(self.config.state_file, None, epoch, time.time())
+                    statefile.write(self.config.state_file, None, epoch, time.time(), self.tally)
                 except OSError as exc:
                     # The file still names the last holder: a restart would
                     # wait a reconnect window for it. Slower, never unsafe.
@@ -253,16 +307,20 @@ class LockServer:
             case fsm.Grant(conn=conn, engine_id=engine_id, epoch=epoch, resumed=resumed):
                 # The grant first (the record is already on disk): the log
                 # line and metrics are off the handover's critical path.
+                released = None
+                if self._released_at is not None and not resumed:
+                    released = time.time() - (self._now() - self._released_at)
                 self._send(
                     conn,
                     Granted(
-                        engine_id=engine_id, epoch=epoch, resumed=resumed, reissued=action.reissued
+                        engine_id=engine_id,
+                        epoch=epoch,
+                        resumed=resumed,
+                        reissued=action.reissued,
+                        released_at=released,
                     ),
                 )
-                if self._released_at is not None and not resumed:
-                    HANDOVER.observe(self._now() - self._released_at)
                 self._released_at = None
-                GRANTS.labels(resumed=str(resumed).lower()).inc()
                 WAIT.observe(action.waited_s)
                 log_event(
                     log,
@@ -287,13 +345,31 @@ class LockServer:
                 )
                 self._arm_timer(deadline)
             case fsm.WindowClosed(reason=reason):
-                WINDOW_CLOSED.labels(reason=reason).inc()
+                # Written with the grant or release that always follows it.
+                self.tally = tally.window_closed(self.tally, reason)
                 log_event(log, "window_closed", reason=reason)
                 if self._timer is not None:
                     self._timer.cancel()
                     self._timer = None
             case _:
                 assert_never(action)
+
+    def _counted_grant(self) -> tally.Tally:
+        """The tally once the pending grant is sent."""
+        pending = self.state.pending
+        if pending is None:
+            return self.tally
+        handover = not pending.resumed and pending.last_holder_before is not None
+        seconds = None
+        if handover and self._released_at is not None:
+            seconds = self._now() - self._released_at
+        return tally.granted(
+            self.tally,
+            resumed=pending.resumed,
+            reissued=pending.reissued,
+            handover=handover,
+            handover_s=seconds,
+        )
 
     def _arm_timer(self, deadline: float) -> None:
         assert self._loop is not None

@@ -1,4 +1,4 @@
-"""The lock's persisted record ``{holder, epoch, granted_at}``: a restarted server reads it.
+"""The lock's persisted record ``{holder, epoch, granted_at, counters}``, read on restart.
 
 Written on every grant and cleared (holder null, epoch kept) on release.
 Atomic: write a temp file, fsync it, rename over the record, fsync the
@@ -6,6 +6,12 @@ directory — all under an exclusive ``flock`` on a sibling lock file, so two
 writers (a restarting server overlapping its predecessor) never interleave.
 A record that cannot be parsed is reported as corrupt, never as "no holder":
 the caller must then assume an unknown holder may be alive.
+
+``counters`` is the durable failover tally (``tally``), written with every
+grant and release. It is optional (files written before it existed have
+none: the counts start at zero), and a tally that cannot be read costs only
+the counts, never the holder: the record stays valid and the detail is
+reported.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from understudy.lockserver import tally
 from understudy.lockserver.fsm import PersistedRecord
 
 
@@ -27,6 +34,8 @@ class ReadResult:
     record: PersistedRecord | None  # None: no file (first boot)
     corrupt: bool
     detail: str = ""
+    counters: tally.Tally | None = None  # None: none kept (or unreadable)
+    counters_detail: str = ""  # why kept counters could not be read
 
 
 @contextlib.contextmanager
@@ -62,16 +71,32 @@ def parse(raw: bytes) -> ReadResult:
             raise ValueError("epoch must be a non-negative integer")
     except (ValueError, KeyError, TypeError) as exc:
         return ReadResult(None, corrupt=True, detail=f"unparsable: {exc}")
-    return ReadResult(PersistedRecord(holder=holder, epoch=epoch), corrupt=False)
+    counters, why = None, ""
+    if "counters" in data:
+        try:
+            counters = tally.from_json(data["counters"])
+        except ValueError as exc:
+            why = f"counters unparsable: {exc}"
+    record = PersistedRecord(holder=holder, epoch=epoch)
+    return ReadResult(record, corrupt=False, counters=counters, counters_detail=why)
 
 
-def write(path: Path, holder: str | None, epoch: int, now_wall: float) -> None:
+def write(
+    path: Path,
+    holder: str | None,
+    epoch: int,
+    now_wall: float,
+    counters: tally.Tally | None = None,
+) -> None:
     granted_at = (
         dt.datetime.fromtimestamp(now_wall, dt.UTC).isoformat(timespec="milliseconds")
         if holder is not None
         else None
     )
-    body = json.dumps({"holder": holder, "epoch": epoch, "granted_at": granted_at}).encode()
+    record: dict[str, object] = {"holder": holder, "epoch": epoch, "granted_at": granted_at}
+    if counters is not None:
+        record["counters"] = tally.to_json(counters)
+    body = json.dumps(record).encode()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with _locked(path):
         try:

@@ -46,6 +46,7 @@ from understudy.operator.metrics import (
     AUTOSCALER_DESIRED,
     AUTOSCALER_PRESSURE,
     CACHE_EVENTS,
+    PHASES,
     RECONCILE_DURATION,
     RECONCILE_ERRORS,
     TRANSITIONS,
@@ -211,6 +212,8 @@ async def _pass(body: Any, memo: Any, trigger: str, key: Key | None = None) -> A
         for ev in the_plan.events:
             TRANSITIONS.labels(trigger, str(ev.reason)).inc()
         _record(inst, the_plan, memo)
+        if key is not None:
+            PHASES.record(key, str((the_plan.status or {}).get("phase") or inst.status.phase))
         wait = the_plan.requeue_after
         if key is not None and wait is not None and wait < RESYNC_S:
             memo["requeue"].after(key, wait, lambda: _requeued(key, memo))
@@ -281,6 +284,7 @@ async def on_timer(
 @kopf.on.delete(api.GROUP, api.VERSION, api.PLURAL, optional=True)
 async def on_delete(namespace: str | None, name: str, **_: Any) -> None:
     # Nothing outside the cluster to clean: owner references collect the children.
+    PHASES.forget((namespace or "", name))
     log_event(log, "instance_deleted", namespace=namespace, name=name)
 
 

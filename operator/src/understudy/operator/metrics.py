@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import prometheus_client as prom
 
+from understudy.operator.api import Phase
 from understudy.operator.scheduler import NodeInfo, Placement, Request, select
 
 RECONCILE_DURATION = prom.Histogram(
@@ -14,6 +15,11 @@ RECONCILE_DURATION = prom.Histogram(
     "Duration of one reconcile pass (observe, plan, apply) of a GpuInstance.",
     ["trigger"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
+INSTANCES = prom.Gauge(
+    "understudy_operator_instances",
+    "GpuInstances in each phase, as the operator last reconciled them.",
+    ["phase"],
 )
 RECONCILE_ERRORS = prom.Counter(
     "understudy_operator_reconcile_errors_total",
@@ -60,6 +66,33 @@ CACHE_EVENTS = prom.Gauge(
     "Watch events the scheduler's caches applied since start, by kind.",
     ["kind"],
 )
+
+
+class PhaseBook:
+    """Each GpuInstance's last phase, counted into ``understudy_operator_instances``
+    (every phase has a series, 0 included, so a panel shows a phase emptying)."""
+
+    def __init__(self) -> None:
+        self._phases: dict[tuple[str, str], str] = {}
+        self._publish()
+
+    def record(self, key: tuple[str, str], phase: str) -> None:
+        self._phases[key] = phase
+        self._publish()
+
+    def forget(self, key: tuple[str, str]) -> None:
+        self._phases.pop(key, None)
+        self._publish()
+
+    def _publish(self) -> None:
+        counts = dict.fromkeys([p.value for p in Phase], 0)
+        for phase in self._phases.values():
+            counts[phase] = counts.get(phase, 0) + 1
+        for phase, n in counts.items():
+            INSTANCES.labels(phase).set(n)
+
+
+PHASES = PhaseBook()
 
 
 def timed_select(req: Request, nodes: Sequence[NodeInfo]) -> Placement:

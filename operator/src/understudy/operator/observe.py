@@ -103,7 +103,7 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
 
 
 def engine_view(data: Mapping[str, Any] | None) -> EngineView:
-    """An engine's ``/state`` JSON (keys: role, state, epoch, granted_at, active_at, ...)."""
+    """An engine's ``/state`` JSON (role, state, epoch, granted_at, active_at, released_at...)."""
     if not data:
         return EngineView()
     epoch = data.get("epoch")
@@ -113,6 +113,7 @@ def engine_view(data: Mapping[str, Any] | None) -> EngineView:
         epoch=epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None,
         granted_at=_time(data.get("granted_at")),
         active_at=_time(data.get("active_at")),
+        released_at=_time(data.get("released_at")),
     )
 
 

@@ -100,6 +100,9 @@ class EngineView:
     epoch: int | None = None
     granted_at: float | None = None
     active_at: float | None = None
+    # When the previous holder let go of the lock (the lock server's word,
+    # carried in the grant): the start of the failover, detection included.
+    released_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -769,8 +772,11 @@ def replica_status(
             replica_failovers += 1
             tally.count += 1
             tally.last_time = rfc3339(ctx.now)
-            if view.active_at is not None and view.granted_at is not None:
-                tally.last_duration = max(0.0, view.active_at - view.granted_at)
+            # Kill → Active: from the old holder's release when the lock
+            # server told the engine, else (an older engine) from the grant.
+            start = view.released_at if view.released_at is not None else view.granted_at
+            if view.active_at is not None and start is not None:
+                tally.last_duration = max(0.0, view.active_at - start)
             events.append(
                 EventSpec(
                     "Warning",

@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from understudy.tools.series import KILL_WINDOW_S, Sample, Tally
+
 REQUEST = {
     "input": "Understudy keeps a sleeping shadow engine in the same pod.",
     "encoding_format": "base64",
@@ -158,72 +160,6 @@ def unix_listeners(directory: Path) -> set[int]:
     return pids
 
 
-@dataclass(slots=True)
-class Sample:
-    start: float
-    end: float
-    ok: bool
-    digest: str = ""
-    error: str = ""
-    kind: str = ""
-
-
-# The per-request series a report draws: every request near a kill (the part
-# worth looking at) and every failure, the steady stretches between kills
-# thinned out so that a long drill's JSON and charts stay small.
-SERIES_LIMIT = 20_000
-KILL_WINDOW_S = (-1.0, 3.0)  # around each kill, kept whole
-
-
-def request_series(
-    samples: list[Sample],
-    kinds: list[Kind],
-    origin: float,
-    kills: list[float],
-    limit: int = SERIES_LIMIT,
-) -> dict[str, Any]:
-    """The requests as ``[start_s, latency_s, kind, ok]`` rows, times in seconds
-    since ``origin``, ``kind`` an index into ``kinds``; at most ``limit`` rows
-    (kept: failures and requests overlapping a kill's window; the rest evenly
-    thinned, and the kept ones too if they alone exceed the limit)."""
-    index = {k.name: i for i, k in enumerate(kinds)}
-    ordered = sorted(samples, key=lambda s: s.start)
-    lo, hi = KILL_WINDOW_S
-
-    def near_kill(s: Sample) -> bool:
-        return any(s.end >= k + lo and s.start <= k + hi for k in kills)
-
-    keep = [s for s in ordered if not s.ok or near_kill(s)]
-    rest = [s for s in ordered if s.ok and not near_kill(s)]
-    if len(keep) >= limit:
-        keep, rest = _thin(keep, limit), []
-    chosen = sorted([*keep, *_thin(rest, limit - len(keep))], key=lambda s: s.start)
-    return {
-        "columns": ["start_s", "latency_s", "kind", "ok"],
-        "kinds": [{"name": k.name, "streaming": k.streaming} for k in kinds],
-        "total": len(samples),
-        "rows": [
-            [
-                round(s.start - origin, 4),
-                round(s.end - s.start, 4),
-                index.get(s.kind, -1),
-                int(s.ok),
-            ]
-            for s in chosen
-        ],
-    }
-
-
-def _thin(items: list[Sample], n: int) -> list[Sample]:
-    """``n`` of ``items``, evenly spaced (all of them if there are no more)."""
-    if n <= 0:
-        return []
-    if len(items) <= n:
-        return items
-    step = len(items) / n
-    return [items[int(i * step)] for i in range(n)]
-
-
 @dataclass(frozen=True)
 class Kind:
     """One kind of request a drill client sends, and how to read its answer."""
@@ -340,6 +276,22 @@ class Client(threading.Thread):
             self.samples.append(s)
             if not s.ok:
                 time.sleep(0.002)  # refused at once while nobody serves: don't spin
+
+
+def fold(pool: list[Client], tally: Tally, before: float, kills: list[float]) -> None:
+    """Move the requests that ended before ``before`` from the clients into the
+    tally. A client's requests are one at a time, so they end in order; only
+    this thread removes from its list, the client only appends to it."""
+    for c in pool:
+        n = 0
+        for s in c.samples:
+            if s.end >= before:
+                break
+            n += 1
+        if n:
+            taken = c.samples[:n]
+            del c.samples[:n]
+            tally.add(taken, kills)
 
 
 class Watcher(threading.Thread):
@@ -519,12 +471,19 @@ def drill(
     def samples() -> list[Sample]:
         return [s for c in pool for s in list(c.samples)]
 
+    tally = Tally()
+
+    def killed_at() -> list[float]:
+        return [origin + r.kill_at_s for r in report.rounds if r.kill_at_s is not None]
+
     try:
         for i in range(1, kills + 1):
             got = _wait(armed, timeout)
             if got is None:
                 report.rounds.append(Round(i, "?", 0, 0, error="pod not armed"))
                 break
+            # what ended well before this round's kill is needed only as counts
+            fold(pool, tally, time.monotonic() + KILL_WINDOW_S[0] - 0.5, killed_at())
             active, _ = got
             rnd = Round(
                 i,
@@ -618,22 +577,15 @@ def drill(
             c.join(120)
         watcher.stop.set()
         watcher.join(5)
-    every = samples()
-    report.requests = len(every)
-    report.failed_requests = sum(1 for s in every if not s.ok)
-    for s in every:
-        report.by_kind[s.kind] = report.by_kind.get(s.kind, 0) + 1
-        if not s.ok:
-            report.errors[s.error] = report.errors.get(s.error, 0) + 1
-    for kind in {s.kind for s in every}:
-        digests = [s.digest for s in every if s.ok and s.kind == kind]
-        if digests:
-            expected = max(set(digests), key=digests.count)
-            report.wrong_answers += sum(1 for d in digests if d != expected)
+    fold(pool, tally, float("inf"), killed_at())
+    report.requests = tally.requests
+    report.failed_requests = tally.failed
+    report.by_kind = tally.by_kind
+    report.errors = tally.errors
+    report.wrong_answers = tally.wrong_answers()
     report.split_brain = watcher.split_brain
     report.epoch_regressions = watcher.epoch_regressions
-    killed_at = [origin + r.kill_at_s for r in report.rounds if r.kill_at_s is not None]
-    report.series = request_series(every, kinds, origin, killed_at)
+    report.series = tally.series(kinds, origin, killed_at())
     return report
 
 

@@ -1,0 +1,341 @@
+"""Monitoring on the real cluster (docs/monitoring-kubernetes.md).
+
+The prometheus-operator CRDs (pinned, from its Go module) go into the real
+apiserver, then the chart with every monitoring object on: the apiserver
+admits the ServiceMonitor, PodMonitor, PrometheusRule and dashboard
+ConfigMaps and keeps them as rendered. Then a real Prometheus runs on the node
+(upstream's, built by hack/monitoring/prometheus: Debian's has no Kubernetes
+discovery) with the scrape configuration of docs/monitoring-kubernetes.md:
+Kubernetes service discovery through the apiserver, restricted to the test's
+namespaces. It must find every metrics port of a GpuInstance pod, and what it
+scrapes during ``understudy drill --kube`` must agree with the drill's JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import promcrds
+import pytest
+import yaml
+from procs import Proc, wait_settled
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+RELEASE, OPERATOR_NS = "understudy", "understudy-system"
+CRDS = ("servicemonitors", "podmonitors", "prometheusrules")
+PROM_PORT = int(os.environ.get("UNDERSTUDY_TEST_PROMETHEUS_PORT", "19290"))
+KILLS = int(os.environ.get("UNDERSTUDY_MONITORING_KILLS", "5"))
+SHADOWS = 2
+# One engine status port per engine, and the sidecars' and front's ports.
+POD_ENDPOINTS = {"lock-metrics", "gms-metrics", "front-status"} | {
+    f"status-{i}" for i in range(SHADOWS + 1)
+}
+ALL_ON = [
+    "monitoring.serviceMonitor.enabled=true",
+    "monitoring.podMonitor.enabled=true",
+    "monitoring.prometheusRule.enabled=true",
+    "monitoring.dashboards.enabled=true",
+    "monitoring.labels.release=kube-prometheus-stack",
+]
+SCRAPE_S = 1
+
+
+def _contains(live: Any, want: Any, path: str = "") -> list[str]:
+    """Where LIVE lacks or differs from WANT (LIVE may add defaults)."""
+    if isinstance(want, dict):
+        if not isinstance(live, dict):
+            return [f"{path}: {live!r}"]
+        return [d for k, v in want.items() for d in _contains(live.get(k), v, f"{path}.{k}")]
+    if isinstance(want, list):
+        if not isinstance(live, list) or len(live) != len(want):
+            return [f"{path}: {live!r}"]
+        return [
+            d
+            for i, (a, b) in enumerate(zip(live, want, strict=True))
+            for d in _contains(a, b, f"{path}[{i}]")
+        ]
+    return [] if live == want else [f"{path}: {live!r} != {want!r}"]
+
+
+@pytest.fixture(scope="module")
+def crds(cluster: Any) -> None:
+    """The prometheus-operator's CRDs for the three kinds the chart uses."""
+    for plural in CRDS:
+        # Server-side: the CRDs are too big for kubectl's last-applied annotation.
+        cluster.kubectl(
+            "apply", "--server-side", "--force-conflicts", "-f", str(promcrds.crd_path(plural))
+        )
+    names = [f"crd/{p}.{promcrds.GROUP}" for p in CRDS]
+    cluster.kubectl("wait", "--for=condition=Established", *names, "--timeout=60s")
+
+
+@pytest.fixture(scope="module")
+def installed(cluster: Any, image: str, crds: None) -> Iterator[tuple[Any, str]]:
+    """The chart installed with monitoring on; a namespace for GpuInstances."""
+    ns = f"mon-{int(time.time())}"
+    cluster.kubectl("create", "namespace", ns)
+    cluster.kubectl("wait", "--for=create", "-n", ns, "serviceaccount/default", "--timeout=30s")
+    repository, _, tag = image.rpartition(":")
+    sets = [*ALL_ON, "operator.resyncSeconds=5", f"image.repository={repository}"]
+    sets += [f"image.tag={tag}", f"monitoring.podMonitor.namespaces={{{ns}}}"]
+    helm = subprocess.run(
+        ["helm", "upgrade", "--install", RELEASE, str(ROOT / "charts/understudy")]
+        + ["--namespace", OPERATOR_NS, "--create-namespace", "--wait", "--timeout", "5m"]
+        + [a for s in sets for a in ("--set", s)],
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert helm.returncode == 0, helm.stderr[-4000:]
+    yield cluster, ns
+    cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+    subprocess.run(
+        ["helm", "uninstall", RELEASE, "--namespace", OPERATOR_NS, "--wait"],
+        env=cluster.env,
+        capture_output=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.timeout(900)
+def test_apiserver_admits_the_monitoring_objects_as_rendered(installed: tuple[Any, str]) -> None:
+    cluster, _ = installed
+    manifest = subprocess.run(
+        ["helm", "get", "manifest", RELEASE, "--namespace", OPERATOR_NS],
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    sent = [o for o in yaml.safe_load_all(manifest) if o]
+    kinds = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+    monitoring = [o for o in sent if o["kind"] in kinds]
+    dashboards = [o for o in sent if o["metadata"]["name"].startswith("understudy-dashboard-")]
+    assert {o["kind"] for o in monitoring} == kinds
+    assert len(dashboards) == len(list((ROOT / "charts/understudy/dashboards").glob("*.json")))
+    for o in monitoring + dashboards:
+        m = o["metadata"]
+        live = cluster.get_json(o["kind"].lower(), m["name"], "-n", m["namespace"])
+        # Admitted, and nothing pruned: what Helm sent is what is stored.
+        body = {k: v for k, v in o.items() if k in ("spec", "data")}
+        assert not _contains(live, body), (o["kind"], _contains(live, body))
+        assert _contains(live["metadata"]["labels"], m["labels"]) == []
+    # Grafana's sidecar finds the dashboards by their label.
+    found = cluster.get_json("configmaps", "-A", "-l", "grafana_dashboard=1")["items"]
+    assert {c["metadata"]["name"] for c in found} >= {d["metadata"]["name"] for d in dashboards}
+    # The installed CRDs validate: the apiserver refuses what their schema forbids.
+    (pm,) = (o for o in monitoring if o["kind"] == "PodMonitor")
+    bad = json.loads(json.dumps(pm))
+    bad["metadata"]["name"] = "understudy-bad"
+    bad["spec"]["podMetricsEndpoints"][0]["scheme"] = "ftp"
+    proc = cluster.kubectl(
+        "apply", "--dry-run=server", "-f", "-", input=json.dumps(bad), check=False
+    )
+    assert proc.returncode != 0 and "scheme" in proc.stderr, proc.stderr
+
+
+# --- a real Prometheus on the node --------------------------------------------
+
+
+def documented_scrape_configs() -> list[dict[str, Any]]:
+    """The scrape configuration block of docs/monitoring-kubernetes.md."""
+    text = (ROOT / "docs/monitoring-kubernetes.md").read_text()
+    _, _, rest = text.partition("<!-- scrape-config")
+    block = rest.split("```yaml\n", 1)[1].split("```", 1)[0]
+    jobs: list[dict[str, Any]] = yaml.safe_load(block)["scrape_configs"]
+    return jobs
+
+
+class Prometheus:
+    def __init__(self, workdir: Path, config: dict[str, Any]) -> None:
+        binary = subprocess.run(
+            [str(ROOT / "hack/monitoring/prometheus")],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=1200,
+        ).stdout.strip()
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False))
+        self.url = f"http://127.0.0.1:{PROM_PORT}"
+        self.log = workdir / "prometheus.log"
+        self.proc = Proc(
+            [
+                binary,
+                f"--config.file={workdir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{PROM_PORT}",
+                "--storage.tsdb.retention.time=1h",
+            ],
+            log=self.log,
+        )
+        wait_settled("Prometheus ready", self.ready, 60, 0.5)
+
+    def ready(self) -> bool:
+        assert self.proc.alive(), self.log.read_text()[-3000:]
+        with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as r:
+            return r.status == 200
+
+    def api(self, path: str, **params: str) -> Any:
+        url = f"{self.url}/api/v1/{path}?{urllib.parse.urlencode(params)}"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            body = json.loads(r.read())
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def targets(self, job: str) -> list[dict[str, Any]]:
+        active = self.api("targets", state="active")["activeTargets"]
+        return [t for t in active if t["labels"]["job"] == job]
+
+    def value(self, expr: str, at: float | None = None) -> float:
+        """The one sample EXPR gives (at AT), as a number."""
+        params = {"query": expr} | ({"time": f"{at:.3f}"} if at is not None else {})
+        result = self.api("query", **params)["result"]
+        assert len(result) == 1, (expr, result)
+        return float(result[0]["value"][1])
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+def _sample(name: str, device_class: str) -> dict[str, Any]:
+    doc = yaml.safe_load((ROOT / "manifests/samples/gpuinstance-reference.yaml").read_text())
+    doc["metadata"] = {"name": name}
+    doc["spec"]["gpus"]["deviceClassName"] = device_class
+    doc["spec"]["failover"]["shadows"] = SHADOWS
+    return doc
+
+
+def _condition_true(cluster: Any, ns: str, name: str, kind: str) -> bool:
+    obj = cluster.get_json("gpuinstance", name, "-n", ns)
+    return any(
+        c["type"] == kind and c["status"] == "True"
+        for c in obj.get("status", {}).get("conditions", [])
+    )
+
+
+@pytest.mark.timeout(1800)
+def test_prometheus_scrapes_the_pod_through_kubernetes_sd_during_a_drill(
+    installed: tuple[Any, str], tmp_path: Path
+) -> None:
+    cluster, ns = installed
+    name = "mon"
+    cluster.apply(json.dumps(_sample(name, cluster.device_class)), namespace=ns)
+    for kind in ("Ready", "StandbyReady"):
+        wait_settled(
+            f"GpuInstance {kind}", lambda k=kind: _condition_true(cluster, ns, name, k), 300
+        )
+
+    # The documented jobs, told where the apiserver is and which namespaces to watch.
+    jobs = documented_scrape_configs()
+    for job in jobs:
+        watch = OPERATOR_NS if job["job_name"] == "understudy-operator" else ns
+        for sd in job["kubernetes_sd_configs"]:
+            sd["kubeconfig_file"] = str(cluster.kubeconfig)
+            sd["namespaces"] = {"names": [watch]}
+    config = {
+        "global": {"scrape_interval": f"{SCRAPE_S}s", "scrape_timeout": f"{SCRAPE_S}s"},
+        "scrape_configs": jobs,
+    }
+    prom = Prometheus(tmp_path / "prometheus", config)
+    try:
+        _check_targets(prom, ns, f"{name}-0")
+        _check_drill(prom, cluster, ns, name, tmp_path)
+    finally:
+        prom.stop()
+        sys.stderr.write(prom.log.read_text()[-3000:])
+
+
+def _check_targets(prom: Prometheus, ns: str, pod: str) -> None:
+    def pod_targets() -> list[dict[str, Any]] | None:
+        ts = prom.targets("understudy")
+        up = [t for t in ts if t["health"] == "up"]
+        return ts if len(up) == len(POD_ENDPOINTS) == len(ts) else None
+
+    ts = wait_settled("every metrics port of the pod discovered and up", pod_targets, 90)
+    assert {t["labels"]["endpoint"] for t in ts} == POD_ENDPOINTS
+    assert {(t["labels"]["namespace"], t["labels"]["pod"]) for t in ts} == {(ns, pod)}
+    assert {t["labels"]["understudy_dev_instance"] for t in ts} == {pod.rsplit("-", 1)[0]}
+    # The annotations name one port per pod: the lock server's.
+    (ann,) = wait_settled(
+        "the annotated target up",
+        lambda: [t for t in prom.targets("kubernetes-pods") if t["health"] == "up"],
+        60,
+    )
+    assert ann["labels"]["pod"] == pod
+    assert urllib.parse.urlparse(ann["scrapeUrl"]).port == 9101
+    (op,) = wait_settled(
+        "the operator's target up",
+        lambda: [t for t in prom.targets("understudy-operator") if t["health"] == "up"],
+        60,
+    )
+    assert op["labels"]["namespace"] == OPERATOR_NS
+    reconciles = 'understudy_operator_reconcile_duration_seconds_count{job="understudy-operator"}'
+    assert prom.value(f"count({reconciles})") >= 1
+
+
+def _check_drill(prom: Prometheus, cluster: Any, ns: str, name: str, tmp_path: Path) -> None:
+    sel = f'job="understudy",namespace="{ns}"'
+    grants = f"sum(understudy_lock_grants_total{{{sel}}})"
+    epoch = f"max(understudy_lock_epoch{{{sel}}})"
+    front = f"sum(understudy_front_failovers_total{{{sel}}})"
+
+    def scraped_since(t: float) -> bool:
+        # Every pod target has a sample newer than T.
+        result = prom.api("query", query=f"timestamp(up{{{sel}}})")["result"]
+        return len(result) == len(POD_ENDPOINTS) and all(float(r["value"][1]) > t for r in result)
+
+    t = time.time()
+    wait_settled("a scrape after the pod settled", lambda: scraped_since(t), 30, 0.5)
+    t0 = time.time()
+    before = {q: prom.value(q, t0) for q in (grants, epoch, front)}
+
+    out = tmp_path / "drill.json"
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "understudy.cli", "drill", "--kube", f"{ns}/{name}"),
+            *("--kubeconfig", str(cluster.kubeconfig), "--output", str(out), "--timeout", "120"),
+            *("--kills", str(KILLS), "--signal", "KILL"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-2000:])
+    report = json.loads(out.read_text())
+    s = report["summary"]
+    assert proc.returncode == 0 and s["kills"] == KILLS and s["failovers_ok"] == KILLS, s
+    # Nothing but engines restarted: the lock server's and front's counters
+    # are one process's count from before the drill to after it.
+    restarts = report["cluster"]["restarts"]
+    assert all(v == 0 for k, v in restarts.items() if k.endswith(("/lockserver", "/front")))
+
+    t = time.time()
+    wait_settled("a scrape after the drill", lambda: scraped_since(t), 30, 0.5)
+    t1 = time.time()
+    after = {q: prom.value(q, t1) for q in (grants, epoch, front)}
+    rounds = report["rounds"]
+    # Every kill is one grant to the engine that took over, one epoch, one route change.
+    assert after[grants] - before[grants] == KILLS, (before, after)
+    assert before[epoch] == rounds[0]["killed_epoch"], (before, rounds[0])
+    assert after[epoch] == rounds[-1]["new_epoch"], (after, rounds[-1])
+    assert after[front] - before[front] == KILLS, (before, after)
+    # Prometheus saw the epoch step through every round's new epoch.
+    seen = prom.api(
+        "query_range", query=epoch, start=f"{t0:.3f}", end=f"{t1:.3f}", step=f"{SCRAPE_S / 2}"
+    )["result"][0]["values"]
+    stepped = {int(float(v)) for _, v in seen}
+    assert {r["new_epoch"] for r in rounds} <= stepped, (stepped, rounds)
