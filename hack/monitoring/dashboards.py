@@ -412,15 +412,20 @@ def failover() -> dash.Dashboard:
         )
         .with_panel(
             _series(
-                "Re-arm: restart to Standby",
-                "A restarted engine's start to Standby with the weights imported from GMS "
-                "(the pod is armed again), p50 / p95 / p99.",
+                "Re-arm: failover to a standby again",
+                "Lock server: a handover (the old engine's death) to the next engine queueing "
+                "for the lock, the pod armed again (durable), p50 / p95 / p99. Engine: a "
+                "restarted engine's own start to Standby with the weights imported from GMS, p99.",
                 "s",
-                _quantiles(
-                    "understudy_engine_init_duration_seconds",
-                    f'weights="imported", {sel}',
-                    "$__rate_interval",
-                ),
+                [
+                    *_quantiles("understudy_lock_rearm_seconds", sel, "$__rate_interval"),
+                    (
+                        "histogram_quantile(0.99, sum by (le) (rate("
+                        "understudy_engine_init_duration_seconds_bucket"
+                        f'{{weights="imported", {sel}}}[$__rate_interval])))',
+                        "engine start to Standby p99",
+                    ),
+                ],
             )
         )
         .with_panel(
