@@ -121,7 +121,11 @@ def _prometheus(tmp: Path, pod: localpod.LocalPod) -> Proc:
             return False
         return len(targets) == 3 + len(engines) and all(t["health"] == "up" for t in targets)
 
-    wait_for(all_up, 60, 0.2, what="Prometheus scraping every target of the pod")
+    try:
+        wait_for(all_up, 60, 0.2, what="Prometheus scraping every target of the pod")
+    except BaseException:
+        proc.stop()  # not the caller's yet: nobody else would stop it
+        raise
     return proc
 
 
