@@ -40,6 +40,7 @@ from procs import Proc, understudy, wait_for
 
 from understudy.engine_shim.mainloop import PHASE_BUCKETS
 from understudy.front.metrics import GAP_BUCKETS
+from understudy.lockserver.tally import REARM_BUCKETS
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
@@ -120,7 +121,11 @@ def _prometheus(tmp: Path, pod: localpod.LocalPod) -> Proc:
             return False
         return len(targets) == 3 + len(engines) and all(t["health"] == "up" for t in targets)
 
-    wait_for(all_up, 60, 0.2, what="Prometheus scraping every target of the pod")
+    try:
+        wait_for(all_up, 60, 0.2, what="Prometheus scraping every target of the pod")
+    except BaseException:
+        proc.stop()  # not the caller's yet: nobody else would stop it
+        raise
     return proc
 
 
@@ -250,6 +255,10 @@ def _check(drill: dict[str, Any], started: float) -> None:
             "grant_to_active_s",
             PHASE_BUCKETS,
         ),
+        # the lock: the old holder's release (for a hang, the front's kill,
+        # about a second after the drill's SIGSTOP) to the restarted engine
+        # queueing; the drill: its signal to that engine in Standby
+        ("understudy_lock_rearm_seconds", "", "rearm_s", REARM_BUCKETS),
     ]
     for metric, extra, key, bounds in checks:
         body = _api(
