@@ -190,12 +190,23 @@ class Worker:
             if aborts:
                 engine.abort_request(aborts)
             for req in new:
-                engine.add_request(
-                    req.id, {"prompt_token_ids": list(req.prompt)}, self._make_params(req)
-                )
+                try:
+                    engine.add_request(
+                        req.id, {"prompt_token_ids": list(req.prompt)}, self._make_params(req)
+                    )
+                except (ValueError, TypeError) as exc:  # vLLM refused this request only
+                    _send(req, ValueError(str(exc)))
+                    continue
                 with self._cond:
                     self._running[req.id] = req
             if not engine.has_unfinished_requests():
+                # Nothing left in vLLM: whatever we still track ended without
+                # an output we saw (never wait for it, never spin on it).
+                with self._cond:
+                    lost = list(self._running.values())
+                    self._running.clear()
+                for req in lost:
+                    _send(req, NotServing("vLLM dropped the request"))
                 return True
             outputs = engine.step()
             self.steps += 1
