@@ -1,9 +1,9 @@
 """The ``vllm`` adapter in this process, over a real GMS server: its model loader
 found through the ``vllm.general_plugins`` entry point; one engine publishes
 vLLM's parameters into GMS, another maps them read-only with the checkpoint
-gone and generates vLLM's own greedy tokens (the session's vLLM server, on
-the same checkpoint, loaded the usual way); a continuation after resumed ids
-generates the rest of the same answer."""
+gone and generates vLLM's own greedy tokens (a plain vLLM engine built
+afterwards in this process, loading the same checkpoint the usual way); a
+continuation after resumed ids generates the rest of the same answer."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllmserver import free_port, http_post
+from vllmserver import free_port
 
 from understudy.engine_shim.generation import SamplingParams
 from understudy.gms.client import GmsClient
@@ -76,8 +76,38 @@ def test_the_entry_point_registers_the_loader() -> None:
     assert type(loader).__name__ == "UnderstudyModelLoader"
 
 
+def _plain_vllm_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """vLLM's own answers: an engine loading the checkpoint with its default loader."""
+    from vllm import SamplingParams as VllmParams
+    from vllm.distributed.parallel_state import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+    )
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    args = EngineArgs(
+        model=str(model_dir), dtype="float32", max_model_len=2048, seed=0, enforce_eager=True
+    )
+    engine = LLMEngine.from_engine_args(args)
+    try:
+        params = VllmParams(max_tokens=MAX_TOKENS, temperature=0)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": p}, params)
+        out: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    out[o.request_id] = list(o.outputs[0].token_ids)
+        return [out[str(i)] for i in range(len(prompts))]
+    finally:
+        engine.engine_core.shutdown()
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
 def test_published_then_mapped_without_the_checkpoint(
-    model_dir: Path, gms: Path, vllm_port: int, tmp_path: Path
+    model_dir: Path, gms: Path, tmp_path: Path
 ) -> None:
     from understudy.engine_shim.adapters.vllm import VllmEngine
 
@@ -103,21 +133,16 @@ def test_published_then_mapped_without_the_checkpoint(
     rs.unmap()
     rs.remap(30)
     reader.wake()
+    prompts = [reader.encode(text) for text in PROMPTS]
     try:
         assert reader.health() == (True, "ok")
-        for text in PROMPTS:
-            prompt = reader.encode(text)
-            theirs = http_post(
-                vllm_port,
-                "/v1/completions",
-                {"model": "tiny-llama", "prompt": prompt, "max_tokens": MAX_TOKENS,
-                 "temperature": 0, "return_token_ids": True},
-            )["choices"][0]["token_ids"]  # fmt: skip
-            ours = _greedy(reader, prompt)
-            assert ours == theirs
-            # A continuation (the front's, after a failover) finishes the same answer.
-            assert _greedy(reader, prompt, ours[:17]) == ours[17:]
+        ours = [_greedy(reader, p) for p in prompts]
+        # A continuation (the front's, after a failover) finishes the same answer.
+        for p, answer in zip(prompts, ours, strict=True):
+            assert _greedy(reader, p, answer[:17]) == answer[17:]
     finally:
         reader.close()
         rs.close()
         ws.close()
+    assert ours == _plain_vllm_greedy(model_dir, prompts)
+    assert all(len(a) == MAX_TOKENS for a in ours)
