@@ -76,8 +76,8 @@ _BACKLOG = 4096
 
 class TallyCollector(Collector):
     """The durable counters (``tally``) in Prometheus form: grants, handovers,
-    reissues, closed windows and the handover histogram, read from the
-    server's tally at every scrape."""
+    reissues, closed windows, the handover and re-arm histograms, read from
+    the server's tally at every scrape."""
 
     def __init__(self, server: LockServer) -> None:
         self.server = server
