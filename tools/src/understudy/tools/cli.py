@@ -280,7 +280,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
     }
     if observer is not None:
         result["cluster"] = observer.report()
-    if args.cold_start:
+    if args.cold_start and not args.kube:
         result["cold_start"] = _cold_start(Path(args.dir).absolute(), result["summary"], say)
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
@@ -288,7 +288,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         print(drill_mod.render(report))
-        if "cold_start" in result:
+        if "to_first_token_s" in result.get("cold_start", {}):
             print(_cold_start_line(result["cold_start"]))
         if observer is not None:
             c = result["cluster"]
@@ -317,6 +317,9 @@ def _cold_start(directory: Path, summary: dict[str, Any], say: Any) -> dict[str,
     from understudy.tools.local import read_state
 
     state = read_state(directory)
+    if state.get("engine") != "vllm":
+        say("--cold-start: the pod's engines are not vllm; nothing to compare with")
+        return {"skipped": f"engine {state.get('engine')!r}"}
     say("measuring vLLM's cold start (its OpenAI server, started from nothing) ...")
     cold = vllm_cold_start(
         state["engine_python"],
@@ -440,8 +443,8 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     dr.add_argument(
         "--cold-start",
         action="store_true",
-        help="vllm pods: after the kills, time vLLM's own server starting cold on the same "
-        "model and python, and report the failover against it",
+        help="local vllm pods: after the kills, time vLLM's own server starting cold on the "
+        "same model and python, and report the failover against it",
     )
     dr.add_argument("--json", action="store_true", help="print the report as one JSON line")
     dr.add_argument("--output", help="also write the JSON report to this file")
