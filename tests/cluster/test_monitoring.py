@@ -274,8 +274,9 @@ def _build(script: str) -> str:
 
 def _generated_config(cluster: Any, ns: str, workdir: Path) -> dict[str, Any]:
     """The configuration the prometheus-operator wrote for Prometheus "kps", made
-    runnable on the node: rule files from its ConfigMap, discovery through the
-    admin kubeconfig instead of a pod's ServiceAccount."""
+    runnable on the node: its environment variables expanded, rule files from
+    its ConfigMap, discovery through the admin kubeconfig instead of a pod's
+    ServiceAccount."""
     secret = wait_settled(
         "the operator's generated configuration",
         lambda: cluster.get_json("secret", "prometheus-kps", "-n", ns)["data"][
@@ -283,7 +284,13 @@ def _generated_config(cluster: Any, ns: str, workdir: Path) -> dict[str, Any]:
         ],
         120,
     )
-    config: dict[str, Any] = yaml.safe_load(gzip.decompress(base64.b64decode(secret)))
+    text = gzip.decompress(base64.b64decode(secret)).decode()
+    # What prometheus-config-reloader does in the pod before Prometheus reads
+    # the file: expand $(VAR) from the pod's environment (the shard number
+    # keeps the targets of a hashmod shard; the pod name is a label).
+    for var, value in {"SHARD": "0", "POD_NAME": "prometheus-kps-0"}.items():
+        text = text.replace(f"$({var})", value)
+    config: dict[str, Any] = yaml.safe_load(text)
     rules = workdir / "rules"
     rules.mkdir(parents=True)
     rulefiles = cluster.get_json("configmap", "prometheus-kps-rulefiles-0", "-n", ns)["data"]
@@ -311,7 +318,8 @@ def test_the_prometheus_operator_turns_the_charts_monitors_into_live_targets(
             "runs the prometheus-operator on hack/cluster's node with its admin certificate"
         )
     operator = _build("prometheus-operator")
-    _install_crds(cluster, "prometheuses")
+    # Its Prometheus controller waits for a Probe informer too.
+    _install_crds(cluster, "prometheuses", "probes")
     pki = cluster.cluster_dir / "pki"
     server = cluster.kubectl(
         "config", "view", "--minify", "-o", "jsonpath={.clusters[0].cluster.server}"
