@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from grafana_foundation_sdk.builders import dashboard as dash
-from grafana_foundation_sdk.builders import heatmap, prometheus, stat, timeseries
+from grafana_foundation_sdk.builders import heatmap, prometheus, stat, statetimeline, timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import dashboard as model
 from grafana_foundation_sdk.models import prometheus as prom_model
@@ -217,6 +217,49 @@ def _heatmap(title: str, description: str, metric: str, selector: str) -> heatma
     )
 
 
+# The engine states (engine_shim/fsm.py State) as numbers for a state
+# timeline, with the colour each shows in.
+STATES = (
+    ("Init", "blue"),
+    ("Standby", "yellow"),
+    ("Waking", "orange"),
+    ("Active", "green"),
+    ("Draining", "purple"),
+    ("Dead", "red"),
+)
+
+
+def _state_timeline(selector: str) -> statetimeline.Panel:
+    """One row per engine: its state over time (a killed engine's row breaks
+    off, its restart starts in Init)."""
+    codes = " or ".join(
+        f'understudy_engine_state{{state="{name}", {selector}}} * {i}'
+        for i, (name, _) in enumerate(STATES, start=1)
+    )
+    expr = f"max by (namespace, pod, engine) ({codes})"
+    mapping = model.ValueMap(
+        options={
+            str(i): model.ValueMappingResult(text=name, color=color, index=i - 1)
+            for i, (name, color) in enumerate(STATES, start=1)
+        }
+    )
+    return (
+        statetimeline.Panel()
+        .title("Engine state timeline")
+        .description(
+            "Each engine's state over time: Init, Standby, Waking, Active (green), "
+            "Draining, Dead. A failover shows as one engine's Active ending and the "
+            "standby's Waking then Active; the killed engine comes back in Init."
+        )
+        .datasource(DATASOURCE)
+        .unit("none")
+        .span(24)
+        .height(8)
+        .mappings([mapping])
+        .with_target(_target(expr, "{{pod}} {{engine}}", "A"))
+    )
+
+
 # ------------------------------------------------------------ dashboards --
 
 
@@ -314,6 +357,7 @@ def failover() -> dash.Dashboard:
                 ],
             )
         )
+        .with_panel(_state_timeline(sel))
         .with_row(dash.Row("Failover latency"))
         .with_panel(
             _stat(
@@ -412,15 +456,20 @@ def failover() -> dash.Dashboard:
         )
         .with_panel(
             _series(
-                "Re-arm: restart to Standby",
-                "A restarted engine's start to Standby with the weights imported from GMS "
-                "(the pod is armed again), p50 / p95 / p99.",
+                "Re-arm: failover to a standby again",
+                "Lock server: a handover (the old engine's death) to the next engine queueing "
+                "for the lock, the pod armed again (durable), p50 / p95 / p99. Engine: a "
+                "restarted engine's own start to Standby with the weights imported from GMS, p99.",
                 "s",
-                _quantiles(
-                    "understudy_engine_init_duration_seconds",
-                    f'weights="imported", {sel}',
-                    "$__rate_interval",
-                ),
+                [
+                    *_quantiles("understudy_lock_rearm_seconds", sel, "$__rate_interval"),
+                    (
+                        "histogram_quantile(0.99, sum by (le) (rate("
+                        "understudy_engine_init_duration_seconds_bucket"
+                        f'{{weights="imported", {sel}}}[$__rate_interval])))',
+                        "engine start to Standby p99",
+                    ),
+                ],
             )
         )
         .with_panel(

@@ -14,6 +14,9 @@ from typing import Any
 import pytest
 from monitoring_tools import DASHBOARDS, ROOT
 
+# The first test to ask for a tool may install it (apt) or build it (Go).
+pytestmark = pytest.mark.timeout(900)
+
 GENERATOR = ROOT / "hack" / "monitoring" / "dashboards.py"
 FILES = sorted(DASHBOARDS.glob("*.json"))
 

@@ -8,8 +8,12 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import yaml
 from monitoring_tools import DOC, RULES
+
+# The first test to ask for a tool may install it (apt) or build it (Go).
+pytestmark = pytest.mark.timeout(900)
 
 TESTS = Path(__file__).parent / "rules"
 

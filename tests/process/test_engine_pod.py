@@ -32,6 +32,7 @@ def test_active_kill9_other_serves_identically_and_killed_rearms(pod):
     loaders = [e for e in pod.engines() if e["weights"]["loaded"]]
     assert [e["name"] for e in loaders] == ["engine-primary"]  # only the primary wrote
     before = pod.embed()
+    killed_at = time.time()
     os.kill(active["pid"], signal.SIGKILL)
     new = wait_for(
         lambda: next((e for e in pod.by_state("Active") if e["name"] != active["name"]), None),
@@ -41,6 +42,11 @@ def test_active_kill9_other_serves_identically_and_killed_rearms(pod):
     assert new["epoch"] > active["epoch"]
     # what the operator reads for the last failover's duration
     assert new["active_at"] >= new["granted_at"] > active["active_at"]
+    # ... from the old holder's death, detection included: the lock server's
+    # release time (the killed engine's EOF) rides in the grant
+    assert killed_at <= new["released_at"] <= new["granted_at"]
+    assert new["released_at"] - killed_at < 1.0
+    assert new["detect_s"] >= 0
     assert pod.embed() == before  # bit-identical across the failover
     rearmed = wait_for(
         lambda: next((e for e in pod.by_state("Standby") if e["name"] == active["name"]), None),

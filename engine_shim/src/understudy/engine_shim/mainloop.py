@@ -37,7 +37,7 @@ log = logging.getLogger("understudy.engine_shim")
 
 # Failover phases: 1 ms to 30 s, about 25 % apart below a second, so a
 # percentile agrees with a drill's measurement within a bucket.
-_PHASE_BUCKETS = (
+PHASE_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25,
     0.3, 0.4, 0.5, 0.75, 1, 1.5, 2, 2.5, 3, 4, 5, 7.5, 10, 20, 30,
 )  # fmt: skip
@@ -77,7 +77,7 @@ class Metrics:
             "In-pod failover phases seen by the new active engine: detect (the old holder's "
             "release to our grant), wake, serve, grant_to_active",
             ["engine", "role", "phase"],
-            buckets=_PHASE_BUCKETS,
+            buckets=PHASE_BUCKETS,
             registry=self.registry,
         )
         self.epoch = prom.Gauge(

@@ -76,8 +76,8 @@ _BACKLOG = 4096
 
 class TallyCollector(Collector):
     """The durable counters (``tally``) in Prometheus form: grants, handovers,
-    reissues, closed windows and the handover histogram, read from the
-    server's tally at every scrape."""
+    reissues, closed windows, the handover and re-arm histograms, read from
+    the server's tally at every scrape."""
 
     def __init__(self, server: LockServer) -> None:
         self.server = server
@@ -114,8 +114,15 @@ class TallyCollector(Collector):
             "understudy_lock_handover_seconds",
             "From the holder's connection closing (its process died) to the next grant "
             "being decided (sent once its record is on disk); durable",
-            buckets=t.cumulative(),
-            sum_value=t.handover_sum,
+            buckets=t.handover.cumulative(),
+            sum_value=t.handover.total,
+        )
+        yield HistogramMetricFamily(
+            "understudy_lock_rearm_seconds",
+            "From a handover (the old holder's death) to the next engine queueing for the "
+            "lock: a standby again, the pod armed for another death; durable",
+            buckets=t.rearm.cumulative(),
+            sum_value=t.rearm.total,
         )
 
 
@@ -137,6 +144,9 @@ class LockServer:
         self._released_at: float | None = None  # loop time the last holder went away
         self._holder_check: asyncio.TimerHandle | None = None
         self.tally = tally.Tally()
+        # A handover's start (loop time) until the next engine queues up (re-arm).
+        self._rearm_from: float | None = None
+        self._granted_wall: float | None = None  # the holder's grant, for rewrites
         self._collector = TallyCollector(self)
 
     # ------------------------------------------------------------ lifecycle
@@ -275,14 +285,17 @@ class LockServer:
             case fsm.Persist(engine_id=engine_id, epoch=epoch):
                 # The grant's counts go to disk with the grant itself: kept
                 # only if the write succeeds (a failed write undoes the grant).
-                staged = self._counted_grant()
+                staged, wall = self._counted_grant(), time.time()
                 try:
-                    statefile.write(self.config.state_file, engine_id, epoch, time.time(), staged)
+                    statefile.write(self.config.state_file, engine_id, epoch, wall, staged)
                 except OSError as exc:
                     WRITE_FAILURES.labels(record="grant").inc()
                     self._feed(fsm.PersistFailed(f"{exc.strerror or exc} ({exc.errno})"))
                 else:
-                    self.tally = staged
+                    if staged.handovers > self.tally.handovers:
+                        released = self._released_at
+                        self._rearm_from = released if released is not None else self._now()
+                    self.tally, self._granted_wall = staged, wall
                     self._feed(fsm.Persisted())
             case fsm.Clear(epoch=epoch):
                 try:
@@ -370,6 +383,34 @@ class LockServer:
             handover=handover,
             handover_s=seconds,
         )
+
+    def _check_rearm(self, conn: int) -> None:
+        """After a handover, the first engine to queue for the lock is a
+        standby again: the pod is re-armed. Its time goes to disk at once (the
+        record is rewritten as it was, with the counts), so it is durable too."""
+        s = self.state
+        if self._rearm_from is None or s.holder is None or s.pending is not None:
+            return
+        if not any(w.conn == conn for w in s.waiters):
+            return
+        seconds = self._now() - self._rearm_from
+        self._rearm_from = None
+        self.tally = tally.rearmed(self.tally, seconds)
+        log_event(log, "rearmed", seconds=round(seconds, 3), epoch=s.epoch)
+        try:
+            statefile.write(
+                self.config.state_file,
+                s.holder.engine_id,
+                s.epoch,
+                self._granted_wall or time.time(),
+                self.tally,
+            )
+        except OSError as exc:
+            WRITE_FAILURES.labels(record="counters").inc()
+            log_event(
+                log, "state_write_failed", logging.ERROR, record="counters", error=str(exc),
+                consequence="the re-arm is counted until this server restarts",
+            )  # fmt: skip
 
     def _arm_timer(self, deadline: float) -> None:
         assert self._loop is not None
@@ -505,6 +546,7 @@ class LockServer:
                     resume_epoch=resume_epoch,
                 )
                 self._feed(fsm.AcquireRequested(conn, engine_id, resume_epoch))
+                self._check_rearm(conn)
             case Status():
                 # Snapshot and StatusReply carry the same fields by design: the
                 # core decides what status says, the message is its wire form.

@@ -280,12 +280,16 @@ def cmd_drill(args: argparse.Namespace) -> int:
     }
     if observer is not None:
         result["cluster"] = observer.report()
+    if args.cold_start and not args.kube:
+        result["cold_start"] = _cold_start(Path(args.dir).absolute(), result["summary"], say)
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
     if args.json:
         print(json.dumps(result))
     else:
         print(drill_mod.render(report))
+        if "to_first_token_s" in result.get("cold_start", {}):
+            print(_cold_start_line(result["cold_start"]))
         if observer is not None:
             c = result["cluster"]
             print(
@@ -304,6 +308,40 @@ def _report(result: dict[str, Any], out: Path) -> None:
 
     files = write_report(result, out)
     print(f"report: {files[0]} ({len(files) - 1} charts)", file=sys.stderr)
+
+
+def _cold_start(directory: Path, summary: dict[str, Any], say: Any) -> dict[str, Any]:
+    """vLLM's own cold start on the local pod's model and python, set against
+    the drill's wake (grant -> Active) and re-arm times."""
+    from understudy.tools.coldstart import vllm_cold_start
+    from understudy.tools.local import read_state
+
+    state = read_state(directory)
+    if state.get("engine") != "vllm":
+        say("--cold-start: the pod's engines are not vllm; nothing to compare with")
+        return {"skipped": f"engine {state.get('engine')!r}"}
+    say("measuring vLLM's cold start (its OpenAI server, started from nothing) ...")
+    cold = vllm_cold_start(
+        state["engine_python"],
+        state["model"],
+        state.get("engine_args", []),
+        log=directory / "logs" / "vllm-cold-start.log",
+    )
+    first = cold["to_first_token_s"]
+    for key in ("grant_to_active_s", "kill_to_active_s", "rearm_s"):
+        p50 = (summary.get(key) or {}).get("p50")
+        if p50:
+            cold[f"{key.removesuffix('_s')}_p50_vs_cold_start"] = round(p50 / first, 4)
+    return cold
+
+
+def _cold_start_line(cold: dict[str, Any]) -> str:
+    return (
+        f"vLLM cold start (same run): healthy after {cold['to_healthy_s']:.1f} s, first token "
+        f"after {cold['to_first_token_s']:.1f} s; granted -> Active p50 is "
+        f"{cold.get('grant_to_active_p50_vs_cold_start', float('nan')):.1%} of it, "
+        f"re-arm p50 {cold.get('rearm_p50_vs_cold_start', float('nan')):.1%}"
+    )
 
 
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -401,6 +439,12 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     dr.add_argument("--clients", type=int, default=16, help="concurrent request streams")
     dr.add_argument(
         "--max-tokens", type=int, default=32, help="tokens per generation request (LLM engines)"
+    )
+    dr.add_argument(
+        "--cold-start",
+        action="store_true",
+        help="local vllm pods: after the kills, time vLLM's own server starting cold on the "
+        "same model and python, and report the failover against it",
     )
     dr.add_argument("--json", action="store_true", help="print the report as one JSON line")
     dr.add_argument("--output", help="also write the JSON report to this file")

@@ -422,6 +422,9 @@ class Supervisor:
             "run_dir": str(self.cfg.dir),
             "front_status_url": f"http://127.0.0.1:{self.cfg.front_status_port}",
             "engine": self.cfg.engine,
+            "model": engine_env(self.cfg, "primary", "engine-primary", 0)["UNDERSTUDY_MODEL"],
+            "engine_args": list(self.cfg.engine_args),
+            "engine_python": self.cfg.engine_python or sys.executable,
             "containers": {
                 c.name: {
                     "pid": c.proc.pid if c.proc else None,

@@ -385,7 +385,7 @@ def render_html(result: dict[str, Any], images: list[str]) -> str:
     ok = verdict(s)
     counts = [
         ("kills", s.get("kills")),
-        ("signals", f"SIG{s.get('signal', '?')}"),
+        ("signals", ", ".join(f"SIG{x}" for x in str(s.get("signal", "?")).split(","))),
         ("failovers", s.get("failovers_ok")),
         ("clients", s.get("clients")),
         ("requests", s.get("requests")),

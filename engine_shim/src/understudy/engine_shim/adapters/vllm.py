@@ -190,12 +190,23 @@ class Worker:
             if aborts:
                 engine.abort_request(aborts)
             for req in new:
-                engine.add_request(
-                    req.id, {"prompt_token_ids": list(req.prompt)}, self._make_params(req)
-                )
+                try:
+                    engine.add_request(
+                        req.id, {"prompt_token_ids": list(req.prompt)}, self._make_params(req)
+                    )
+                except (ValueError, TypeError) as exc:  # vLLM refused this request only
+                    _send(req, ValueError(str(exc)))
+                    continue
                 with self._cond:
                     self._running[req.id] = req
             if not engine.has_unfinished_requests():
+                # Nothing left in vLLM: whatever we still track ended without
+                # an output we saw (never wait for it, never spin on it).
+                with self._cond:
+                    lost = list(self._running.values())
+                    self._running.clear()
+                for req in lost:
+                    _send(req, NotServing("vLLM dropped the request"))
                 return True
             outputs = engine.step()
             self.steps += 1
@@ -240,6 +251,16 @@ def _exit_now(why: str) -> None:
     os._exit(1)
 
 
+def _freeze_heap() -> None:
+    """Collect once now and move what survives (torch's and vLLM's millions of
+    imported objects) out of the collector's sight. vLLM's engine construction
+    calls gc.collect() several times; over an unfrozen heap each call holds the
+    GIL for a second or more, the engine's heartbeat thread stalls with it and
+    the pod's front door kills the waking engine as hung."""
+    gc.collect()
+    gc.freeze()
+
+
 def _our_args(args: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     """Our own options; every other argument is vLLM's (``vllm serve``'s engine flags)."""
     parser = argparse.ArgumentParser(prog="vllm engine", add_help=False, exit_on_error=False)
@@ -281,6 +302,7 @@ class VllmEngine:
             model.removeprefix("builtin:") if model.startswith(tiny_llama.BUILTIN) else model
         )
         self.gpu = backend == "cuda"
+        self.builtin = model.startswith(tiny_llama.BUILTIN)
         self.max_model_len: int = 0  # known once the config is built (prepare)
         self.on_fatal: Callable[[str], None] = _exit_now
         self._config: Any = None  # vLLM's VllmConfig
@@ -340,6 +362,10 @@ class VllmEngine:
         except SystemExit:
             raise AdapterError(f"bad vLLM engine arguments {self.vllm_args}") from None
         args = EngineArgs.from_cli_args(ns)
+        if self.builtin and "--dtype" not in " ".join(self.vllm_args):
+            # vLLM-CPU would run the float32 checkpoint in bfloat16; in float32
+            # its greedy tokens are the llama engine's (tests/vllm).
+            args.dtype = "float32"
         args.served_model_name = [self.model_id]
         args.load_format = vllm_loader.LOAD_FORMAT
         if self.gpu:
@@ -367,6 +393,7 @@ class VllmEngine:
         self._layout_key = vllm_loader.layout_key(
             self.model_dir, str(model_config.dtype), vllm.__version__
         )
+        _freeze_heap()
         self.timings["prepare_s"] = time.monotonic() - t0
         log_event(
             log,
@@ -433,7 +460,7 @@ class VllmEngine:
         del engine
         destroy_model_parallel()
         destroy_distributed_environment()
-        gc.collect()
+        _freeze_heap()
 
     # --- sleep / wake -------------------------------------------------------------
 

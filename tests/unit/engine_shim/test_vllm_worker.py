@@ -1,0 +1,155 @@
+"""The vllm adapter's worker thread (adapters/vllm.Worker) over a stand-in for
+vLLM's LLMEngine (vLLM itself is in tests/vllm and the process tier): tokens
+reach their requests with the right finish reason, a request vLLM refuses is
+that request's error only, and an engine step that raises ends the engine
+through ``on_fatal`` (Decision 2: fail fast) and fails what was in flight."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from understudy.engine_shim.adapters.vllm import Request, Worker
+from understudy.engine_shim.generation import NotServing, SamplingParams, Step
+
+
+@dataclass
+class _Completion:
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class _Output:
+    request_id: str
+    finished: bool
+    outputs: list[_Completion]
+
+
+@dataclass
+class FakeEngine:
+    """Generates ``10 + i`` at step i for each request, ``max_new`` tokens, two per step
+    (vLLM's outputs may carry several tokens); ``refuse`` ids raise in add_request."""
+
+    refuse: set[str] = field(default_factory=set)
+    fail_on_step: bool = False
+    live: dict[str, list[int]] = field(default_factory=dict)  # id -> [made, max]
+    aborted: list[str] = field(default_factory=list)
+
+    def add_request(self, rid: str, prompt: dict[str, Any], params: Any) -> None:
+        if rid in self.refuse:
+            raise ValueError("prompt too long for vLLM")
+        self.live[rid] = [0, params]
+
+    def abort_request(self, ids: list[str]) -> None:
+        self.aborted += ids
+        for rid in ids:
+            self.live.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.live)
+
+    def step(self) -> list[_Output]:
+        if self.fail_on_step:
+            raise RuntimeError("EngineCore died")
+        out = []
+        for rid, state in list(self.live.items()):
+            made, limit = state
+            ids = [10 + made + k for k in range(min(2, limit - made))]
+            state[0] = made + len(ids)
+            done = state[0] >= limit
+            out.append(_Output(rid, done, [_Completion(ids, "length" if done else None)]))
+            if done:
+                del self.live[rid]
+        return out
+
+
+def _request(rid: str, max_new: int) -> tuple[Request, queue.Queue[Step | BaseException]]:
+    got: queue.Queue[Step | BaseException] = queue.Queue()
+    req = Request(rid, (1, 2, 3), SamplingParams(max_tokens=max_new), max_new, got.put)
+    return req, got
+
+
+def _drain(got: queue.Queue[Step | BaseException]) -> list[Step | BaseException]:
+    items: list[Step | BaseException] = []
+    while True:
+        item = got.get(timeout=10)
+        items.append(item)
+        if isinstance(item, BaseException) or item.finish_reason is not None:
+            return items
+
+
+def _worker(engine: FakeEngine) -> tuple[Worker, list[str]]:
+    fatal: list[str] = []
+    w = Worker(engine, lambda req: req.max_new, fatal.append)
+    w.start()
+    return w, fatal
+
+
+def test_tokens_and_the_finish_reason_reach_each_request() -> None:
+    engine = FakeEngine()
+    w, fatal = _worker(engine)
+    a, got_a = _request("a", 5)
+    b, got_b = _request("b", 1)
+    w.submit(a)
+    w.submit(b)
+    steps_a, steps_b = _drain(got_a), _drain(got_b)
+    assert steps_a == [Step(10), Step(11), Step(12), Step(13), Step(14, "length")]
+    assert steps_b == [Step(10, "length")]
+    w.stop("done")
+    assert not fatal
+
+
+def test_a_refused_request_fails_alone() -> None:
+    engine = FakeEngine(refuse={"bad"})
+    w, fatal = _worker(engine)
+    bad, got_bad = _request("bad", 3)
+    good, got_good = _request("good", 3)
+    w.submit(bad)
+    w.submit(good)
+    (err,) = _drain(got_bad)
+    assert isinstance(err, ValueError) and "too long" in str(err)
+    assert _drain(got_good)[-1] == Step(12, "length")
+    assert w.alive and w.failure is None and not fatal
+    w.stop("done")
+
+
+def test_a_failing_step_ends_the_engine_at_once() -> None:
+    engine = FakeEngine(fail_on_step=True)
+    called = threading.Event()
+    fatal: list[str] = []
+
+    def on_fatal(why: str) -> None:
+        fatal.append(why)
+        called.set()
+
+    w = Worker(engine, lambda req: req.max_new, on_fatal)
+    w.start()
+    req, got = _request("a", 3)
+    w.submit(req)
+    (err,) = _drain(got)
+    assert isinstance(err, NotServing)
+    assert called.wait(10)
+    assert "EngineCore died" in fatal[0]
+    with pytest.raises(NotServing):
+        w.submit(_request("b", 1)[0])
+
+
+def test_a_cancelled_request_is_aborted_in_vllm() -> None:
+    engine = FakeEngine()
+    w, _ = _worker(engine)
+    req, got = _request("long", 10_000)
+    w.submit(req)
+    assert isinstance(got.get(timeout=10), Step)
+    w.cancel(req)
+    deadline = threading.Event()
+    for _ in range(200):
+        if "long" in engine.aborted:
+            break
+        deadline.wait(0.05)
+    assert "long" in engine.aborted
+    w.stop("done")
