@@ -13,6 +13,8 @@ scrapes during ``understudy drill --kube`` must agree with the drill's JSON.
 
 from __future__ import annotations
 
+import base64
+import gzip
 import json
 import os
 import subprocess
@@ -68,16 +70,28 @@ def _contains(live: Any, want: Any, path: str = "") -> list[str]:
     return [] if live == want else [f"{path}: {live!r} != {want!r}"]
 
 
-@pytest.fixture(scope="module")
-def crds(cluster: Any) -> None:
-    """The prometheus-operator's CRDs for the three kinds the chart uses."""
-    for plural in CRDS:
+def _install_crds(cluster: Any, *plurals: str) -> None:
+    """Apply the prometheus-operator's CRDs for PLURALS and wait until they serve."""
+    for plural in plurals:
         # Server-side: the CRDs are too big for kubectl's last-applied annotation.
         cluster.kubectl(
             "apply", "--server-side", "--force-conflicts", "-f", str(promcrds.crd_path(plural))
         )
-    names = [f"crd/{p}.{promcrds.GROUP}" for p in CRDS]
-    cluster.kubectl("wait", "--for=condition=Established", *names, "--timeout=60s")
+
+    def established(plural: str) -> bool:
+        crd = cluster.get_json("crd", f"{plural}.{promcrds.GROUP}")
+        conditions = crd.get("status", {}).get("conditions") or []
+        return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+
+    # Not `kubectl wait`: it fails at once while a new CRD has no status yet.
+    for plural in plurals:
+        wait_settled(f"CRD {plural} established", lambda p=plural: established(p), 60, 0.5)
+
+
+@pytest.fixture(scope="module")
+def crds(cluster: Any) -> None:
+    """The prometheus-operator's CRDs for the three kinds the chart uses."""
+    _install_crds(cluster, *CRDS)
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +174,7 @@ def documented_scrape_configs() -> list[dict[str, Any]]:
 
 
 class Prometheus:
-    def __init__(self, workdir: Path, config: dict[str, Any]) -> None:
+    def __init__(self, workdir: Path, config: dict[str, Any], port: int = PROM_PORT) -> None:
         binary = subprocess.run(
             [str(ROOT / "hack/monitoring/prometheus")],
             capture_output=True,
@@ -170,14 +184,14 @@ class Prometheus:
         ).stdout.strip()
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False))
-        self.url = f"http://127.0.0.1:{PROM_PORT}"
+        self.url = f"http://127.0.0.1:{port}"
         self.log = workdir / "prometheus.log"
         self.proc = Proc(
             [
                 binary,
                 f"--config.file={workdir / 'prometheus.yml'}",
                 f"--storage.tsdb.path={workdir / 'data'}",
-                f"--web.listen-address=127.0.0.1:{PROM_PORT}",
+                f"--web.listen-address=127.0.0.1:{port}",
                 "--storage.tsdb.retention.time=1h",
             ],
             log=self.log,
@@ -199,6 +213,11 @@ class Prometheus:
     def targets(self, job: str) -> list[dict[str, Any]]:
         active = self.api("targets", state="active")["activeTargets"]
         return [t for t in active if t["labels"]["job"] == job]
+
+    def pool(self, prefix: str) -> list[dict[str, Any]]:
+        """The active targets of every scrape pool (job_name) starting with PREFIX."""
+        active = self.api("targets", state="active")["activeTargets"]
+        return [t for t in active if t["scrapePool"].startswith(prefix)]
 
     def value(self, expr: str, at: float | None = None) -> float:
         """The one sample EXPR gives (at AT), as a number."""
@@ -227,10 +246,9 @@ def _condition_true(cluster: Any, ns: str, name: str, kind: str) -> bool:
     )
 
 
-@pytest.mark.timeout(1800)
-def test_prometheus_scrapes_the_pod_through_kubernetes_sd_during_a_drill(
-    installed: tuple[Any, str], tmp_path: Path
-) -> None:
+@pytest.fixture(scope="module")
+def gpuinstance(installed: tuple[Any, str]) -> tuple[Any, str, str]:
+    """A GpuInstance with two shadows in the test namespace, Ready and armed."""
     cluster, ns = installed
     name = "mon"
     cluster.apply(json.dumps(_sample(name, cluster.device_class)), namespace=ns)
@@ -238,7 +256,160 @@ def test_prometheus_scrapes_the_pod_through_kubernetes_sd_during_a_drill(
         wait_settled(
             f"GpuInstance {kind}", lambda k=kind: _condition_true(cluster, ns, name, k), 300
         )
+    return cluster, ns, name
 
+
+def _build(script: str) -> str:
+    """A binary hack/monitoring/SCRIPT builds (once, into the cache) and prints."""
+    out = subprocess.run(
+        [str(ROOT / "hack/monitoring" / script)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
+def _generated_config(cluster: Any, ns: str, workdir: Path) -> dict[str, Any]:
+    """The configuration the prometheus-operator wrote for Prometheus "kps", made
+    runnable on the node: its environment variables expanded, rule files from
+    its ConfigMap, discovery through the admin kubeconfig instead of a pod's
+    ServiceAccount."""
+    secret = wait_settled(
+        "the operator's generated configuration",
+        lambda: cluster.get_json("secret", "prometheus-kps", "-n", ns)["data"][
+            "prometheus.yaml.gz"
+        ],
+        120,
+    )
+    text = gzip.decompress(base64.b64decode(secret)).decode()
+    # What prometheus-config-reloader does in the pod before Prometheus reads
+    # the file: expand $(VAR) from the pod's environment (the shard number
+    # keeps the targets of a hashmod shard; the pod name is a label).
+    for var, value in {"SHARD": "0", "POD_NAME": "prometheus-kps-0"}.items():
+        text = text.replace(f"$({var})", value)
+    config: dict[str, Any] = yaml.safe_load(text)
+    rules = workdir / "rules"
+    rules.mkdir(parents=True)
+    rulefiles = cluster.get_json("configmap", "prometheus-kps-rulefiles-0", "-n", ns)["data"]
+    for fname, text in rulefiles.items():
+        (rules / fname).write_text(text)
+    config["rule_files"] = [str(rules / "*.yaml")]
+    for job in config.get("scrape_configs", []):
+        for sd in job.get("kubernetes_sd_configs", []):
+            sd["kubeconfig_file"] = str(cluster.kubeconfig)
+    return config
+
+
+@pytest.mark.timeout(1800)
+def test_the_prometheus_operator_turns_the_charts_monitors_into_live_targets(
+    gpuinstance: tuple[Any, str, str], tmp_path: Path
+) -> None:
+    """The real prometheus-operator (run on the node) selects the chart's
+    ServiceMonitor, PodMonitor and PrometheusRule by the release label, as
+    kube-prometheus-stack's Prometheus does; the configuration it generates,
+    run by a real Prometheus, scrapes every metrics port of the pod and the
+    operator, and loads and evaluates every alert rule."""
+    cluster, ns, name = gpuinstance
+    if not cluster.ours:
+        pytest.skip(
+            "runs the prometheus-operator on hack/cluster's node with its admin certificate"
+        )
+    operator = _build("prometheus-operator")
+    # Its Prometheus controller waits for a Probe informer too.
+    _install_crds(cluster, "prometheuses", "probes")
+    pki = cluster.cluster_dir / "pki"
+    server = cluster.kubectl(
+        "config", "view", "--minify", "-o", "jsonpath={.clusters[0].cluster.server}"
+    ).stdout
+    op = Proc(
+        [
+            operator,
+            f"--apiserver={server}",
+            f"--ca-file={pki / 'ca.crt'}",
+            f"--cert-file={pki / 'admin.crt'}",
+            f"--key-file={pki / 'admin.key'}",
+            f"--web.listen-address=127.0.0.1:{PROM_PORT + 2}",
+            f"--prometheus-instance-namespaces={ns}",
+        ],
+        log=tmp_path / "operator.log",
+    )
+    prom: Prometheus | None = None
+    try:
+        selector = {"matchLabels": {"release": "kube-prometheus-stack"}}
+        cluster.apply(
+            json.dumps(
+                {
+                    "apiVersion": f"{promcrds.GROUP}/v1",
+                    "kind": "Prometheus",
+                    "metadata": {"name": "kps", "namespace": ns},
+                    # No pods: the configuration is what this test takes, and
+                    # the node cannot pull Prometheus's image anyway.
+                    "spec": {
+                        "replicas": 0,
+                        "serviceMonitorSelector": selector,
+                        "serviceMonitorNamespaceSelector": {},
+                        "podMonitorSelector": selector,
+                        "podMonitorNamespaceSelector": {},
+                        "ruleSelector": selector,
+                        "ruleNamespaceSelector": {},
+                    },
+                }
+            ),
+            namespace=ns,
+        )
+        config = _generated_config(cluster, ns, tmp_path / "kps")
+        prom = Prometheus(tmp_path / "kps", config, port=PROM_PORT + 1)
+        pods = f"podMonitor/{OPERATOR_NS}/understudy-gpuinstances/"
+
+        def pod_targets() -> list[dict[str, Any]] | None:
+            ts = [t for t in prom.pool(pods) if t["labels"].get("pod") == f"{name}-0"]
+            return (
+                ts
+                if len(ts) == len(POD_ENDPOINTS) and all(t["health"] == "up" for t in ts)
+                else None
+            )
+
+        ts = wait_settled("every metrics port through the PodMonitor, up", pod_targets, 120)
+        assert {t["labels"]["endpoint"] for t in ts} == POD_ENDPOINTS
+        for t in ts:
+            assert t["labels"]["namespace"] == ns
+            assert t["labels"]["understudy_dev_instance"] == name
+            assert t["labels"]["understudy_dev_replica"] == "0"
+        (svc,) = wait_settled(
+            "the operator through the ServiceMonitor, up",
+            lambda: [
+                t
+                for t in prom.pool(f"serviceMonitor/{OPERATOR_NS}/understudy-operator/")
+                if t["health"] == "up"
+            ],
+            120,
+        )
+        assert svc["labels"]["namespace"] == OPERATOR_NS
+        # Every alert of the rules file loaded and evaluated without error.
+        want = yaml.safe_load((ROOT / "charts/understudy/rules/understudy.rules.yaml").read_text())
+        names = {r.get("alert") or r.get("record") for g in want["groups"] for r in g["rules"]}
+
+        def evaluated() -> list[dict[str, Any]] | None:
+            rules = [r for g in prom.api("rules")["groups"] for r in g["rules"]]
+            return rules if all(r["health"] == "ok" for r in rules) and rules else None
+
+        rules = wait_settled("every rule evaluated", evaluated, 120)
+        assert {r["name"] for r in rules} == names, [r for r in rules if r["health"] != "ok"]
+    finally:
+        if prom is not None:
+            prom.stop()
+        op.stop()
+        sys.stderr.write((tmp_path / "operator.log").read_text()[-3000:])
+
+
+@pytest.mark.timeout(1800)
+def test_prometheus_scrapes_the_pod_through_kubernetes_sd_during_a_drill(
+    gpuinstance: tuple[Any, str, str], tmp_path: Path
+) -> None:
+    cluster, ns, name = gpuinstance
     # The documented jobs, told where the apiserver is and which namespaces to watch.
     jobs = documented_scrape_configs()
     for job in jobs:
@@ -339,3 +510,6 @@ def _check_drill(prom: Prometheus, cluster: Any, ns: str, name: str, tmp_path: P
     )["result"][0]["values"]
     stepped = {int(float(v)) for _, v in seen}
     assert {r["new_epoch"] for r in rounds} <= stepped, (stepped, rounds)
+    sys.stderr.write(
+        json.dumps({"prometheus_before": before, "prometheus_after": after, "drill": s}) + "\n"
+    )
