@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import secrets
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -56,6 +54,7 @@ from understudy.engine_shim.adapters.packing import (
     views_from,
 )
 from understudy.engine_shim.generation import Generator, NotServing, SamplingParams, Step
+from understudy.engine_shim.step_thread import StepThread, send
 from understudy.gms.client import GmsClient
 
 __all__ = ["Batcher", "LlamaEngine", "NotServing", "Request"]
@@ -88,38 +87,19 @@ class Request:
     logits: F32 | None = None  # ready to sample from
 
 
-class Batcher:
-    """Continuous batching of `Request`s over a model and its cache, on one thread."""
+class Batcher(StepThread[Request]):
+    """Continuous batching of `Request`s over a model and its cache, on one thread
+    (``steps``: decode calls so far)."""
 
     def __init__(self, model: LlamaModel, cache: KVCache, max_model_len: int) -> None:
+        super().__init__("llama-batcher")
         self.model = model
         self.cache = cache
         self.max_model_len = min(max_model_len, cache.max_len)
-        self._cond = threading.Condition()
-        self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[Request] = []
         self._free = list(range(cache.slots - 1, -1, -1))  # pop() hands out slot 0 first
-        self._stopping = False
-        self.failure: BaseException | None = None
-        self.busy_since: float | None = None  # monotonic start of the current iteration
-        self.steps = 0  # decode calls so far
-        self._thread = threading.Thread(target=self._run, name="llama-batcher", daemon=True)
 
     # --- the caller's side ------------------------------------------------------
-
-    def start(self) -> None:
-        self._thread.start()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def submit(self, request: Request) -> None:
-        with self._cond:
-            if self._stopping or self.failure is not None or not self.alive:
-                raise NotServing("the engine is not serving")
-            self._waiting.append(request)
-            self._cond.notify()
 
     def cancel(self, request: Request) -> None:
         """The consumer has gone: free the request's slot at the next iteration."""
@@ -128,24 +108,7 @@ class Batcher:
             self._cond.notify()
 
     def stop(self, reason: str = "the engine stopped", timeout: float = STOP_TIMEOUT_S) -> None:
-        """Stop the worker after its current iteration; fail what is still queued.
-
-        Raises RuntimeError if the worker is still computing after ``timeout``:
-        the caller must not unmap the weights under it.
-        """
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                raise RuntimeError(f"the batching worker did not stop within {timeout:g}s")
-        with self._cond:
-            leftover = list(self._waiting) + self._running
-            self._waiting.clear()
-            self._running.clear()
-        for req in leftover:
-            self._send(req, NotServing(reason))
+        super().stop(reason, timeout)
 
     @property
     def load(self) -> tuple[int, int]:
@@ -155,18 +118,9 @@ class Batcher:
 
     # --- the worker ---------------------------------------------------------------
 
-    def _run(self) -> None:
-        try:
-            while self._iteration():
-                pass
-        except BaseException as exc:
-            self.failure = exc
-            with self._cond:
-                leftover = list(self._waiting) + self._running
-                self._waiting.clear()
-                self._running.clear()
-            for req in leftover:
-                self._send(req, NotServing(f"the engine failed: {type(exc).__name__}: {exc}"))
+    def _take_running(self) -> list[Request]:
+        running, self._running = self._running, []
+        return running
 
     def _iteration(self) -> bool:
         with self._cond:
@@ -229,7 +183,7 @@ class Batcher:
             self._drop([req])
         else:
             req.feed = [token]
-        self._send(req, Step(token, reason))
+        send(req, Step(token, reason))
 
     def _decode(self, requests: Sequence[Request]) -> None:
         if not requests:
@@ -245,12 +199,6 @@ class Batcher:
         self.steps += 1
         for req, row in zip(requests, last, strict=True):
             req.logits = logits[row]
-
-    def _send(self, req: Request, item: Step | BaseException) -> None:
-        try:
-            req.deliver(item)
-        except RuntimeError:  # the consumer's event loop is closed
-            req.cancelled = True
 
 
 def _parse_args(args: Sequence[str], context: int) -> argparse.Namespace:

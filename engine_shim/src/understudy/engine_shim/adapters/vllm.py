@@ -40,7 +40,6 @@ and has no such limit).
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import gc
 import itertools
@@ -59,6 +58,7 @@ from understudy.engine_shim import openai_api
 from understudy.engine_shim.adapters import tiny_llama, vllm_loader
 from understudy.engine_shim.adapters.base import AdapterError, Engine
 from understudy.engine_shim.generation import Generator, NotServing, SamplingParams, Step
+from understudy.engine_shim.step_thread import StepThread, send
 from understudy.gms.client import GmsClient
 from understudy.wire.obs import log_event
 
@@ -104,37 +104,17 @@ class Request:
     cancelled: bool = False
 
 
-class Worker:
+class Worker(StepThread[Request]):
     """Steps one vLLM ``LLMEngine`` on its own thread: adds waiting requests,
     aborts cancelled ones, and hands every new token to its request."""
 
     def __init__(self, engine: Any, make_params: Callable[[Request], Any], on_fatal: Any) -> None:
+        super().__init__("vllm-engine")
         self.engine = engine
         self._make_params = make_params
         self._on_fatal: Callable[[str], None] = on_fatal
-        self._cond = threading.Condition()
-        self._waiting: collections.deque[Request] = collections.deque()
         self._aborts: list[Request] = []
         self._running: dict[str, Request] = {}
-        self._stopping = False
-        self.failure: BaseException | None = None
-        self.busy_since: float | None = None
-        self.steps = 0
-        self._thread = threading.Thread(target=self._run, name="vllm-engine", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def submit(self, req: Request) -> None:
-        with self._cond:
-            if self._stopping or self.failure is not None or not self.alive:
-                raise NotServing("the engine is not serving")
-            self._waiting.append(req)
-            self._cond.notify()
 
     def cancel(self, req: Request) -> None:
         with self._cond:
@@ -144,33 +124,18 @@ class Worker:
                 self._cond.notify()
 
     def stop(self, reason: str, timeout: float = STOP_TIMEOUT_S) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                raise RuntimeError(f"the vLLM worker did not stop within {timeout:g}s")
-        self._fail_all(NotServing(reason))
+        super().stop(reason, timeout)
 
-    def _fail_all(self, exc: BaseException) -> None:
-        with self._cond:
-            leftover = list(self._waiting) + list(self._running.values())
-            self._waiting.clear()
-            self._running.clear()
-        for req in leftover:
-            _send(req, exc)
+    def _take_running(self) -> list[Request]:
+        running = list(self._running.values())
+        self._running.clear()
+        return running
 
-    def _run(self) -> None:
-        try:
-            while self._iteration():
-                pass
-        except BaseException as exc:
-            self.failure = exc
-            self._fail_all(NotServing(f"the engine failed: {type(exc).__name__}: {exc}"))
-            # Fail fast (Decision 2): an engine that cannot step is dead; say so
-            # by ending the process, never by serving errors until a probe notices.
-            self._on_fatal(f"vLLM engine step failed: {type(exc).__name__}: {exc}")
+    def _failed(self, exc: BaseException) -> None:
+        super()._failed(exc)
+        # Fail fast (Decision 2): an engine that cannot step is dead; say so
+        # by ending the process, never by serving errors until a probe notices.
+        self._on_fatal(f"vLLM engine step failed: {type(exc).__name__}: {exc}")
 
     def _iteration(self) -> bool:
         engine = self.engine
@@ -195,7 +160,7 @@ class Worker:
                         req.id, {"prompt_token_ids": list(req.prompt)}, self._make_params(req)
                     )
                 except (ValueError, TypeError) as exc:  # vLLM refused this request only
-                    _send(req, ValueError(str(exc)))
+                    send(req, ValueError(str(exc)))
                     continue
                 with self._cond:
                     self._running[req.id] = req
@@ -206,7 +171,7 @@ class Worker:
                     lost = list(self._running.values())
                     self._running.clear()
                 for req in lost:
-                    _send(req, NotServing("vLLM dropped the request"))
+                    send(req, NotServing("vLLM dropped the request"))
                 return True
             outputs = engine.step()
             self.steps += 1
@@ -228,21 +193,14 @@ class Worker:
         ids = list(completion.token_ids)
         reason = completion.finish_reason if out.finished else None
         if reason not in (None, "stop", "length"):  # "abort": vLLM dropped it
-            _send(req, NotServing(f"vLLM ended the request: {reason}"))
+            send(req, NotServing(f"vLLM ended the request: {reason}"))
             return
         if out.finished and not ids:
-            _send(req, NotServing("vLLM finished the request without a token"))
+            send(req, NotServing("vLLM finished the request without a token"))
             return
         for i, token in enumerate(ids):
             last = i == len(ids) - 1
-            _send(req, Step(int(token), reason if last else None))
-
-
-def _send(req: Request, item: Step | BaseException) -> None:
-    try:
-        req.deliver(item)
-    except RuntimeError:  # the consumer's event loop is closed
-        req.cancelled = True
+            send(req, Step(int(token), reason if last else None))
 
 
 def _exit_now(why: str) -> None:

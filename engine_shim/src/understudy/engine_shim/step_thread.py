@@ -1,0 +1,114 @@
+"""The thread that steps a generative engine: what the llama batcher and the
+vLLM worker share.
+
+Callers on the event loop submit requests and cancel them; one thread runs
+the engine's iterations and delivers tokens through each request's
+``deliver``. Stopping and failing are the same for every engine: stop after
+the current iteration (a caller must not unmap weights under a running
+step), and fail every request still held with `NotServing`, so no client
+waits on an engine that is gone.
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import threading
+from collections.abc import Callable, Iterable
+from typing import Generic, Protocol, TypeVar
+
+from understudy.engine_shim.generation import NotServing, Step
+
+
+class Deliverable(Protocol):
+    cancelled: bool
+
+    @property
+    def deliver(self) -> Callable[[Step | BaseException], None]: ...
+
+
+R = TypeVar("R", bound=Deliverable)
+
+
+def send(req: Deliverable, item: Step | BaseException) -> None:
+    """Hand a token, or the reason there is none, to the request's consumer."""
+    try:
+        req.deliver(item)
+    except RuntimeError:  # the consumer's event loop is closed
+        req.cancelled = True
+
+
+class StepThread(abc.ABC, Generic[R]):
+    """One engine's worker thread. Subclasses give `_iteration` (one step;
+    False ends the thread) and `_take_running` (the requests in the engine,
+    cleared), and may extend `_failed`."""
+
+    def __init__(self, name: str) -> None:
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[R] = collections.deque()
+        self._stopping = False
+        self.failure: BaseException | None = None
+        self.busy_since: float | None = None  # monotonic start of the current step
+        self.steps = 0
+        self._name = name
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    # --- the caller's side ------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, req: R) -> None:
+        with self._cond:
+            if self._stopping or self.failure is not None or not self.alive:
+                raise NotServing("the engine is not serving")
+            self._waiting.append(req)
+            self._cond.notify()
+
+    def stop(self, reason: str, timeout: float) -> None:
+        """Stop after the current iteration; fail what is still held.
+
+        Raises RuntimeError if the thread is still computing after ``timeout``:
+        the caller must not unmap the weights under it.
+        """
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise RuntimeError(f"the {self._name} thread did not stop within {timeout:g}s")
+        self._fail_all(NotServing(reason))
+
+    # --- the thread ---------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _iteration(self) -> bool:
+        """One step of the engine; False ends the thread."""
+
+    @abc.abstractmethod
+    def _take_running(self) -> Iterable[R]:
+        """Under the lock: the requests inside the engine, now forgotten."""
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._cond:
+            leftover = [*self._waiting, *self._take_running()]
+            self._waiting.clear()
+        for req in leftover:
+            send(req, exc)
+
+    def _failed(self, exc: BaseException) -> None:
+        """The engine raised: every held request is told so."""
+        self._fail_all(NotServing(f"the engine failed: {type(exc).__name__}: {exc}"))
+
+    def _run(self) -> None:
+        try:
+            while self._iteration():
+                pass
+        except BaseException as exc:
+            self.failure = exc
+            self._failed(exc)
