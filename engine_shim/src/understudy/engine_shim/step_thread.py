@@ -69,6 +69,18 @@ class StepThread(abc.ABC, Generic[R]):
             self._waiting.append(req)
             self._cond.notify()
 
+    def health(self, stuck_after: float, now: float) -> tuple[bool, str]:
+        """Healthy unless the thread failed, ended, or one step outlived
+        ``stuck_after`` (``now``: time.monotonic())."""
+        if self.failure is not None:
+            return False, f"the {self._name} thread failed: {self.failure!r}"
+        if not self.alive:
+            return False, f"the {self._name} thread is not running"
+        since = self.busy_since
+        if since is not None and now - since > stuck_after:
+            return False, f"one engine step has run for more than {stuck_after:g}s"
+        return True, "ok"
+
     def stop(self, reason: str, timeout: float) -> None:
         """Stop after the current iteration; fail what is still held.
 

@@ -325,14 +325,7 @@ class LlamaEngine:
         batcher = self._batcher
         if batcher is None or self.model is None:
             return False, "not awake"
-        if batcher.failure is not None:
-            return False, f"the batching worker failed: {batcher.failure!r}"
-        if not batcher.alive:
-            return False, "the batching worker is not running"
-        since = batcher.busy_since
-        if since is not None and time.monotonic() - since > STUCK_AFTER_S:
-            return False, f"one batch step has run for more than {STUCK_AFTER_S:g}s"
-        return True, "ok"
+        return batcher.health(STUCK_AFTER_S, time.monotonic())
 
     def routes(self) -> list[web.RouteDef]:
         # The OpenAI surface (completions, chat completions, streaming, the

@@ -475,14 +475,7 @@ class VllmEngine:
         worker = self._worker
         if worker is None:
             return False, "not awake"
-        if worker.failure is not None:
-            return False, f"the vLLM worker failed: {worker.failure!r}"
-        if not worker.alive:
-            return False, "the vLLM worker is not running"
-        since = worker.busy_since
-        if since is not None and time.monotonic() - since > STUCK_AFTER_S:
-            return False, f"one engine step has run for more than {STUCK_AFTER_S:g}s"
-        return True, "ok"
+        return worker.health(STUCK_AFTER_S, time.monotonic())
 
     def routes(self) -> list[web.RouteDef]:
         return openai_api.routes(self, self.max_pending)
