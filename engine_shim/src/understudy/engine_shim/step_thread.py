@@ -12,9 +12,10 @@ waits on an engine that is gone.
 from __future__ import annotations
 
 import abc
+import asyncio
 import collections
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Generic, Protocol, TypeVar
 
 from understudy.engine_shim.generation import NotServing, Step
@@ -68,6 +69,34 @@ class StepThread(abc.ABC, Generic[R]):
                 raise NotServing("the engine is not serving")
             self._waiting.append(req)
             self._cond.notify()
+
+    @abc.abstractmethod
+    def cancel(self, req: R) -> None:
+        """The consumer has gone: drop the request at the next iteration."""
+
+    async def stream(self, req: R) -> AsyncIterator[Step]:
+        """Submit ``req`` and yield its tokens on the caller's event loop,
+        until the one with a finish reason; cancelled if the consumer leaves."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Step | BaseException] = asyncio.Queue()
+
+        def deliver(item: Step | BaseException) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        # The protocol can only read deliver (a dataclass's callable field
+        # reads as read-only to mypy); every request type sets it here.
+        req.deliver = deliver  # type: ignore[misc]
+        self.submit(req)
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            self.cancel(req)
 
     def health(self, stuck_after: float, now: float) -> tuple[bool, str]:
         """Healthy unless the thread failed, ended, or one step outlived

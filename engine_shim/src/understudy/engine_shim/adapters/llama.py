@@ -23,7 +23,6 @@ side through ``loop.call_soon_threadsafe`` into one queue per request.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -388,29 +387,10 @@ class LlamaEngine:
     ) -> AsyncIterator[Step]:
         # Validate now, so that a bad request fails before a response starts.
         req = self.request(prompt, params, resume)
-        if self._batcher is None:
+        batcher = self._batcher
+        if batcher is None:
             raise NotServing("the engine is not awake")
-        return self._stream(req)
-
-    async def _stream(self, req: Request) -> AsyncIterator[Step]:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Step | BaseException] = asyncio.Queue()
-
-        def deliver(item: Step | BaseException) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
-        req.deliver = deliver
-        self.submit(req)
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finish_reason is not None:
-                    return
-        finally:
-            self.cancel(req)
+        return batcher.stream(req)
 
     @property
     def batcher(self) -> Batcher | None:

@@ -544,34 +544,10 @@ class VllmEngine:
         self, prompt: Sequence[int], params: SamplingParams, resume: Sequence[int] = ()
     ) -> AsyncIterator[Step]:
         req = self.request(prompt, params, resume)
-        if self._worker is None:
-            raise NotServing("the engine is not awake")
-        return self._stream(req)
-
-    async def _stream(self, req: Request) -> AsyncIterator[Step]:
-        import asyncio
-
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Step | BaseException] = asyncio.Queue()
-
-        def deliver(item: Step | BaseException) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
-        req.deliver = deliver
         worker = self._worker
         if worker is None:
             raise NotServing("the engine is not awake")
-        worker.submit(req)
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finish_reason is not None:
-                    return
-        finally:
-            worker.cancel(req)
+        return worker.stream(req)
 
 
 if TYPE_CHECKING:  # mypy holds the engine to both of its contracts
