@@ -91,7 +91,8 @@ async def test_a_stream_continued_after_k_tokens_is_the_rest_of_the_stream(
     full = await events(client, path, {**body, "understudy": IDS})
     ids = [t for e in full for t in token_ids(e)]
     assert len(ids) == 40 and full[-1] == b"data: [DONE]"
-    for k in (1, 13, 39):
+    # 40: the first engine died after the last token, before the stream's end
+    for k in (1, 13, 39, 40):
         # events after the one that carried the k-th token
         seen, cut = 0, 0
         while seen < k:
@@ -104,3 +105,16 @@ async def test_a_stream_continued_after_k_tokens_is_the_rest_of_the_stream(
     choices = [json.loads(e.split(b"data: ", 1)[1])["choices"][0] for e in full[:-1]]
     text = "".join(c["delta"].get("content", "") if chat else c["text"] for c in choices)
     assert text == engine.decode(ids)
+
+
+async def test_a_stream_whose_end_token_went_out_gets_only_its_end(client) -> None:
+    # The first engine streamed the model's end of sequence and died before
+    # the usage chunk and [DONE]: the next engine owes only those.
+    body = {"prompt": PROMPT, "max_tokens": 9, "stream_options": {"include_usage": True}}
+    resume = {"token_ids": [7, 4], "started": True}  # 4: <|eot_id|>
+    rest = await events(
+        client, "/v1/completions", {**body, "understudy": {**IDS, "resume": resume}}
+    )
+    assert rest[1:] == [b"data: [DONE]"]
+    usage = json.loads(rest[0].split(b"data: ", 1)[1])["usage"]
+    assert usage["completion_tokens"] == 2

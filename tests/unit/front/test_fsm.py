@@ -149,6 +149,7 @@ P = Policy(hold_s=30, migration_limit=3)
         (Attempt(True, True, 3), Outcome.BROKEN, Verdict.FAIL),  # migration limit
         (Attempt(False, False, 3), Outcome.BROKEN, Verdict.FAIL),
         (Attempt(False, True, 0), Outcome.BROKEN, Verdict.FAIL),  # a half-sent plain answer
+        (Attempt(True, True, 1), Outcome.REJECTED, Verdict.FAIL),  # never a second answer
     ],
 )
 def test_verdicts(attempt: Attempt, outcome: Outcome, expected: Verdict) -> None:

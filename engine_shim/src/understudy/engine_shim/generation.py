@@ -48,9 +48,22 @@ class Step:
     finish_reason: str | None = None  # "stop" | "length" | None
 
 
+def finish_of(resume: Sequence[int], params: SamplingParams, eos_ids: frozenset[int]) -> str | None:
+    """Why a generation that already produced ``resume`` is over ("length" or
+    "stop"), or None when it goes on. An engine can die after streaming a
+    generation's last token and before its end (usage, ``[DONE]``): the next
+    engine then owes the client only that end."""
+    if len(resume) >= params.max_tokens:
+        return "length"
+    if resume and resume[-1] in eos_ids | frozenset(params.stop_token_ids):
+        return "stop"
+    return None
+
+
 class Generator(Protocol):
     model_id: str
     max_model_len: int  # prompt + generated tokens
+    eos_ids: frozenset[int]  # the model's own end-of-sequence ids
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a plain-text prompt (with the model's BOS if it uses one)."""

@@ -29,7 +29,13 @@ from typing import Any
 
 from aiohttp import web
 
-from understudy.engine_shim.generation import Generator, NotServing, SamplingParams, Step
+from understudy.engine_shim.generation import (
+    Generator,
+    NotServing,
+    SamplingParams,
+    Step,
+    finish_of,
+)
 
 NOT_ACTIVE_HEADER = "X-Understudy-Not-Active"
 
@@ -190,8 +196,8 @@ def parse(gen: Generator, body: Any, chat: bool) -> Request:
     ids = resume.get("token_ids", [])
     if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
         raise ApiError(400, "'understudy.resume.token_ids' must be token ids", "understudy")
-    if len(ids) >= max_tokens:
-        raise ApiError(400, "nothing left to generate after the resumed tokens", "understudy")
+    if len(ids) > max_tokens:
+        raise ApiError(400, f"more resumed tokens than the {key} of {max_tokens}", "understudy")
     prefix = "chatcmpl" if chat else "cmpl"
     request_id = ours.get("request_id")
     created = ours.get("created")
@@ -310,27 +316,34 @@ class OpenAIServer:
             return exc.response()
         self.pending += 1
         try:
-            steps = self.gen.generate(req.prompt_ids, req.params, req.resume)
-            # The first step before any byte of the answer: a request the
-            # generator refuses gets a status, never a broken stream.
-            try:
-                first = await anext(aiter(steps))
-            except ValueError as exc:
-                return ApiError(400, str(exc)).response()
-            except NotServing as exc:
-                return web.Response(
-                    status=409, text=f"{exc}\n", headers={NOT_ACTIVE_HEADER: str(exc)}
-                )
-            chained = _chain(first, steps)
+            # An earlier engine died after streaming the generation's last token
+            # but before its end: the end (usage, [DONE]) is all that is owed.
+            over = finish_of(req.resume, req.params, self.gen.eos_ids) if req.resume else None
+            if over is not None:
+                chained: AsyncIterator[Step] = _no_steps()
+            else:
+                # The first step before any byte of the answer: a request the
+                # generator refuses gets a status, never a broken stream.
+                try:
+                    steps = self.gen.generate(req.prompt_ids, req.params, req.resume)
+                    first = await anext(aiter(steps))
+                except ValueError as exc:
+                    return ApiError(400, str(exc)).response()
+                except NotServing as exc:
+                    return web.Response(
+                        status=409, text=f"{exc}\n", headers={NOT_ACTIVE_HEADER: str(exc)}
+                    )
+                chained = _chain(first, steps)
             if req.stream:
                 return await self._stream(request, req, chained)
-            return await self._whole(req, chained)
+            return await self._whole(req, chained, over)
         finally:
             self.pending -= 1
 
-    async def _whole(self, req: Request, steps: AsyncIterator[Step]) -> web.Response:
+    async def _whole(
+        self, req: Request, steps: AsyncIterator[Step], finish: str | None = None
+    ) -> web.Response:
         ids = list(req.resume)
-        finish: str | None = None
         async for step in steps:
             ids.append(step.token_id)
             finish = step.finish_reason
@@ -393,6 +406,11 @@ class OpenAIServer:
                 with contextlib.suppress(Exception):
                     await closer()
         return resp
+
+
+async def _no_steps() -> AsyncIterator[Step]:
+    return
+    yield  # an async generator that yields nothing
 
 
 async def _chain(first: Step, rest: AsyncIterator[Step]) -> AsyncIterator[Step]:

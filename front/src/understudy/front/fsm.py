@@ -203,6 +203,9 @@ class Outcome(enum.Enum):
     NOT_ACTIVE = "not_active"  # the engine refused: not Active, draining, or another epoch
     UNREACHABLE = "unreachable"  # could not connect: not serving (yet), or gone
     BROKEN = "broken"  # the connection died after the request was sent
+    # The continuation of a stream the client is already reading was answered
+    # with an error: it cannot be relayed in the stream, nor sent again.
+    REJECTED = "rejected"
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +238,8 @@ def verdict(attempt: Attempt, outcome: Outcome, policy: Policy) -> Verdict:
         case Outcome.NOT_ACTIVE | Outcome.UNREACHABLE:
             # The request never ran: waiting costs no migration.
             return Verdict.WAIT
+        case Outcome.REJECTED:
+            return Verdict.FAIL
         case Outcome.BROKEN:
             if attempt.migrations >= policy.migration_limit:
                 return Verdict.FAIL

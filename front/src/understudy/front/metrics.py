@@ -78,7 +78,9 @@ class FrontMetrics:
         )
         self.migrations_failed = prom.Counter(
             "understudy_front_migrations_failed_total",
-            "Requests that could not be migrated (limit reached, or not resumable)",
+            "Requests that could not be migrated: limit (the migration limit), state (a "
+            "non-streaming answer cut after it began), rejected (the next engine refused "
+            "a stream's continuation)",
             ["reason"],
             registry=r,
         )

@@ -84,6 +84,7 @@ class _Request:
     started: bool = False
     token_ids: list[int] = field(default_factory=list)
     response: web.StreamResponse | None = None
+    rejection: str = ""  # the answer the next engine gave the stream's continuation
 
 
 class Front:
@@ -311,6 +312,11 @@ class Front:
                     # Each failover gets its own hold.
                     deadline = self._now() + self.cfg.hold_s
                     await self._await_change(route, deadline, _RETRY_S)
+                case fsm.Verdict.FAIL if outcome is fsm.Outcome.REJECTED:
+                    self.metrics.migrations_failed.labels(reason="rejected").inc()
+                    return await self._give_up(
+                        req, 502, f"the next engine refused to continue the stream: {req.rejection}"
+                    )
                 case fsm.Verdict.FAIL:
                     reason = "limit" if req.migrations >= self.policy.migration_limit else "state"
                     self.metrics.migrations_failed.labels(reason=reason).inc()
@@ -366,6 +372,11 @@ class Front:
             if req.streaming and r.status == 200:
                 return await self._relay_stream(req, r, request)
             payload = await r.read()
+            if req.response is not None:
+                # The client's stream is open: a second answer there would
+                # corrupt it (a new status line inside the chunked body).
+                req.rejection = f"{r.status} {payload[:200].decode(errors='replace')}"
+                return fsm.Outcome.REJECTED, None
             return fsm.Outcome.ANSWERED, _answer(r, payload)
         except (upstream.UpstreamError, continuation.StreamError) as exc:
             return self._broken(req, route, exc)

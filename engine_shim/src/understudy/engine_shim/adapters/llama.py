@@ -52,7 +52,13 @@ from understudy.engine_shim.adapters.packing import (
     packed_size,
     views_from,
 )
-from understudy.engine_shim.generation import Generator, NotServing, SamplingParams, Step
+from understudy.engine_shim.generation import (
+    Generator,
+    NotServing,
+    SamplingParams,
+    Step,
+    finish_of,
+)
 from understudy.engine_shim.step_thread import StepThread, send
 from understudy.gms.client import GmsClient
 
@@ -248,6 +254,7 @@ class LlamaEngine:
             model.removeprefix("builtin:") if model.startswith(tiny_llama.BUILTIN) else model
         )
         self.max_model_len: int = args.max_model_len
+        self.eos_ids: frozenset[int] = self.text.eos_ids
         self.max_num_seqs: int = args.max_num_seqs
         self.max_pending: int = args.max_pending
         self.model: LlamaModel | None = None
@@ -360,9 +367,9 @@ class LlamaEngine:
             raise ValueError("max_tokens must be at least 1")
         if params.temperature < 0 or not 0 < params.top_p <= 1:
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
-        stop = self.text.eos_ids | frozenset(params.stop_token_ids)
-        if len(resume) >= params.max_tokens or (resume and resume[-1] in stop):
+        if finish_of(resume, params, self.eos_ids) is not None:
             raise ValueError("the resumed ids already finish this generation")
+        stop = self.eos_ids | frozenset(params.stop_token_ids)
         if len(prompt) + len(resume) >= self.max_model_len:
             raise ValueError(
                 f"prompt and resumed ids hold {len(prompt) + len(resume)} tokens; "

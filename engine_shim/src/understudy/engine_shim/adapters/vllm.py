@@ -57,7 +57,13 @@ from aiohttp import web
 from understudy.engine_shim import openai_api
 from understudy.engine_shim.adapters import tiny_llama, vllm_loader
 from understudy.engine_shim.adapters.base import AdapterError, Engine
-from understudy.engine_shim.generation import Generator, NotServing, SamplingParams, Step
+from understudy.engine_shim.generation import (
+    Generator,
+    NotServing,
+    SamplingParams,
+    Step,
+    finish_of,
+)
 from understudy.engine_shim.step_thread import StepThread, send
 from understudy.gms.client import GmsClient
 from understudy.wire.obs import log_event
@@ -265,7 +271,7 @@ class VllmEngine:
         self.on_fatal: Callable[[str], None] = _exit_now
         self._config: Any = None  # vLLM's VllmConfig
         self._tokenizer: Any = None
-        self._eos: frozenset[int] = frozenset()
+        self.eos_ids: frozenset[int] = frozenset()
         self._vocab = 0
         self._layout_key = ""
         self._session: GmsClient | None = None
@@ -347,7 +353,7 @@ class VllmEngine:
             eos = {model_config.hf_config.eos_token_id}
         if self._tokenizer.eos_token_id is not None:
             eos.add(int(self._tokenizer.eos_token_id))
-        self._eos = frozenset(eos)
+        self.eos_ids = frozenset(eos)
         self._layout_key = vllm_loader.layout_key(
             self.model_dir, str(model_config.dtype), vllm.__version__
         )
@@ -524,8 +530,7 @@ class VllmEngine:
             raise ValueError("max_tokens must be at least 1")
         if params.temperature < 0 or not 0 < params.top_p <= 1:
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
-        stop = self._eos | frozenset(params.stop_token_ids)
-        if len(resume) >= params.max_tokens or (resume and resume[-1] in stop):
+        if finish_of(resume, params, self.eos_ids) is not None:
             raise ValueError("the resumed ids already finish this generation")
         if len(prompt) + len(resume) >= self.max_model_len:
             raise ValueError(
