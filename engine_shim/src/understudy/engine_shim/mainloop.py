@@ -30,6 +30,7 @@ from understudy.engine_shim.probes import Probe, Verdict, verdict
 from understudy.engine_shim.weights import Weights
 from understudy.gms.client import GmsError
 from understudy.lockserver import client as lock_client
+from understudy.wire import heap
 from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.engine_shim")
@@ -288,6 +289,7 @@ class Shim:
             self.weights.sleep()
         except Exception as exc:  # any init error ends the process now
             self.feed(fsm.Fatal(f"init failed: {type(exc).__name__}: {exc}"))
+        heap.freeze()  # before Standby: no full collection in a failover's path
         self.durations["init"] = time.monotonic() - t0
         source = "imported" if self.weights.imported else "loaded"
         self.metrics.init_s.labels(**self.metrics.labels, weights=source).observe(

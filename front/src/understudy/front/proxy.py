@@ -38,6 +38,7 @@ from understudy.front import continuation, fsm, upstream
 from understudy.front.config import FrontConfig
 from understudy.front.metrics import FrontMetrics
 from understudy.lockserver import Address, LockError, watch
+from understudy.wire import heap
 from understudy.wire.obs import log_event
 from understudy.wire.serving import heartbeat_path, read_beat, serving_socket
 
@@ -51,9 +52,16 @@ _FORWARD = ("content-type", "accept", "authorization", "openai-organization", "u
 _HOP = frozenset(
     {"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server"}
 )
-# After a failed connect to the route (the engine is still waking), wait at
-# most this long for the route to change before trying again.
-_RETRY_S = 0.005
+# After a failed connect to the route (the engine is still waking), wait for
+# its socket to appear (one watcher per engine, polling every _WATCH_S, wakes
+# every waiting request at once) or at most this long before trying again.
+# Sixteen requests retrying their connects every few milliseconds took CPU
+# from the very engine they were waiting for.
+_RETRY_S = 0.05
+_WATCH_S = 0.001
+# After an engine died under a request: wait at most this long for the lock to
+# name the next one before trying again.
+_MIGRATE_RETRY_S = 0.005
 # After the engine refused (draining, or another epoch): the lock will name
 # another engine soon; until then, ask again only this often.
 _REFUSED_RETRY_S = 0.25
@@ -95,6 +103,7 @@ class Front:
         self.state = fsm.FrontState()
         self._changed = asyncio.Event()
         self._upstreams: dict[str, upstream.Upstream] = {}
+        self._watchers: dict[str, asyncio.Task[None]] = {}
         self._routed_at: float | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._runners: list[web.AppRunner] = []
@@ -252,6 +261,26 @@ class Front:
             async with asyncio.timeout(max(0.0, min(patience, deadline - self._now()))):
                 await changed.wait()
 
+    def _watch_socket(self, route: fsm.Route, deadline: float) -> None:
+        """Wake the waiting requests the moment the waking engine's socket
+        appears (one watcher per engine, however many requests wait)."""
+        task = self._watchers.get(route.engine_id)
+        if task is None or task.done():
+            self._watchers = {k: t for k, t in self._watchers.items() if not t.done()}
+            self._watchers[route.engine_id] = asyncio.create_task(
+                self._socket_appears(route, deadline), name=f"listen-{route.engine_id}"
+            )
+
+    async def _socket_appears(self, route: fsm.Route, deadline: float) -> None:
+        path = serving_socket(self.cfg.run_dir, route.engine_id)
+        if path.exists():
+            return  # there already and still refusing: the waiters' own retry covers it
+        while self.state.route == route and self._now() < deadline:
+            await asyncio.sleep(_WATCH_S)
+            if path.exists():
+                self._wake()
+                return
+
     # ----------------------------------------------------------- requests --
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -299,6 +328,8 @@ class Front:
                     return answer
                 case fsm.Verdict.WAIT:
                     refused = outcome is fsm.Outcome.NOT_ACTIVE
+                    if not refused:
+                        self._watch_socket(route, deadline)
                     patience = _REFUSED_RETRY_S if refused else _RETRY_S
                     await self._await_change(route, deadline, patience)
                 case fsm.Verdict.MIGRATE_NEW | fsm.Verdict.MIGRATE_ONGOING:
@@ -311,7 +342,7 @@ class Front:
                     )  # fmt: skip
                     # Each failover gets its own hold.
                     deadline = self._now() + self.cfg.hold_s
-                    await self._await_change(route, deadline, _RETRY_S)
+                    await self._await_change(route, deadline, _MIGRATE_RETRY_S)
                 case fsm.Verdict.FAIL if outcome is fsm.Outcome.REJECTED:
                     self.metrics.migrations_failed.labels(reason="rejected").inc()
                     return await self._give_up(
@@ -501,9 +532,10 @@ class Front:
         await self.close()
 
     async def close(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._watchers.values()]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for runner in self._runners:
             await runner.cleanup()
         for up in self._upstreams.values():
@@ -566,6 +598,7 @@ async def run(cfg: FrontConfig) -> None:
     """Serve until SIGTERM/SIGINT, then drain."""
     front = Front(cfg)
     await front.start()
+    heap.freeze()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -4,9 +4,9 @@ Weights follow the reference engine's pattern: the writer (``load``) packs
 the checkpoint's safetensors into one GMS allocation on device 0 and records
 every tensor in GMS metadata; ``attach`` builds the model over read-only
 views of that memory (never a copy), for the writer and for readers alike.
-``wake`` allocates the KV cache — engine-owned numpy arrays, never GMS
-memory, so the process's death frees them — warms the model up and starts
-the batching worker; ``sleep`` stops the worker and drops the cache before
+``attach`` also runs the model once (a warm-up); ``wake`` allocates the KV
+cache — engine-owned numpy arrays, never GMS memory, so the process's death
+frees them — and starts the batching worker; ``sleep`` stops the worker and drops the cache before
 the shim unmaps the weights.
 
 The engine is a ``generation.Generator``, served by ``openai_api``.
@@ -296,12 +296,24 @@ class LlamaEngine:
             self.model = LlamaModel(views_from(alloc.view(), meta["records"]), self.config)
         except WeightsError as exc:
             raise AdapterError(str(exc)) from exc
+        self._warm_up()
 
     def attach_private(self) -> None:
         """Weights in a buffer of this process instead of GMS (tests, benchmarks)."""
         self._private = bytearray(packed_size(self.model_dir))
         records = pack_into(self._private, self.model_dir)
         self.model = LlamaModel(views_from(self._private, records), self.config)
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Run prefill and decode once, at start-up: the first request in a fresh
+        process pays their one-time costs, and a freshly restarted engine is
+        often the next to wake. Waking touches no weights either: GMS maps RO
+        memory with its pages present."""
+        assert self.model is not None
+        cache = KVCache(self.config, 1, len(WARMUP_IDS))
+        self.model.prefill(WARMUP_IDS[:-1], cache, 0)
+        self.model.decode([Row(0, len(WARMUP_IDS) - 1, WARMUP_IDS[-1])], cache)
 
     # --- sleep / wake -------------------------------------------------------------
 
@@ -314,12 +326,6 @@ class LlamaEngine:
         if self.model is None:
             raise AdapterError("wake before attach")
         cache = KVCache(self.config, self.max_num_seqs, self.max_model_len)
-        # Warm-up: fault in every page of the remapped weights and run both code
-        # paths once, so that the first request after a failover pays for neither.
-        for array in self.model.tensors.values():
-            np.add.reduce(array, axis=None)
-        self.model.prefill(WARMUP_IDS[:-1], cache, 0)
-        self.model.decode([Row(0, len(WARMUP_IDS) - 1, WARMUP_IDS[-1])], cache)
         batcher = Batcher(self.model, cache, self.max_model_len)
         batcher.start()
         self._batcher = batcher

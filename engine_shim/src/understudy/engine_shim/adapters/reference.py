@@ -39,8 +39,10 @@ META_KEY = "minilm"
 MAX_INPUTS = 256
 MAX_CHARS = 100_000
 # Working memory: the activations of one request are allocated per request by
-# numpy; on wake the engine runs one warm-up embedding, which faults in the
-# remapped weight pages so the first real request after a failover is fast.
+# numpy. The warm-up embedding runs once, at attach (start-up, weights mapped),
+# for the first request's one-time costs. Waking needs none: the remapped
+# weights come back with their pages present (GMS maps RO memory populated),
+# and a warm-up there delayed every failover's first answer by one embedding.
 WARMUP_TEXT = "understudy warm-up"
 
 
@@ -86,6 +88,7 @@ class ReferenceEngine:
         if alloc is None:
             raise AdapterError(f"metadata points at allocation {meta['allocation']}, not in GMS")
         self.model = MiniLM.from_buffer(alloc.view(), meta["records"], self.model_dir)
+        self.model.embed([WARMUP_TEXT])
 
     # --- sleep / wake -----------------------------------------------------
 
@@ -95,7 +98,6 @@ class ReferenceEngine:
     def wake(self) -> None:
         if self.model is None:
             raise AdapterError("wake before attach")
-        self.model.embed([WARMUP_TEXT])
         self.awake = True
 
     def close(self) -> None:

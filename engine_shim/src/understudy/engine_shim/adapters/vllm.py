@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import itertools
 import logging
 import os
@@ -66,6 +65,7 @@ from understudy.engine_shim.generation import (
 )
 from understudy.engine_shim.step_thread import StepThread, send
 from understudy.gms.client import GmsClient
+from understudy.wire import heap
 from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.engine_shim.vllm")
@@ -215,16 +215,6 @@ def _exit_now(why: str) -> None:
     os._exit(1)
 
 
-def _freeze_heap() -> None:
-    """Collect once now and move what survives (torch's and vLLM's millions of
-    imported objects) out of the collector's sight. vLLM's engine construction
-    calls gc.collect() several times; over an unfrozen heap each call holds the
-    GIL for a second or more, the engine's heartbeat thread stalls with it and
-    the pod's front door kills the waking engine as hung."""
-    gc.collect()
-    gc.freeze()
-
-
 def _our_args(args: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     """Our own options; every other argument is vLLM's (``vllm serve``'s engine flags)."""
     parser = argparse.ArgumentParser(prog="vllm engine", add_help=False, exit_on_error=False)
@@ -357,7 +347,11 @@ class VllmEngine:
         self._layout_key = vllm_loader.layout_key(
             self.model_dir, str(model_config.dtype), vllm.__version__
         )
-        _freeze_heap()
+        # torch's and vLLM's millions of objects: vLLM's engine construction
+        # calls gc.collect() several times, and over an unfrozen heap each call
+        # holds the GIL for a second or more; the heartbeat stalls with it and
+        # the front kills the waking engine as hung.
+        heap.freeze()
         self.timings["prepare_s"] = time.monotonic() - t0
         log_event(
             log,
@@ -424,7 +418,7 @@ class VllmEngine:
         del engine
         destroy_model_parallel()
         destroy_distributed_environment()
-        _freeze_heap()
+        heap.freeze()
 
     # --- sleep / wake -------------------------------------------------------------
 

@@ -12,6 +12,10 @@ Client: mirrors CUDA VMM. ``reserve`` takes address space with
 replaces it with a fresh ``PROT_NONE`` anonymous mapping (the reservation
 stays, the shared pages are no longer referenced); ``map`` again at the same
 address after a wake. RO mappings are ``PROT_READ``: a write faults (SIGSEGV).
+They are also populated (``MAP_POPULATE``): the kernel fills in the page
+tables of the committed pages in one pass, as ``cuMemMap`` leaves a GPU
+mapping whole, so the first request after a wake does not take a page fault
+per 4 KiB of weights (about 23,000 for MiniLM).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from understudy.gms.layout import DEFAULT_GRANULARITY
 # Linux generic values (x86_64 and arm64 agree); Python's mmap module lacks them.
 MAP_FIXED = 0x10
 MAP_NORESERVE = 0x4000
+MAP_POPULATE = 0x8000
 PROT_NONE = 0
 MAP_FAILED = ctypes.c_void_p(-1).value
 
@@ -121,7 +126,10 @@ class HostMapper:
 
     def map(self, fd: int, address: int, size: int, writable: bool) -> None:
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        _do_mmap(address, size, prot, mmap.MAP_SHARED | MAP_FIXED, fd)
+        # Only RO mappings are of committed memory; populating a fresh RW one
+        # would allocate every page before the writer needs it.
+        populate = 0 if writable else MAP_POPULATE
+        _do_mmap(address, size, prot, mmap.MAP_SHARED | MAP_FIXED | populate, fd)
 
     def protect_readonly(self, address: int, size: int) -> None:
         if _mprotect(address, size, mmap.PROT_READ) != 0:
