@@ -8,6 +8,8 @@ from pathlib import Path
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import uvloop
+
     from understudy.front.config import FrontConfig
     from understudy.front.proxy import run
     from understudy.wire.obs import setup_logging
@@ -25,7 +27,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         hang_after_s=args.hang_after,
         drain_s=args.drain,
     )
-    asyncio.run(run(cfg))
+    # uvloop: the loop and its transports in C. The front's own CPU is most
+    # of the latency it adds to a request (bench/front_overhead.py), and
+    # asyncio's pure-Python loop was about a third of that.
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(run(cfg))
     return 0
 
 

@@ -8,10 +8,14 @@ it what to do:
 - the **heartbeat check**: the routed engine's heartbeat, every
   ``beat_check_s``; one older than ``hang_after_s`` makes the engine hung,
   and the front kills it so that its death hands the lock on;
-- **requests**: forwarded over the Active engine's Unix socket. One that
+- **requests**: read by the front's own HTTP/1.1 server (``downstream``) and
+  forwarded over the Active engine's Unix socket (``upstream``). One that
   finds no Active engine waits for one (the hold); one whose engine dies
   under it is sent again to the next (migration): replayed whole, or, for a
   stream that already sent tokens, continued after them.
+
+The status endpoints (``/live``, ``/ready``, ``/metrics``, ...) are on their
+own port, served by aiohttp: they are not on a request's path.
 
 Engines answer ``409`` with ``X-Understudy-Not-Active`` when a request reaches
 them while not Active or under another epoch; the front then waits for the
@@ -30,11 +34,13 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, assert_never
+from urllib.parse import unquote
 
+import httptools
 import prometheus_client as prom
 from aiohttp import web
 
-from understudy.front import continuation, fsm, upstream
+from understudy.front import continuation, downstream, fsm, upstream
 from understudy.front.config import FrontConfig
 from understudy.front.metrics import FrontMetrics
 from understudy.lockserver import Address, LockError, watch
@@ -44,14 +50,15 @@ from understudy.wire.serving import heartbeat_path, read_beat, serving_socket
 
 log = logging.getLogger("understudy.front")
 
-EPOCH_HEADER = "X-Understudy-Epoch"
-NOT_ACTIVE_HEADER = "X-Understudy-Not-Active"
+EPOCH_HEADER = b"X-Understudy-Epoch"
+NOT_ACTIVE_HEADER = b"X-Understudy-Not-Active"
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
 # Request headers an engine sees; everything hop-by-hop is the front's own.
-_FORWARD = ("content-type", "accept", "authorization", "openai-organization", "user-agent")
-_HOP = frozenset(
-    {"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server"}
+_FORWARD = frozenset(
+    {b"content-type", b"accept", b"authorization", b"openai-organization", b"user-agent"}
 )
+_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"server"})
+_SSE = [(b"Content-Type", b"text/event-stream"), (b"Cache-Control", b"no-cache")]
 # After a failed connect to the route (the engine is still waking), wait for
 # its socket to appear (one watcher per engine, polling every _WATCH_S, wakes
 # every waiting request at once) or at most this long before trying again.
@@ -70,28 +77,24 @@ _REFUSED_RETRY_S = 0.25
 _STALL_S = 0.25
 
 
-class _ClientGone(Exception):
-    """The client hung up while its answer was being relayed."""
-
-
-@dataclass
+@dataclass(slots=True)
 class _Request:
     """One client request across its attempts."""
 
-    method: str
+    method: bytes
     path: str  # decoded: for matching and logs
-    target: str  # the request-target as the client sent it: what the engine gets
-    headers: dict[str, str]
+    target: bytes  # the request-target as the client sent it: what the engine gets
+    headers: list[tuple[bytes, bytes]]  # the ones an engine sees, as the client sent them
     body: bytes
     doc: dict[str, Any] | None  # the JSON body of a completion request
     streaming: bool
+    arrived: float  # loop time
     request_id: str = ""
     created: int = 0
     migrations: int = 0
     relayed: bool = False
     started: bool = False
     token_ids: list[int] = field(default_factory=list)
-    response: web.StreamResponse | None = None
     rejection: str = ""  # the answer the next engine gave the stream's continuation
 
 
@@ -107,15 +110,23 @@ class Front:
         self._routed_at: float | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._runners: list[web.AppRunner] = []
+        self._server = downstream.Server(
+            self.handle, downstream.Limits(max_body=cfg.max_body), self._refused
+        )
+        codes = ("2xx", "3xx", "4xx", "5xx")
+        self._codes = {c: self.metrics.requests.labels(code=c) for c in codes}
         self._inflight = 0
         self._held = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        # Read when scraped, not set on every request.
+        self.metrics.inflight.set_function(lambda: self._inflight)
+        self.metrics.held.set_function(lambda: self._held)
+        self._drained: asyncio.Event | None = None  # set when draining ends
+        self._loop = asyncio.get_running_loop()
 
     # ----------------------------------------------------------- the core --
 
     def _now(self) -> float:
-        return asyncio.get_running_loop().time()
+        return self._loop.time()
 
     def feed(self, event: fsm.Event) -> None:
         self.state, actions = fsm.step(self.state, event, self._now())
@@ -240,13 +251,11 @@ class Front:
             return self.state.route
         since = self._now()
         self._held += 1
-        self.metrics.held.set(self._held)
         self.metrics.held_total.inc()
         try:
             route = await self._route(deadline)
         finally:  # a client that hangs up while held is no longer held
             self._held -= 1
-            self.metrics.held.set(self._held)
         if route is not None:
             self.metrics.hold.observe(self._now() - since)
         return route
@@ -283,49 +292,110 @@ class Front:
 
     # ----------------------------------------------------------- requests --
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        t0 = self._now()
-        try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return _error(413, f"request body larger than {self.cfg.max_body} bytes")
-        except ConnectionResetError:
-            # The client hung up before its body arrived: nobody to answer, and
-            # nothing wrong here (aiohttp would log it as an error, traceback and all).
-            log_event(log, "client_gone", logging.DEBUG, path=request.path)
-            return _error(400, "the client hung up before its request body arrived")
-        req = _parse(request, body)
-        self._inflight += 1
-        self._idle.clear()
-        self.metrics.inflight.set(self._inflight)
-        try:
-            response = await self._serve(req, request)
-        finally:
-            self._inflight -= 1
-            self.metrics.inflight.set(self._inflight)
-            if not self._inflight:
-                self._idle.set()
-        self.metrics.duration.observe(self._now() - t0)
-        self.metrics.requests.labels(code=f"{response.status // 100}xx").inc()
-        return response
+    def _refused(self, status: int) -> None:
+        """A request the server refused before it was whole (too large, malformed)."""
+        self._codes[f"{status // 100}xx"].inc()
 
-    async def _serve(self, req: _Request, request: web.Request) -> web.StreamResponse:
+    def handle(self, ex: downstream.Exchange) -> None:
+        """A client's request, whole.
+
+        The fast path, taken by most requests: an engine is routed to, the
+        request is not a stream, and a kept-alive connection to the engine is
+        idle. The request goes out at once and the answer is relayed from the
+        connection's callback (``_answered``), with no task, future or
+        coroutine on the way: on two cores the front's own CPU is most of the
+        latency it adds. Everything else (no route, no idle connection, a
+        stream, or a first attempt that was not simply answered) is served
+        by ``_serve`` in a task, which makes every decision of the hold and
+        of migration; the fast path decides nothing it would not.
+        """
+        req = _parse(ex, self._now())
+        self._inflight += 1
+        try:
+            route = self.state.route
+            if route is not None and not req.streaming:
+                up = self._upstreams.get(route.engine_id)
+                if up is not None:
+                    sent = up.send_idle(req.method, req.target, _headers(req, route), _payload(req))
+                    if sent is not None:
+                        sent.on_complete(lambda: self._answered(req, ex, route, sent))
+                        return
+            ex.task = asyncio.create_task(self._serve_task(req, ex, None))
+        except Exception as exc:  # a bug: the client still gets an answer
+            self._failed(req, ex, exc)
+
+    def _answered(
+        self, req: _Request, ex: downstream.Exchange, route: fsm.Route, sent: upstream.Response
+    ) -> None:
+        """The fast path's attempt ended: relay the answer, or hand the request,
+        with this attempt, to ``_serve``."""
+        try:
+            if sent.complete and not _not_active(sent):
+                self.feed(fsm.Served(route.engine_id))
+                _relay(ex, sent, sent.body())
+                self._done(req, ex)
+            else:
+                ex.task = asyncio.create_task(self._serve_task(req, ex, (route, sent)))
+        except downstream.ClientGone:
+            self._done(req, ex)
+        except Exception as exc:  # a bug: the client still gets an answer
+            self._failed(req, ex, exc)
+
+    async def _serve_task(self, req: _Request, ex: downstream.Exchange, sent: _Sent | None) -> None:
+        try:
+            await self._serve(req, ex, sent)
+        except downstream.ClientGone:
+            pass
+        except Exception as exc:  # a bug: the client still gets an answer
+            self._failed(req, ex, exc)
+            return
+        self._done(req, ex)
+
+    def _failed(self, req: _Request, ex: downstream.Exchange, exc: Exception) -> None:
+        log.error("serving %s failed", req.path, exc_info=exc)
+        with contextlib.suppress(downstream.ClientGone):
+            if ex.answered:
+                ex.abort()  # a stream cut short: only closing can say so
+            else:
+                ex.error(500, f"the front failed: {type(exc).__name__}")
+        self._done(req, ex)
+
+    def _done(self, req: _Request, ex: downstream.Exchange) -> None:
+        self._inflight -= 1
+        if not self._inflight and self._drained is not None:
+            self._drained.set()
+        self.metrics.duration.observe(self._now() - req.arrived)
+        # A client that left before its answer began counts as a 4xx (nginx's
+        # 499): it was the client's doing.
+        self._codes[f"{ex.status // 100}xx" if ex.status else "4xx"].inc()
+
+    async def _serve(self, req: _Request, ex: downstream.Exchange, sent: _Sent | None) -> None:
+        """Serve a request through holds and migrations; ``sent``: an attempt
+        already under way (the fast path's), to conclude first."""
         deadline = self._now() + self.cfg.hold_s
         while True:
-            route = await self._hold(deadline)
-            if route is None:
-                self.metrics.hold_expired.inc()
-                return await self._give_up(
-                    req, 503, f"no engine became active within the hold of {self.cfg.hold_s}s"
-                )
-            outcome, answer = await self._attempt(req, route, request)
+            first = None
+            if sent is not None:
+                route, first = sent
+                sent = None
+            else:
+                held = await self._hold(deadline)
+                if held is None:
+                    self.metrics.hold_expired.inc()
+                    return self._give_up(
+                        req, ex, 503,
+                        f"no engine became active within the hold of {self.cfg.hold_s}s",
+                    )  # fmt: skip
+                route = held
+            outcome, answer = await self._attempt(req, route, ex, first)
             attempt = fsm.Attempt(req.streaming, req.relayed, req.migrations)
             v = fsm.verdict(attempt, outcome, self.policy)
             match v:
                 case fsm.Verdict.RELAY:
-                    assert answer is not None
                     self.feed(fsm.Served(route.engine_id))
-                    return answer
+                    if answer is not None:  # else the stream went out already
+                        _relay(ex, *answer)
+                    return None
                 case fsm.Verdict.WAIT:
                     refused = outcome is fsm.Outcome.NOT_ACTIVE
                     if not refused:
@@ -345,14 +415,18 @@ class Front:
                     await self._await_change(route, deadline, _MIGRATE_RETRY_S)
                 case fsm.Verdict.FAIL if outcome is fsm.Outcome.REJECTED:
                     self.metrics.migrations_failed.labels(reason="rejected").inc()
-                    return await self._give_up(
-                        req, 502, f"the next engine refused to continue the stream: {req.rejection}"
+                    return self._give_up(
+                        req,
+                        ex,
+                        502,
+                        f"the next engine refused to continue the stream: {req.rejection}",
                     )
                 case fsm.Verdict.FAIL:
                     reason = "limit" if req.migrations >= self.policy.migration_limit else "state"
                     self.metrics.migrations_failed.labels(reason=reason).inc()
-                    return await self._give_up(
+                    return self._give_up(
                         req,
+                        ex,
                         503,
                         f"the engine serving this request died {req.migrations + 1} times; "
                         f"migration limit is {self.policy.migration_limit}",
@@ -360,26 +434,33 @@ class Front:
                 case _:
                     assert_never(v)
 
-    async def _give_up(self, req: _Request, status: int, message: str) -> web.StreamResponse:
+    def _give_up(self, req: _Request, ex: downstream.Exchange, status: int, message: str) -> None:
         log_event(log, "gave_up", logging.ERROR, path=req.path, status=status, reason=message)
-        if req.response is not None:
+        if ex.answered:
             # A stream already went out: all that is left is to end it with an
-            # error event the client can see, as OpenAI's streams do.
+            # error event the client can see, as OpenAI's streams do. The
+            # send does not wait: the stream ends here either way.
             err = {"error": {"message": message, "type": "server_error", "code": status}}
-            with contextlib.suppress(ConnectionError, RuntimeError):
-                await req.response.write(b"data: " + json.dumps(err).encode() + b"\n\n")
-                await req.response.write_eof()
-            return req.response
-        return _error(status, message, retry_after=1)
+            with contextlib.suppress(downstream.ClientGone):
+                ex.end_stream(b"data: " + json.dumps(err).encode() + b"\n\n")
+            return
+        ex.error(status, message, retry_after=1)
 
     async def _attempt(
-        self, req: _Request, route: fsm.Route, request: web.Request
-    ) -> tuple[fsm.Outcome, web.StreamResponse | None]:
+        self,
+        req: _Request,
+        route: fsm.Route,
+        ex: downstream.Exchange,
+        sent: upstream.Response | None = None,
+    ) -> tuple[fsm.Outcome, _Answer | None]:
         up = self._upstream(route.engine_id)
-        headers = [*req.headers.items(), (EPOCH_HEADER, str(route.epoch))]
+        headers = _headers(req, route)
         data = _payload(req)
         try:
-            r = await up.request(req.method, req.target, headers, data)
+            if sent is not None:
+                r = await sent.head()
+            else:
+                r = await up.request(req.method, req.target, headers, data)
         except upstream.Stale as stale:
             # A kept-alive connection died before any answer: either it died
             # idle, or its engine died with the request in it. A new
@@ -396,30 +477,27 @@ class Front:
         except upstream.UpstreamError as exc:
             return self._broken(req, route, exc)
         try:
-            if r.status == 409 and r.header(NOT_ACTIVE_HEADER) is not None:
+            if _not_active(r):
                 await r.read()
                 up.drop_idle()  # its other connections are as good as gone
                 return fsm.Outcome.NOT_ACTIVE, None
             if req.streaming and r.status == 200:
-                return await self._relay_stream(req, r, request)
+                return await self._relay_stream(req, r, ex)
             payload = await r.read()
-            if req.response is not None:
+            if ex.answered:
                 # The client's stream is open: a second answer there would
                 # corrupt it (a new status line inside the chunked body).
                 req.rejection = f"{r.status} {payload[:200].decode(errors='replace')}"
                 return fsm.Outcome.REJECTED, None
-            return fsm.Outcome.ANSWERED, _answer(r, payload)
+            return fsm.Outcome.ANSWERED, (r, payload)
         except (upstream.UpstreamError, continuation.StreamError) as exc:
             return self._broken(req, route, exc)
-        except _ClientGone:
-            assert req.response is not None
-            return fsm.Outcome.ANSWERED, req.response
         finally:
             r.close()
 
     def _broken(
         self, req: _Request, route: fsm.Route, exc: Exception
-    ) -> tuple[fsm.Outcome, web.StreamResponse | None]:
+    ) -> tuple[fsm.Outcome, _Answer | None]:
         log_event(
             log, "attempt_broken", logging.WARNING, engine=route.engine_id,
             error=type(exc).__name__, detail=str(exc)[:200], relayed=req.relayed,
@@ -428,31 +506,22 @@ class Front:
         return fsm.Outcome.BROKEN, None
 
     async def _relay_stream(
-        self, req: _Request, r: upstream.Response, request: web.Request
-    ) -> tuple[fsm.Outcome, web.StreamResponse | None]:
+        self, req: _Request, r: upstream.Response, ex: downstream.Exchange
+    ) -> tuple[fsm.Outcome, _Answer | None]:
+        """Relay an engine's event stream, keeping the token ids it carries. A
+        client that goes away cancels this (its connection's doing)."""
         decoder = continuation.EventDecoder()
         async for chunk in r.chunks():
             for ev in decoder.feed(chunk):
-                try:
-                    if req.response is None:
-                        resp = web.StreamResponse(
-                            status=200,
-                            headers={
-                                "Content-Type": "text/event-stream",
-                                "Cache-Control": "no-cache",
-                            },
-                        )
-                        await resp.prepare(request)
-                        req.response = resp
-                    await req.response.write(ev.raw)
-                except (ConnectionError, RuntimeError):
-                    raise _ClientGone from None
+                if not ex.answered:
+                    ex.open_stream(200, _SSE)
+                await ex.send(ev.raw)
                 req.relayed = True
                 req.started = True
                 req.token_ids.extend(ev.token_ids)
                 if ev.done:
-                    await req.response.write_eof()
-                    return fsm.Outcome.ANSWERED, req.response
+                    ex.end_stream()
+                    return fsm.Outcome.ANSWERED, None
         raise upstream.Broken("the stream ended without [DONE]")
 
     # ------------------------------------------------------------ surface --
@@ -475,9 +544,7 @@ class Front:
         }
 
     async def start(self) -> None:
-        app = web.Application(client_max_size=self.cfg.max_body)
-        app.router.add_route("*", "/{tail:.*}", self.handle)
-        await self._listen(app, self.cfg.host, self.cfg.port)
+        await self._server.listen(self.cfg.host, self.cfg.port)
         status = web.Application()
         status.add_routes(
             [
@@ -526,9 +593,12 @@ class Front:
 
     async def drain(self) -> None:
         """Finish in-flight requests (bounded), then close."""
+        self._drained = asyncio.Event()
+        if not self._inflight:
+            self._drained.set()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.cfg.drain_s):
-                await self._idle.wait()
+                await self._drained.wait()
         await self.close()
 
     async def close(self) -> None:
@@ -536,32 +606,60 @@ class Front:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self._server.close()
         for runner in self._runners:
             await runner.cleanup()
         for up in self._upstreams.values():
             up.close()
 
 
-def _parse(request: web.Request, body: bytes) -> _Request:
-    headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD}
+# An engine's whole answer, to relay as it is.
+_Answer = tuple[upstream.Response, bytes]
+# An attempt already sent (by the fast path), and where to.
+_Sent = tuple[fsm.Route, upstream.Response]
+
+
+def _parse(ex: downstream.Exchange, now: float) -> _Request:
+    headers = [(k, v) for k, v in ex.headers if k.lower() in _FORWARD]
+    method = ex.method
+    path = _path(ex.target)
     doc: dict[str, Any] | None = None
     streaming = False
-    if request.method == "POST" and request.path in COMPLETIONS:
+    if method == b"POST" and path in COMPLETIONS:
         # Not JSON to us (nested too deep included): forwarded as it came.
         with contextlib.suppress(ValueError, RecursionError):
-            parsed = json.loads(body)
+            parsed = json.loads(ex.body)
             if isinstance(parsed, dict):
                 doc = parsed
                 streaming = parsed.get("stream") is True
-    # The target as it came (percent-encoding, query and all): the decoded path
-    # could hold bytes that are not Latin-1 or even CR LF, which the engine's
-    # request line must never see.
-    req = _Request(request.method, request.path, request.raw_path, headers, body, doc, streaming)
+    # The engine gets the target as it came (percent-encoding, query and all):
+    # the decoded path could hold bytes that are not Latin-1 or even CR LF,
+    # which the engine's request line must never see.
+    req = _Request(method, path, ex.target, headers, ex.body, doc, streaming, now)
     if doc is not None:
-        prefix = "chatcmpl" if request.path.endswith("chat/completions") else "cmpl"
+        prefix = "chatcmpl" if path.endswith("chat/completions") else "cmpl"
         req.request_id = f"{prefix}-{uuid.uuid4().hex}"
         req.created = int(time.time())
     return req
+
+
+def _path(target: bytes) -> str:
+    """The decoded path of a request-target, for matching and logs only."""
+    raw = target.split(b"?", 1)[0]
+    if not raw.startswith(b"/"):  # absolute-form (a proxy's), or "*"
+        with contextlib.suppress(httptools.HttpParserInvalidURLError):
+            raw = httptools.parse_url(target).path or b"/"
+    text = raw.decode("latin-1")
+    return unquote(text, errors="replace") if "%" in text else text
+
+
+def _headers(req: _Request, route: fsm.Route) -> list[tuple[bytes, bytes]]:
+    return [*req.headers, (EPOCH_HEADER, b"%d" % route.epoch)]
+
+
+def _not_active(r: upstream.Response) -> bool:
+    """The engine refused: not Active, draining, or another epoch."""
+    return r.status == 409 and r.header(NOT_ACTIVE_HEADER) is not None
 
 
 def _payload(req: _Request) -> bytes:
@@ -574,24 +672,18 @@ def _payload(req: _Request) -> bytes:
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
-def _answer(r: upstream.Response, payload: bytes) -> web.Response:
-    headers = {k: v for k, v in r.headers if k.lower() not in _HOP}
-    return web.Response(status=r.status, body=payload, headers=headers)
+def _relay(ex: downstream.Exchange, r: upstream.Response, payload: bytes) -> None:
+    """The engine's answer, to the client as it is (less the hop-by-hop headers)."""
+    headers = [(k, v) for k, v in r.headers if k.lower() not in _HOP]
+    length = None
+    if ex.method == b"HEAD":
+        declared = r.header(b"content-length")
+        length = int(declared) if declared is not None and declared.isdigit() else 0
+    ex.answer(r.status, headers, payload, content_length=length)
 
 
 def _text(status: int, text: str) -> web.Response:
     return web.Response(status=status, text=text + "\n")
-
-
-def _error(status: int, message: str, retry_after: int | None = None) -> web.Response:
-    """An error shaped like OpenAI's."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    return web.json_response(
-        {"error": {"message": message, "type": kind, "param": None, "code": status}},
-        status=status,
-        headers=headers,
-    )
 
 
 async def run(cfg: FrontConfig) -> None:

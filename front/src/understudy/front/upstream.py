@@ -1,10 +1,18 @@
 """A small HTTP/1.1 client for one engine's Unix socket, with kept-alive connections.
 
 The front forwards every request over one of these, so it is on every
-request's path: it does only what the engines' own server speaks (HTTP/1.1,
-``Content-Length`` or chunked bodies) and nothing else (no cookies, no
-redirects, no timers per request), which keeps the front's added latency
-small.
+request's path. It works at the asyncio Protocol level and parses answers
+with llhttp (httptools). Two ways in:
+
+- ``request`` (a coroutine): connect if no kept-alive connection is idle,
+  send, and wait for the answer's head;
+- ``send_idle`` (a plain call): send on an idle connection, if there is one,
+  and be called back (``Response.on_complete``) when the whole answer is in
+  or the attempt failed; no task or future. A caller that finds the answer
+  is not one it can relay can still ``await head()`` on it, as if it had
+  come from ``request``. It speaks only
+what an engine's server speaks (``Content-Length``, chunked, or until close)
+and nothing else (no cookies, no redirects, no timers per request).
 
 A kept-alive connection can be taken just as its engine exits. A request that
 fails on a reused connection before any byte of an answer came back is
@@ -16,16 +24,20 @@ either reaches the engine (the old connection had died idle) or finds none
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import cast
 
-_HEAD_LIMIT = 64 * 1024
-# aiohttp decodes a request's target and header values as UTF-8 with
-# surrogateescape, so encoding them back the same way forwards the client's
-# bytes exactly (Latin-1 failed on any other character: a 500 for a UTF-8
-# User-Agent).
-_HEAD_CODEC = ("utf-8", "surrogateescape")
+import httptools
+
+Headers = list[tuple[bytes, bytes]]
+
 _IDLE_MAX = 64  # kept-alive connections per engine
+# Stop reading an answer the client is slower to take than the engine is to
+# produce once this much of it waits in the front; read again below half.
+_BUFFER_HIGH = 1024 * 1024
+_NO_BODY = frozenset({204, 304})
+_FRAMING = (b"content-length", b"transfer-encoding")
 
 
 class UpstreamError(Exception):
@@ -44,75 +56,244 @@ class Broken(UpstreamError):
     """The connection died after the request was sent."""
 
 
-@dataclass
-class _Conn:
-    reader: asyncio.StreamReader
-    writer: asyncio.StreamWriter
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-@dataclass
 class Response:
-    status: int
-    headers: list[tuple[str, str]]
-    _conn: _Conn
-    _pool: Upstream
-    _length: int | None
-    _chunked: bool
-    _keep_alive: bool
-    _done: bool = field(default=False)
+    """One answer from the engine: its head at once, its body as it arrives."""
 
-    def header(self, name: str) -> str | None:
+    def __init__(self, conn: _Conn, head_only: bool, reused: bool) -> None:
+        self.status = 0
+        self.headers: Headers = []
+        self._conn = conn
+        self._head_only = head_only
+        self._reused = reused
+        self._got_bytes = False
+        self._keep_alive = False
+        self._until_close = False
+        self._chunks: deque[bytes] = deque()
+        self._buffered = 0
+        self._done = False
+        self._error: UpstreamError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._on_complete: Callable[[], None] | None = None
+
+    @property
+    def complete(self) -> bool:
+        """The whole answer is in (``body()`` has it)."""
+        return self._done
+
+    def on_complete(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once, when the whole answer is in or the attempt
+        failed (at once if that already happened)."""
+        if self._done or self._error is not None:
+            callback()
+        else:
+            self._on_complete = callback
+
+    def header(self, name: bytes) -> bytes | None:
         low = name.lower()
         return next((v for k, v in self.headers if k.lower() == low), None)
 
-    async def read(self) -> bytes:
-        return b"".join([c async for c in self.chunks()])
+    # ---------------------------------------------- fed by the connection --
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _ended(self) -> None:
+        self._wake()
+        callback, self._on_complete = self._on_complete, None
+        if callback is not None:
+            callback()
+
+    def _on_head(self, status: int, keep_alive: bool) -> None:
+        if 100 <= status < 200:
+            self.headers = []  # an interim answer: the real one follows
+            return
+        self.status = status
+        self._keep_alive = keep_alive
+        framed = any(k.lower() in _FRAMING for k, _ in self.headers)
+        self._until_close = not framed and status not in _NO_BODY
+        if self._head_only:
+            # A HEAD's answer has no body, whatever it says (RFC 9112 6.3); the
+            # parser cannot be told, so this connection is not used again.
+            self._keep_alive = False
+            self._finish()
+        self._wake()
+
+    def _on_body(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered > _BUFFER_HIGH:
+            self._conn.pause()
+        self._wake()
+
+    def _finish(self) -> None:
+        if self._done or self._error is not None:
+            return
+        self._done = True
+        self._conn.finished(self, self._keep_alive)
+        self._ended()
+
+    def _fail(self, error: UpstreamError) -> None:
+        if self._done or self._error is not None:
+            return
+        self._error = error
+        self._ended()
+
+    def _lost(self, exc: Exception | None) -> None:
+        if self._done or self._error is not None:
+            return
+        if self.status and self._until_close and exc is None:
+            self._finish()  # the engine ended the body by closing
+        elif not self._got_bytes and self._reused:
+            self._fail(Stale(f"connection closed before any answer ({exc!r})"))
+        elif not self.status:
+            self._fail(Broken(f"no answer: connection closed ({exc!r})"))
+        else:
+            self._fail(Broken(f"answer cut short: connection closed ({exc!r})"))
+
+    # ------------------------------------------------------ for the caller --
+
+    async def _wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    async def head(self) -> Response:
+        """Wait for the answer's head. Raises Stale or Broken."""
+        while not self.status:
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+        return self
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives; the connection goes back to the pool at its end."""
-        r = self._conn.reader
-        try:
-            if self._chunked:
-                while True:
-                    size_line = await r.readuntil(b"\r\n")
-                    size = int(size_line.split(b";", 1)[0], 16)
-                    if size == 0:
-                        while await r.readuntil(b"\r\n") != b"\r\n":
-                            pass  # trailers
-                        break
-                    data = await r.readexactly(size + 2)
-                    yield data[:-2]
-            elif self._length is not None:
-                left = self._length
-                while left:
-                    data = await r.read(min(left, 256 * 1024))
-                    if not data:
-                        raise asyncio.IncompleteReadError(b"", left)
-                    left -= len(data)
-                    yield data
-            else:  # until the engine closes
-                while data := await r.read(256 * 1024):
-                    yield data
-                self._keep_alive = False
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
-            self._conn.close()
-            self._done = True
-            raise Broken(f"answer cut short: {exc!r}") from None
-        except OSError as exc:
-            self._conn.close()
-            self._done = True
-            raise Broken(f"answer cut short: {exc!r}") from None
-        self._done = True
-        self._pool.release(self._conn, self._keep_alive)
+        while True:
+            while self._chunks:
+                data = self._chunks.popleft()
+                self._buffered -= len(data)
+                if self._buffered < _BUFFER_HIGH // 2:
+                    self._conn.resume()
+                yield data
+            if self._error is not None:
+                raise self._error
+            if self._done:
+                return
+            await self._wait()
+
+    async def read(self) -> bytes:
+        while not self._done:
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+        return self.body()
+
+    def body(self) -> bytes:
+        """The whole body of a complete answer."""
+        body = b"".join(self._chunks)
+        self._chunks.clear()
+        return body
 
     def close(self) -> None:
         """Give up on the rest of the answer (its connection is closed)."""
         if not self._done:
-            self._done = True
+            self._fail(Broken("given up"))
             self._conn.close()
+
+
+class _Conn(asyncio.Protocol):
+    """One connection to the engine; one request on it at a time."""
+
+    def __init__(self, pool: Upstream) -> None:
+        self._pool = pool
+        self._parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self._paused = False
+        self._resp: Response | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A stream transport (uvloop's are not asyncio.Transport subclasses).
+        self.transport = cast(asyncio.Transport, transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._pool.forget(self)
+        if self._resp is not None:
+            self._resp._lost(exc)
+
+    def send(self, resp: Response, data: bytes) -> None:
+        assert self.transport is not None and self._resp is None
+        self._resp = resp
+        if self.closed:  # it went away between its release and now
+            resp._lost(None)
+            return
+        self.transport.write(data)
+
+    def finished(self, resp: Response, keep_alive: bool) -> None:
+        if self._resp is resp:
+            self._resp = None
+        self.resume()
+        if keep_alive and not self.closed:
+            self._pool.release(self)
+        else:
+            self.close()
+
+    def pause(self) -> None:
+        if not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self._paused and self.transport is not None and not self.closed:
+            self._paused = False
+            self.transport.resume_reading()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        resp = self._resp
+        if resp is None:
+            self.close()  # bytes nobody asked for: the connection cannot be trusted
+            return
+        resp._got_bytes = True
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            resp._fail(Broken("the engine switched protocols"))
+            self.close()
+        except httptools.HttpParserError as exc:
+            resp._fail(Broken(f"not an HTTP answer: {exc}"))
+            self.close()
+
+    # llhttp's callbacks, for the answer in progress.
+
+    def on_message_begin(self) -> None:
+        if self._resp is not None:
+            self._resp.headers = []
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._resp is not None:
+            self._resp.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        if self._resp is not None:
+            p = self._parser
+            self._resp._on_head(p.get_status_code(), p.should_keep_alive())
+
+    def on_body(self, body: bytes) -> None:
+        if self._resp is not None:
+            self._resp._on_body(body)
+
+    def on_message_complete(self) -> None:
+        resp = self._resp
+        if resp is not None and resp.status:
+            resp._finish()
 
 
 class Upstream:
@@ -123,11 +304,15 @@ class Upstream:
         self._idle: list[_Conn] = []
         self.closed = False
 
-    def release(self, conn: _Conn, keep_alive: bool) -> None:
-        if keep_alive and not self.closed and len(self._idle) < _IDLE_MAX:
+    def release(self, conn: _Conn) -> None:
+        if not self.closed and len(self._idle) < _IDLE_MAX:
             self._idle.append(conn)
         else:
             conn.close()
+
+    def forget(self, conn: _Conn) -> None:
+        if conn in self._idle:
+            self._idle.remove(conn)
 
     def drop_idle(self) -> None:
         for conn in self._idle:
@@ -139,54 +324,42 @@ class Upstream:
         self.drop_idle()
 
     async def _connect(self) -> _Conn:
+        loop = asyncio.get_running_loop()
         try:
-            reader, writer = await asyncio.open_unix_connection(self.path, limit=_HEAD_LIMIT)
+            _, conn = await loop.create_unix_connection(lambda: _Conn(self), self.path)
         except OSError as exc:
             raise Unreachable(f"{self.path}: {exc.strerror or exc}") from None
-        return _Conn(reader, writer)
+        return conn
+
+    def send_idle(
+        self, method: bytes, target: bytes, headers: Headers, body: bytes
+    ) -> Response | None:
+        """Send one request on a kept-alive connection, or None if none is idle."""
+        if not self._idle:
+            return None
+        return self._send(self._idle.pop(), True, method, target, headers, body)
 
     async def request(
-        self, method: str, target: str, headers: list[tuple[str, str]], body: bytes
+        self, method: bytes, target: bytes, headers: Headers, body: bytes
     ) -> Response:
-        """Send one request and read the answer's head. Raises Unreachable,
+        """Send one request and wait for the answer's head. Raises Unreachable,
         Stale (retry on a new connection) or Broken."""
         reused = bool(self._idle)
         conn = self._idle.pop() if reused else await self._connect()
-        head = [f"{method} {target} HTTP/1.1", "Host: engine", f"Content-Length: {len(body)}"]
-        head += [f"{k}: {v}" for k, v in headers]
+        resp = self._send(conn, reused, method, target, headers, body)
         try:
-            conn.writer.write(("\r\n".join(head) + "\r\n\r\n").encode(*_HEAD_CODEC) + body)
-            await conn.writer.drain()
-            raw = await conn.reader.readuntil(b"\r\n\r\n")
-        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
-            conn.close()
-            if reused:
-                raise Stale(repr(exc)) from None
-            raise Broken(f"no answer: {exc!r}") from None
-        try:
-            return self._response(conn, raw, head_only=method == "HEAD")
-        except ValueError as exc:
-            conn.close()
-            raise Broken(f"not an HTTP answer: {exc}") from None
+            return await resp.head()
+        except BaseException:
+            conn.close()  # cancelled, or the engine is gone: this connection is done
+            raise
 
-    def _response(self, conn: _Conn, raw: bytes, head_only: bool) -> Response:
-        lines = raw[:-4].decode("latin-1").split("\r\n")
-        version, _, rest = lines[0].partition(" ")
-        if not version.startswith("HTTP/1."):
-            raise ValueError(lines[0][:80])
-        status = int(rest.split(" ", 1)[0])
-        headers = []
-        for line in lines[1:]:
-            name, sep, value = line.partition(":")
-            if not sep:
-                raise ValueError(f"bad header line {line[:80]!r}")
-            headers.append((name.strip(), value.strip()))
-        low = {k.lower(): v for k, v in headers}
-        chunked = "chunked" in low.get("transfer-encoding", "").lower()
-        length = None if chunked or "content-length" not in low else int(low["content-length"])
-        keep = low.get("connection", "").lower() != "close" and (chunked or length is not None)
-        # No body follows, whatever Content-Length says (RFC 9112 6.3): waiting
-        # for one hung a HEAD until the engine closed the connection.
-        if head_only or status in (204, 304) or (100 <= status < 200):
-            length, chunked = 0, False
-        return Response(status, headers, conn, self, length, chunked, keep)
+    def _send(
+        self, conn: _Conn, reused: bool, method: bytes, target: bytes, headers: Headers, body: bytes
+    ) -> Response:
+        head = [b"%s %s HTTP/1.1\r\nHost: engine\r\n" % (method, target)]
+        head.append(b"Content-Length: %d\r\n" % len(body))
+        head += [name + b": " + value + b"\r\n" for name, value in headers]
+        head.append(b"\r\n")
+        resp = Response(conn, head_only=method == b"HEAD", reused=reused)
+        conn.send(resp, b"".join(head) + body)
+        return resp

@@ -1,0 +1,542 @@
+"""The front door's HTTP/1.1 server: client connections, parsed by llhttp (httptools).
+
+The front sits on every request's path, so its own cost is latency every
+client pays. aiohttp's server (request objects, multidicts, URL parsing,
+routing, response machinery) cost the front more CPU per request than the
+engine behind it needs to answer a health check. This server does only what a
+relay needs, at the asyncio Protocol level:
+
+- a request's head and whole body in (``Exchange``), handed to the handler,
+  a plain function: it answers at once, later from a callback, or from a
+  task of its own (``Exchange.task``), so a request needs no task or future
+  unless it has to wait for something;
+- one answer out, whole (``Exchange.answer``) or as a chunked stream
+  (``open_stream``, ``send``, ``end_stream``) with write back-pressure; the
+  exchange is over when its answer is;
+- keep-alive, pipelining (answered in order, one at a time), HTTP/1.0;
+- ``Expect: 100-continue``; an ``Upgrade`` is ignored, as RFC 9110 allows;
+- limits, each refused with its own status and an OpenAI-style error, then
+  the connection closed: a malformed request (400), a request-target over
+  ``max_target`` (414), a head over ``max_head`` (431), a body over
+  ``max_body`` (413, before reading it when ``Content-Length`` says so), an
+  unknown expectation (417), a ``CONNECT`` (405), no whole request within
+  ``idle_s`` of the connection becoming idle (408, or a plain close when
+  nothing had arrived);
+- a client that closes its connection (a reset, or just its end: HTTP/1.1
+  clients do not half-close while they wait for an answer, and uvicorn and
+  aiohttp take it the same way) is gone: its request's task, if it has one,
+  is cancelled, so a request held for an engine stops waiting and a stream
+  stops being generated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from email.utils import formatdate
+from typing import cast
+
+import httptools
+
+from understudy.wire.obs import log_event
+
+log = logging.getLogger("understudy.front")
+
+Headers = list[tuple[bytes, bytes]]
+Handler = Callable[["Exchange"], None]
+
+_REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
+# Stop reading from a client that pipelined this many requests ahead of the
+# one being answered; read again as they are answered.
+_PIPELINE_MAX = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_body: int = 16 * 1024 * 1024  # a generous bound on prompts
+    max_target: int = 8 * 1024
+    max_head: int = 64 * 1024  # request line and headers together
+    # A kept-alive connection with no request for this long is closed; a
+    # request must arrive whole within it too (a client trickling bytes
+    # cannot hold a connection forever).
+    idle_s: float = 75.0
+
+
+def error_body(status: int, message: str) -> bytes:
+    """An error the way OpenAI's API shapes them."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    doc = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return json.dumps(doc).encode()
+
+
+JSON = (b"Content-Type", b"application/json; charset=utf-8")
+
+
+class ClientGone(ConnectionError):
+    """The client's connection is closed: its answer has nowhere to go."""
+
+
+class _Refused(Exception):
+    """Raised inside a parser callback to stop parsing: the request is refused."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+_date_second = -1
+_date_value = b""
+
+
+def _date() -> bytes:
+    """The Date header's value, formatted once a second."""
+    global _date_second, _date_value
+    now = int(time.time())
+    if now != _date_second:
+        _date_second, _date_value = now, formatdate(now, usegmt=True).encode()
+    return _date_value
+
+
+class Exchange:
+    """One request from a client, and the answer it gets."""
+
+    __slots__ = (
+        "_chunked",
+        "_conn",
+        "_ended",
+        "body",
+        "headers",
+        "keep_alive",
+        "method",
+        "status",
+        "target",
+        "task",
+        "version",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        conn: ClientConnection,
+        method: bytes,
+        target: bytes,
+        headers: Headers,
+        body: bytes,
+        version: str,
+        keep_alive: bool,
+    ) -> None:
+        self.method = method
+        self.target = target  # as the client sent it: percent-encoding, query and all
+        self.headers = headers
+        self.body = body
+        self.version = version
+        self.keep_alive = keep_alive
+        self.status = 0  # the answer's status, once its head went out
+        # The task answering this request, if it needed one: cancelled when
+        # the client goes away.
+        self.task: asyncio.Task[None] | None = None
+        self._conn = conn
+        self._chunked = False
+        self._ended = False
+
+    @property
+    def answered(self) -> bool:
+        """The answer's head went out: from now on only the stream can go on."""
+        return self.status != 0
+
+    @property
+    def ended(self) -> bool:
+        """The whole answer went out (or nothing more can)."""
+        return self._ended
+
+    def _head(self, status: int, headers: Headers, framing: bytes) -> bytes:
+        self.status = status
+        lines = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b""))]
+        lines += [name + b": " + value + b"\r\n" for name, value in headers]
+        if not any(name.lower() == b"date" for name, _ in headers):
+            lines.append(b"Date: " + _date() + b"\r\n")
+        if not self.keep_alive:
+            lines.append(b"Connection: close\r\n")
+        elif self.version == "1.0":  # kept alive only when said so
+            lines.append(b"Connection: keep-alive\r\n")
+        lines.append(framing)
+        return b"".join(lines)
+
+    def answer(
+        self, status: int, headers: Headers, body: bytes, content_length: int | None = None
+    ) -> None:
+        """The whole answer. ``content_length`` stands for the body a HEAD's answer
+        does not carry (the engine's own ``Content-Length``)."""
+        if self.answered:
+            raise RuntimeError("answered twice")
+        length = len(body) if content_length is None else content_length
+        head = self._head(status, headers, b"Content-Length: %d\r\n\r\n" % length)
+        self._ended = True
+        try:
+            self._conn.write(head if self.method == b"HEAD" else head + body)
+        finally:
+            self._conn.exchange_done(self)
+
+    def error(self, status: int, message: str, retry_after: int | None = None) -> None:
+        headers = [JSON]
+        if retry_after is not None:
+            headers.append((b"Retry-After", b"%d" % retry_after))
+        self.answer(status, headers, error_body(status, message))
+
+    def open_stream(self, status: int, headers: Headers) -> None:
+        """Begin an answer whose body follows in parts (``send``, ``end_stream``)."""
+        if self.answered:
+            raise RuntimeError("answered twice")
+        if self.method == b"HEAD":
+            self._conn.write(self._head(status, headers, b"\r\n"))
+            self.end_stream()
+        elif self.version == "1.1":
+            self._chunked = True
+            self._conn.write(self._head(status, headers, b"Transfer-Encoding: chunked\r\n\r\n"))
+        else:  # HTTP/1.0 has no chunks: the body ends with the connection
+            self.keep_alive = False
+            self._conn.write(self._head(status, headers, b"\r\n"))
+
+    async def send(self, data: bytes) -> None:
+        """One part of a streamed answer; waits while the client reads slower."""
+        if self._ended or not data:
+            return
+        if self._chunked:
+            data = b"%x\r\n%b\r\n" % (len(data), data)
+        await self._conn.write_and_drain(data)
+
+    def end_stream(self, last: bytes = b"") -> None:
+        """End a streamed answer, with ``last`` as its final part (not waited for)."""
+        if self._ended:
+            return
+        self._ended = True
+        try:
+            if self._chunked:
+                end = b"%x\r\n%b\r\n0\r\n\r\n" % (len(last), last) if last else b"0\r\n\r\n"
+                self._conn.write(end)
+            elif last:
+                self._conn.write(last)
+        finally:
+            self._conn.exchange_done(self)
+
+    def abort(self) -> None:
+        """End an answer that cannot be finished (a stream cut short by a bug):
+        closing the connection is the only way left to tell the client."""
+        self.keep_alive = False
+        self._ended = True
+        self._conn.exchange_done(self)
+
+
+class ClientConnection(asyncio.Protocol):
+    """One client's connection: parse requests, answer them one at a time, in order."""
+
+    def __init__(self, handler: Handler, limits: Limits, server: Server) -> None:
+        self._handler = handler
+        self._limits = limits
+        self._server = server
+        self._parser = httptools.HttpRequestParser(self)
+        self._transport: asyncio.Transport | None = None
+        self._loop = asyncio.get_running_loop()
+        self._queue: deque[Exchange] = deque()
+        self._active: Exchange | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._paused_reading = False
+        self._paused_writing = False
+        self._drained: asyncio.Future[None] | None = None
+        self._closed = False
+        self._refusal: _Refused | None = None
+        self._partial = False  # part of a request has arrived
+        self._expect_continue = False
+        self._upgrade = False
+        # The request being parsed.
+        self._target: list[bytes] = []
+        self._headers: Headers = []
+        self._head_size = 0
+        self._body: list[bytes] = []
+        self._body_size = 0
+
+    # ---------------------------------------------------------- transport --
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A stream transport (uvloop's are not asyncio.Transport subclasses).
+        self._transport = cast(asyncio.Transport, transport)
+        self._server.connections.add(self)
+        self._arm_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self._server.connections.discard(self)
+        self._cancel_timer()
+        self._queue.clear()
+        if self._active is not None and self._active.task is not None:
+            self._active.task.cancel()  # nobody is left to answer
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    def eof_received(self) -> bool:
+        return False  # the client is gone: close (connection_lost follows)
+
+    def pause_writing(self) -> None:
+        self._paused_writing = True
+
+    def resume_writing(self) -> None:
+        self._paused_writing = False
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    def write(self, data: bytes) -> None:
+        if self._closed or self._transport is None:
+            raise ClientGone("the client closed its connection")
+        self._transport.write(data)
+
+    async def write_and_drain(self, data: bytes) -> None:
+        self.write(data)
+        if self._paused_writing:
+            self._drained = self._loop.create_future()
+            await self._drained
+            if self._closed:
+                raise ClientGone("the client closed its connection")
+
+    def close(self) -> None:
+        if self._transport is not None and not self._closed:
+            self._transport.close()
+
+    # ------------------------------------------------------------- timers --
+
+    def _arm_timer(self) -> None:
+        self._cancel_timer()
+        self._timer = self._loop.call_later(self._limits.idle_s, self._idle_expired)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _idle_expired(self) -> None:
+        self._timer = None
+        if self._active is not None or self._queue:
+            return
+        if self._partial:
+            self._refuse(_Refused(408, f"the request did not arrive within {self._limits.idle_s}s"))
+        else:
+            self.close()
+
+    # -------------------------------------------------------------- input --
+
+    def data_received(self, data: bytes) -> None:
+        if self._refusal is not None:
+            return  # refused: the rest of what it sends is not read
+        try:
+            while True:
+                try:
+                    self._parser.feed_data(data)
+                    return
+                except httptools.HttpParserUpgrade as exc:
+                    # The request asked to switch protocols; it is answered
+                    # in HTTP/1.1 instead, and what follows is HTTP/1.1 again.
+                    data = data[int(exc.args[0]) :]
+                    if not data:
+                        return
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            if isinstance(cause, _Refused):
+                self._refuse(cause)
+            else:
+                log_event(log, "request_parse_bug", logging.ERROR, error=repr(cause))
+                self._refuse(_Refused(500, "the front failed to read the request"))
+        except httptools.HttpParserError as exc:
+            self._refuse(_Refused(400, f"malformed HTTP request: {exc}"))
+
+    def on_message_begin(self) -> None:
+        self._partial = True
+        self._target = []
+        self._headers = []
+        self._head_size = 0
+        self._body = []
+        self._body_size = 0
+        self._expect_continue = False
+        self._upgrade = False
+
+    def on_url(self, url: bytes) -> None:
+        self._target.append(url)
+        self._head_size += len(url)
+        if self._head_size > self._limits.max_target:
+            raise _Refused(414, f"request-target longer than {self._limits.max_target} bytes")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name, value))
+        self._head_size += len(name) + len(value) + 4
+        if self._head_size > self._limits.max_head:
+            raise _Refused(431, f"request head larger than {self._limits.max_head} bytes")
+
+    def on_headers_complete(self) -> None:
+        p = self._parser
+        length = 0
+        expect: bytes | None = None
+        for name, value in self._headers:
+            low = name.lower()
+            if low == b"content-length":
+                length = int(value)  # llhttp has checked it is a number
+            elif low == b"expect":
+                expect = value.strip().lower()
+        if p.get_method() == b"CONNECT":
+            raise _Refused(405, "CONNECT is not served here")
+        if p.should_upgrade():
+            self._upgrade = True
+            chunked = any(n.lower() == b"transfer-encoding" for n, _ in self._headers)
+            if length or chunked:
+                # llhttp hands a body after an Upgrade over as the new
+                # protocol's bytes: it cannot be read as this request's body.
+                raise _Refused(400, "an Upgrade request with a body is not served; send it without")
+        if length > self._limits.max_body:
+            raise _Refused(413, f"request body larger than {self._limits.max_body} bytes")
+        if expect is not None:
+            if expect != b"100-continue" or p.get_http_version() != "1.1":
+                raise _Refused(417, f"expectation not supported: {expect.decode('latin-1')}")
+            self._expect_continue = True
+            self._send_continue()
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+        self._body_size += len(body)
+        if self._body_size > self._limits.max_body:
+            raise _Refused(413, f"request body larger than {self._limits.max_body} bytes")
+
+    def on_message_complete(self) -> None:
+        p = self._parser
+        self._partial = False
+        self._expect_continue = False
+        ex = Exchange(
+            self,
+            p.get_method(),
+            b"".join(self._target),
+            self._headers,
+            b"".join(self._body),
+            p.get_http_version(),
+            p.should_keep_alive() and not self._upgrade,
+        )
+        self._queue.append(ex)
+        if self._active is None:
+            self._next()
+        elif len(self._queue) >= _PIPELINE_MAX and self._transport is not None:
+            self._transport.pause_reading()
+            self._paused_reading = True
+
+    def _send_continue(self) -> None:
+        # Only between answers: a 100 in the middle of another answer would
+        # corrupt it. A client that waits for it waits until then.
+        if self._expect_continue and self._active is None and not self._queue:
+            self._expect_continue = False
+            self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    # ----------------------------------------------------------- requests --
+
+    def _next(self) -> None:
+        """Answer the next request in line, or wait for one."""
+        if self._closed or self._active is not None:
+            return
+        if self._queue:
+            self._cancel_timer()
+            ex = self._queue.popleft()
+            if self._paused_reading and self._transport is not None:
+                self._paused_reading = False
+                self._transport.resume_reading()
+            self._active = ex
+            try:
+                self._handler(ex)
+            except Exception as exc:  # a bug: the client still gets an answer
+                log.exception("handler failed")
+                self._failed(ex, exc)
+            return
+        if self._refusal is not None:
+            self._answer_refusal(self._refusal)
+        else:
+            self._arm_timer()
+            self._send_continue()
+
+    def _failed(self, ex: Exchange, exc: Exception) -> None:
+        if ex.ended:
+            return
+        if ex.answered:
+            ex.abort()
+        else:
+            with contextlib.suppress(ClientGone):
+                ex.error(500, f"the front failed: {type(exc).__name__}")
+
+    def exchange_done(self, ex: Exchange) -> None:
+        """``ex``'s answer is out: the connection is free for the next request."""
+        if ex is not self._active:
+            return
+        self._active = None
+        if self._closed:
+            return
+        if not ex.keep_alive:
+            self._queue.clear()
+            self.close()
+        elif self._queue:
+            # Not from inside the answer's own call stack (it may be an
+            # upstream parser's callback).
+            self._loop.call_soon(self._next)
+        else:
+            self._next()
+
+    def _refuse(self, refusal: _Refused) -> None:
+        """Stop reading; answer the refusal once the requests before it are answered."""
+        self._refusal = refusal
+        if self._active is None and not self._queue:
+            self._answer_refusal(refusal)
+
+    def _answer_refusal(self, refusal: _Refused) -> None:
+        self._cancel_timer()
+        log_event(log, "request_refused", status=refusal.status, reason=refusal.message)
+        self._server.on_refused(refusal.status)
+        if self._closed:
+            return
+        ex = Exchange(self, b"", b"", [], b"", "1.1", keep_alive=False)
+        with contextlib.suppress(ClientGone):
+            ex.error(refusal.status, refusal.message)
+        self.close()
+
+
+class Server:
+    """A listening socket and its client connections."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        limits: Limits,
+        on_refused: Callable[[int], None] = lambda status: None,
+    ) -> None:
+        self.handler = handler
+        self.limits = limits
+        self.on_refused = on_refused
+        self.connections: set[ClientConnection] = set()
+        self._servers: list[asyncio.Server] = []
+
+    async def listen(self, host: str, port: int) -> int:
+        """Listen on ``host:port`` (0: any free port); returns the port."""
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(
+            lambda: ClientConnection(self.handler, self.limits, self),
+            host,
+            port,
+            reuse_address=True,
+            backlog=1024,
+        )
+        self._servers.append(server)
+        bound: int = server.sockets[0].getsockname()[1]
+        return bound
+
+    def close(self) -> None:
+        """Stop accepting, and close every connection (in-flight work is cancelled)."""
+        for server in self._servers:
+            server.close()
+        for conn in list(self.connections):
+            conn.close()
