@@ -6,23 +6,35 @@ sends the request straight to the Active engine's Unix socket (with its
 epoch, as the front does); "front" sends it to the pod's serving port. Each
 client keeps one HTTP/1.1 connection alive and sends requests back to back.
 
-    python bench/front_overhead.py [--requests 2000] [--concurrency 8]
+Direct and front alternate in ``--rounds`` rounds of ``--requests`` each, so
+a drift of the machine (another process waking, the CPU's clock) lands on
+both alike. The added latency is reported per round (front p50 minus direct
+p50 of that round; the median round is the headline) and pooled. The
+front's CPU time per request (user and system, from /proc) is what the added
+latency is mostly made of on a machine with two cores.
+
+    python bench/front_overhead.py [--requests 1000] [--rounds 5] [--concurrency 8]
 """
 
 from __future__ import annotations
 
 import argparse
 import http.client
+import os
 import socket
+import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _common import print_table, summary, write_results
 from localpod import LocalPod, http_json
+
+Make = Callable[[], http.client.HTTPConnection]
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):
@@ -35,8 +47,8 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         self.sock.connect(self.path)
 
 
-def run(make: object, path: str, body: bytes, headers: dict[str, str], n: int) -> list[float]:
-    conn = make()  # type: ignore[operator]
+def run(make: Make, path: str, body: bytes, headers: dict[str, str], n: int) -> list[float]:
+    conn = make()
     out = []
     for _ in range(n):
         t0 = time.perf_counter()
@@ -50,7 +62,7 @@ def run(make: object, path: str, body: bytes, headers: dict[str, str], n: int) -
 
 
 def throughput(
-    make: object, path: str, body: bytes, headers: dict[str, str], n: int, c: int
+    make: Make, path: str, body: bytes, headers: dict[str, str], n: int, c: int
 ) -> float:
     threads = [
         threading.Thread(target=run, args=(make, path, body, headers, n // c)) for _ in range(c)
@@ -63,9 +75,17 @@ def throughput(
     return (n // c) * c / (time.perf_counter() - t0)
 
 
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """A process's user and system CPU time so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--requests", type=int, default=1000, help="per round and side")
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -73,6 +93,7 @@ def main() -> int:
     try:
         active = pod.wait_armed(120)
         sock = active["serving_socket"]
+        front_pid = pod.pid("front")
         epoch = {"X-Understudy-Epoch": str(active["epoch"])}
         json_h = {"Content-Type": "application/json"}
 
@@ -87,45 +108,73 @@ def main() -> int:
             "POST /v1/checksum": ("/v1/checksum", b"{}", json_h),
         }
         rows: dict[str, dict[str, float]] = {}
-        results: dict[str, object] = {}
+        results: dict[str, dict[str, object]] = {}
         for name, (path, body, headers) in cases.items():
-            run(direct, path, body, {**headers, **epoch}, 200)  # warm both
+            with_epoch = {**headers, **epoch}
+            run(direct, path, body, with_epoch, 200)  # warm both
             run(front, path, body, headers, 200)
-            d = run(direct, path, body, {**headers, **epoch}, args.requests)
-            f = run(front, path, body, headers, args.requests)
-            rows[f"{name} direct"] = summary(d)
-            rows[f"{name} front"] = summary(f)
-            tput_d = throughput(
-                direct, path, body, {**headers, **epoch}, args.requests, args.concurrency
-            )
-            tput_f = throughput(front, path, body, headers, args.requests, args.concurrency)
-            added = {
-                q: rows[f"{name} front"][q] - rows[f"{name} direct"][q] for q in ("p50", "p99")
-            }
+            d_all: list[float] = []
+            f_all: list[float] = []
+            added: list[float] = []
+            user = system = 0.0
+            tput_d: list[float] = []
+            tput_f: list[float] = []
+            for _ in range(args.rounds):
+                d = run(direct, path, body, with_epoch, args.requests)
+                u0, s0 = cpu_seconds(front_pid)
+                f = run(front, path, body, headers, args.requests)
+                u1, s1 = cpu_seconds(front_pid)
+                user, system = user + u1 - u0, system + s1 - s0
+                added.append(statistics.median(f) - statistics.median(d))
+                d_all += d
+                f_all += f
+                tput_d.append(
+                    throughput(direct, path, body, with_epoch, args.requests, args.concurrency)
+                )
+                tput_f.append(
+                    throughput(front, path, body, headers, args.requests, args.concurrency)
+                )
+            rows[f"{name} direct"] = summary(d_all)
+            rows[f"{name} front"] = summary(f_all)
+            served = args.rounds * args.requests
+            d_sum, f_sum = rows[f"{name} direct"], rows[f"{name} front"]
             results[name] = {
-                "direct_s": rows[f"{name} direct"],
-                "front_s": rows[f"{name} front"],
-                "added_p50_ms": added["p50"] * 1000,
-                "added_p99_ms": added["p99"] * 1000,
-                "throughput_direct_rps": tput_d,
-                "throughput_front_rps": tput_f,
-                "throughput_ratio": tput_f / tput_d,
+                "direct_s": d_sum,
+                "front_s": f_sum,
+                "added_p50_ms": statistics.median(added) * 1000,
+                "added_p50_ms_rounds": [a * 1000 for a in added],
+                "added_p50_ms_pooled": (f_sum["p50"] - d_sum["p50"]) * 1000,
+                "added_p99_ms_pooled": (f_sum["p99"] - d_sum["p99"]) * 1000,
+                "front_cpu_us_per_request": {
+                    "user": user / served * 1e6,
+                    "system": system / served * 1e6,
+                },
+                "throughput_direct_rps": statistics.fmean(tput_d),
+                "throughput_front_rps": statistics.fmean(tput_f),
+                "throughput_ratio": statistics.fmean(tput_f) / statistics.fmean(tput_d),
             }
-        print_table("sequential latency, one keep-alive connection", rows)
+        print_table(
+            f"sequential latency, one keep-alive connection, {args.rounds} interleaved rounds", rows
+        )
         print()
         for name, r in results.items():
-            assert isinstance(r, dict)
+            rounds = r["added_p50_ms_rounds"]
+            cpu = r["front_cpu_us_per_request"]
+            assert isinstance(rounds, list) and isinstance(cpu, dict)
             print(
-                f"{name:20} front adds p50 {r['added_p50_ms']:.3f} ms, "
-                f"p99 {r['added_p99_ms']:.3f} ms; "
-                f"throughput x{args.concurrency}: direct {r['throughput_direct_rps']:.0f}/s, "
-                f"front {r['throughput_front_rps']:.0f}/s (ratio {r['throughput_ratio']:.2f})"
+                f"{name:18} front adds p50 {r['added_p50_ms']:.3f} ms (median round; rounds "
+                f"{min(rounds):.3f}-{max(rounds):.3f}; pooled {r['added_p50_ms_pooled']:.3f}), "
+                f"p99 {r['added_p99_ms_pooled']:.3f} ms pooled; front CPU {cpu['user']:.0f} us "
+                f"user + {cpu['system']:.0f} us system per request; throughput "
+                f"x{args.concurrency}: direct {r['throughput_direct_rps']:.0f}/s, front "
+                f"{r['throughput_front_rps']:.0f}/s (ratio {r['throughput_ratio']:.2f})"
             )
         metrics = http_json(pod.front_port, "/state")[1]
         write_results(
             "front_overhead",
             {
-                "requests": args.requests,
+                "requests_per_round": args.requests,
+                "rounds": args.rounds,
                 "concurrency": args.concurrency,
                 "cases": results,
                 "front_state": metrics,
