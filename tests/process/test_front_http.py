@@ -35,8 +35,11 @@ App = Callable[[downstream.Exchange], None]
 
 
 @contextlib.asynccontextmanager
-async def serving(app: App, **limits: float) -> AsyncIterator[int]:
-    server = downstream.Server(app, downstream.Limits(**limits))  # type: ignore[arg-type]
+async def serving(
+    app: App, refused: list[int] | None = None, **limits: float
+) -> AsyncIterator[int]:
+    record = refused.append if refused is not None else (lambda status: None)
+    server = downstream.Server(app, downstream.Limits(**limits), record)  # type: ignore[arg-type]
     port = await server.listen("127.0.0.1", 0)
     try:
         yield port
@@ -120,6 +123,28 @@ async def test_http_1_0_is_answered_and_closed_unless_kept_alive() -> None:
         assert [a[1]["connection"] for a in answers] == ["keep-alive", "keep-alive"]
 
 
+async def test_nothing_after_a_connection_close_request_is_served() -> None:
+    """Nor refused: what follows such a request is not one (it was counted,
+    and a 400 written into the closing connection)."""
+    served: list[bytes] = []
+    refused: list[int] = []
+
+    def app(ex: downstream.Exchange) -> None:
+        served.append(ex.target)
+        echo(ex)
+
+    async with serving(app, refused) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"GET /1 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            b"GET /2 HTTP/1.1\r\nHost: x\r\n\r\n"
+        )
+        everything = await asyncio.wait_for(reader.read(), 3)  # to the server's close
+        writer.close()
+    assert everything.count(b"HTTP/1.1 200") == 1 and b"Connection: close" in everything
+    assert served == [b"/1"] and refused == []
+
+
 async def test_expect_100_continue_gets_its_interim_answer_before_the_body() -> None:
     async with serving(echo) as port:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -167,9 +192,10 @@ async def test_a_chunked_request_body_reaches_the_handler_whole() -> None:
 async def test_requests_past_a_limit_get_their_status_and_a_reason(
     request_bytes: bytes, status: int, words: str
 ) -> None:
-    async with serving(echo, max_body=100, max_target=256, max_head=512) as port:
+    refused: list[int] = []
+    async with serving(echo, refused, max_body=100, max_target=256, max_head=512) as port:
         [(got, headers, body)] = await exchange(port, request_bytes)
-        assert got == status
+        assert got == status and refused == [status]
         assert headers["connection"] == "close"
         error = json.loads(body)["error"]
         assert words in error["message"] and error["code"] == status

@@ -26,6 +26,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         migration_limit=args.migration_limit,
         hang_after_s=args.hang_after,
         drain_s=args.drain,
+        idle_s=args.idle_timeout,
     )
     # uvloop: the loop and its transports in C. The front's own CPU is most
     # of the latency it adds to a request (bench/front_overhead.py), and
@@ -67,5 +68,11 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     )
     serve.add_argument(
         "--drain", type=_positive, default=25.0, help="on SIGTERM, seconds to finish in-flight"
+    )
+    serve.add_argument(
+        "--idle-timeout",
+        type=_positive,
+        default=75.0,
+        help="seconds a client connection may stay idle, or take to send a request",
     )
     serve.set_defaults(func=cmd_serve)

@@ -22,5 +22,9 @@ class FrontConfig:
     beat_check_s: float = 0.1
     # Request bodies larger than this get 413 (a generous bound on prompts).
     max_body: int = 16 * 1024 * 1024
+    # A client connection with no request for this long is closed, and a
+    # request must arrive whole within it (408 otherwise). nginx and aiohttp
+    # keep idle connections 75 s.
+    idle_s: float = 75.0
     # On SIGTERM, finish in-flight requests for at most this long.
     drain_s: float = 25.0

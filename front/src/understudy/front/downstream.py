@@ -306,7 +306,11 @@ class ClientConnection(asyncio.Protocol):
 
     def close(self) -> None:
         if self._transport is not None and not self._closed:
-            self._transport.close()
+            self._transport.close()  # what was written still goes out
+        # Nothing more is read, served or written from now on (requests
+        # pipelined behind a "Connection: close" answer included).
+        self._closed = True
+        self._queue.clear()
 
     # ------------------------------------------------------------- timers --
 
@@ -331,8 +335,8 @@ class ClientConnection(asyncio.Protocol):
     # -------------------------------------------------------------- input --
 
     def data_received(self, data: bytes) -> None:
-        if self._refusal is not None:
-            return  # refused: the rest of what it sends is not read
+        if self._refusal is not None or self._closed:
+            return  # refused or closing: the rest of what it sends is not read
         try:
             while True:
                 try:
@@ -352,6 +356,8 @@ class ClientConnection(asyncio.Protocol):
                 log_event(log, "request_parse_bug", logging.ERROR, error=repr(cause))
                 self._refuse(_Refused(500, "the front failed to read the request"))
         except httptools.HttpParserError as exc:
+            if self._closed:
+                return  # bytes after a "Connection: close" request: not a request at all
             self._refuse(_Refused(400, f"malformed HTTP request: {exc}"))
 
     def on_message_begin(self) -> None:
@@ -412,6 +418,8 @@ class ClientConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         p = self._parser
         self._partial = False
+        if self._closed:
+            return
         self._expect_continue = False
         ex = Exchange(
             self,

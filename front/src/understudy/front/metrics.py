@@ -20,7 +20,8 @@ class FrontMetrics:
         self.registry = r
         self.requests = prom.Counter(
             "understudy_front_requests_total",
-            "Requests answered by the front, by HTTP status class",
+            "Requests answered by the front, by HTTP status class (a client that left "
+            "before its answer began: 4xx)",
             ["code"],
             registry=r,
         )

@@ -111,7 +111,7 @@ class Front:
         self._tasks: list[asyncio.Task[None]] = []
         self._runners: list[web.AppRunner] = []
         self._server = downstream.Server(
-            self.handle, downstream.Limits(max_body=cfg.max_body), self._refused
+            self.handle, downstream.Limits(max_body=cfg.max_body, idle_s=cfg.idle_s), self._refused
         )
         codes = ("2xx", "3xx", "4xx", "5xx")
         self._codes = {c: self.metrics.requests.labels(code=c) for c in codes}
