@@ -304,6 +304,10 @@ class ClientConnection(asyncio.Protocol):
             if self._closed:
                 raise ClientGone("the client closed its connection")
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         if self._transport is not None and not self._closed:
             self._transport.close()  # what was written still goes out
@@ -356,7 +360,7 @@ class ClientConnection(asyncio.Protocol):
                 log_event(log, "request_parse_bug", logging.ERROR, error=repr(cause))
                 self._refuse(_Refused(500, "the front failed to read the request"))
         except httptools.HttpParserError as exc:
-            if self._closed:
+            if self.closed:  # (a callback of this very feed may have closed it)
                 return  # bytes after a "Connection: close" request: not a request at all
             self._refuse(_Refused(400, f"malformed HTTP request: {exc}"))
 
