@@ -207,6 +207,46 @@ def test_hold_expiry_answers_503_with_retry_after(tmp_path):
         subprocess.run(["rm", "-rf", str(run)], check=False)
 
 
+def test_a_held_request_whose_client_leaves_is_let_go(tmp_path):
+    """A request held for an engine that never comes, whose client gives up:
+    it stops being held and in flight at once (its task is cancelled), and
+    counts as a 4xx, the client's doing; not at the end of the hold."""
+    run = Path(tempfile.mkdtemp(prefix="us-", dir="/dev/shm"))
+    port = free_port_block(4)
+    lock = Proc(
+        understudy("lockserver", "serve", "--socket", str(run / "lock.sock"),
+                   "--state-file", str(run / "lock.state")),
+        log=tmp_path / "lock.log",
+    )  # fmt: skip
+    front = Proc(
+        understudy("front", "serve", "--run-dir", str(run), "--port", str(port),
+                   "--status-port", str(port + 1), "--hold", "60"),
+        log=tmp_path / "front.log",
+    )  # fmt: skip
+    try:
+        wait_for(lambda: _answers(port + 1), 20, what="front up")
+        for body in (b'{"prompt": "hi"}', b'{"prompt": "hi", "stream": true}'):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                s.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+                )
+                wait_for(lambda: http_json(port + 1, "/state")[1]["held"] == 1, 5, what="held")
+            # The client is gone: nothing holds its request any more.
+            wait_for(lambda: _idle(port + 1), 5, what="the request let go")
+        text = http_json(port + 1, "/metrics")[1]
+        assert 'understudy_front_requests_total{code="4xx"} 2.0' in text, text
+    finally:
+        front.stop()
+        lock.stop()
+        subprocess.run(["rm", "-rf", str(run)], check=False)
+
+
+def _idle(status_port: int) -> bool:
+    view = http_json(status_port, "/state")[1]
+    return view["held"] == 0 and view["inflight"] == 0
+
+
 def _answers(port: int) -> bool:
     try:
         return http_json(port, "/live", timeout=0.5)[0] == 200

@@ -323,23 +323,24 @@ class Front:
             ex.task = asyncio.create_task(self._serve_task(req, ex, None))
         except Exception as exc:  # a bug: the client still gets an answer
             self._failed(req, ex, exc)
+            self._done(req, ex)
 
     def _answered(
         self, req: _Request, ex: downstream.Exchange, route: fsm.Route, sent: upstream.Response
     ) -> None:
         """The fast path's attempt ended: relay the answer, or hand the request,
         with this attempt, to ``_serve``."""
+        if not sent.complete or _not_active(sent):
+            ex.task = asyncio.create_task(self._serve_task(req, ex, (route, sent)))
+            return
         try:
-            if sent.complete and not _not_active(sent):
-                self.feed(fsm.Served(route.engine_id))
-                _relay(ex, sent, sent.body())
-                self._done(req, ex)
-            else:
-                ex.task = asyncio.create_task(self._serve_task(req, ex, (route, sent)))
+            self.feed(fsm.Served(route.engine_id))
+            _relay(ex, sent, sent.body())
         except downstream.ClientGone:
-            self._done(req, ex)
+            pass
         except Exception as exc:  # a bug: the client still gets an answer
             self._failed(req, ex, exc)
+        self._done(req, ex)
 
     async def _serve_task(self, req: _Request, ex: downstream.Exchange, sent: _Sent | None) -> None:
         try:
@@ -348,8 +349,8 @@ class Front:
             pass
         except Exception as exc:  # a bug: the client still gets an answer
             self._failed(req, ex, exc)
-            return
-        self._done(req, ex)
+        finally:  # cancelled too: its client went away
+            self._done(req, ex)
 
     def _failed(self, req: _Request, ex: downstream.Exchange, exc: Exception) -> None:
         log.error("serving %s failed", req.path, exc_info=exc)
@@ -358,7 +359,6 @@ class Front:
                 ex.abort()  # a stream cut short: only closing can say so
             else:
                 ex.error(500, f"the front failed: {type(exc).__name__}")
-        self._done(req, ex)
 
     def _done(self, req: _Request, ex: downstream.Exchange) -> None:
         self._inflight -= 1
