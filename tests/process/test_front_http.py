@@ -358,6 +358,7 @@ def answers(*replies: bytes | None) -> Answer:
 
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
 
 
 async def test_no_engine_is_unreachable(tmp_path: Path) -> None:
@@ -371,7 +372,7 @@ async def test_no_engine_is_unreachable(tmp_path: Path) -> None:
     [
         (OK, b"ok"),
         (
-            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n1\r\n!\r\n0\r\n\r\n",
+            CHUNKED + b"2\r\nok\r\n1\r\n!\r\n0\r\n\r\n",
             b"ok!",
         ),
         (b"HTTP/1.1 100 Continue\r\n\r\n" + OK, b"ok"),
@@ -385,6 +386,51 @@ async def test_every_body_framing_is_read_whole(tmp_path: Path, reply: bytes, bo
         r = await up.request(b"GET", b"/", [(b"X-A", b"1")], b"")
         assert r.status in (200, 204)
         assert await r.read() == body
+
+
+async def test_a_large_answer_is_read_whole_both_ways(tmp_path: Path) -> None:
+    """Back-pressure is for streams a client reads slowly: an answer read whole
+    (a big embeddings batch) must not stop at the read buffer's mark (it did,
+    and waited forever)."""
+    big = b"e" * (5 * 1024 * 1024)
+    reply = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%b" % (len(big), big)
+    async with engine(tmp_path, answers(reply, reply)) as path:
+        up = upstream.Upstream(path)
+        r = await asyncio.wait_for(up.request(b"GET", b"/", [], b""), 5)
+        assert await asyncio.wait_for(r.read(), 5) == big
+        done = asyncio.Event()
+        sent = up.send_idle(b"GET", b"/", [], b"")
+        assert sent is not None
+        sent.on_complete(done.set)
+        await asyncio.wait_for(done.wait(), 5)
+        assert sent.body() == big
+
+
+async def test_a_streamed_answer_read_slowly_holds_the_engine_back(tmp_path: Path) -> None:
+    written = 0
+    part = b"s" * 65536
+
+    async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal written
+        await read_request(reader)
+        writer.write(CHUNKED)
+        for _ in range(512):  # 32 MiB
+            writer.write(b"%x\r\n%b\r\n" % (len(part), part))
+            await writer.drain()
+            written += len(part)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    async with engine(tmp_path, stream) as path:
+        r = await upstream.Upstream(path).request(b"GET", b"/", [], b"")
+        parts = r.chunks()
+        total = len(await anext(parts))
+        await asyncio.sleep(0.5)  # a slow client
+        assert written < 16 * 1024 * 1024, written  # the engine waits, not the front's memory
+        async for data in parts:
+            total += len(data)
+        assert total == 512 * len(part)
 
 
 async def test_a_kept_alive_connection_is_reused_and_a_dead_one_is_stale(tmp_path: Path) -> None:

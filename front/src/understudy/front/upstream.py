@@ -33,8 +33,9 @@ import httptools
 Headers = list[tuple[bytes, bytes]]
 
 _IDLE_MAX = 64  # kept-alive connections per engine
-# Stop reading an answer the client is slower to take than the engine is to
-# produce once this much of it waits in the front; read again below half.
+# Stop reading a streamed answer (``chunks``) the client is slower to take
+# than the engine is to produce once this much of it waits in the front; read
+# again below half. An answer read whole is read whole, whatever its size.
 _BUFFER_HIGH = 1024 * 1024
 _NO_BODY = frozenset({204, 304})
 _FRAMING = (b"content-length", b"transfer-encoding")
@@ -70,6 +71,7 @@ class Response:
         self._until_close = False
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
+        self._streamed = False  # read part by part (chunks): back-pressure applies
         self._done = False
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future[None] | None = None
@@ -123,7 +125,7 @@ class Response:
     def _on_body(self, data: bytes) -> None:
         self._chunks.append(data)
         self._buffered += len(data)
-        if self._buffered > _BUFFER_HIGH:
+        if self._streamed and self._buffered > _BUFFER_HIGH:
             self._conn.pause()
         self._wake()
 
@@ -171,6 +173,7 @@ class Response:
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives; the connection goes back to the pool at its end."""
+        self._streamed = True
         while True:
             while self._chunks:
                 data = self._chunks.popleft()
