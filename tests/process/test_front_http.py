@@ -444,6 +444,17 @@ async def test_a_kept_alive_connection_is_reused_and_a_dead_one_is_stale(tmp_pat
             await up.request(b"GET", b"/", [], b"")
 
 
+async def test_a_connection_the_engine_closed_while_idle_is_not_taken_again(
+    tmp_path: Path,
+) -> None:
+    async with engine(tmp_path, answers(OK)) as path:  # one answer, then it closes
+        up = upstream.Upstream(path)
+        assert await (await up.request(b"GET", b"/", [], b"")).read() == b"ok"
+        await asyncio.sleep(0.1)  # its end arrives
+        assert up.send_idle(b"GET", b"/", [], b"") is None  # no dead connection kept
+        assert await (await up.request(b"GET", b"/", [], b"")).read() == b"ok"  # a new one
+
+
 async def test_a_new_connection_closed_without_an_answer_is_broken(tmp_path: Path) -> None:
     async with engine(tmp_path, answers(None)) as path:
         with pytest.raises(upstream.Broken):

@@ -292,9 +292,12 @@ class ClientConnection(asyncio.Protocol):
             self._drained.set_result(None)
 
     def write(self, data: bytes) -> None:
-        if self._closed or self._transport is None:
+        if self._closed or self._transport is None or self._transport.is_closing():
             raise ClientGone("the client closed its connection")
-        self._transport.write(data)
+        try:
+            self._transport.write(data)
+        except (OSError, RuntimeError) as exc:  # uvloop: closed before we were told
+            raise ClientGone(f"the client's connection failed: {exc}") from None
 
     async def write_and_drain(self, data: bytes) -> None:
         self.write(data)

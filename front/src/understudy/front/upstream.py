@@ -228,13 +228,20 @@ class _Conn(asyncio.Protocol):
         if self._resp is not None:
             self._resp._lost(exc)
 
+    def eof_received(self) -> bool:
+        self._pool.forget(self)  # not to be taken for a request from now on
+        return False  # close; connection_lost tells the answer in progress, if any
+
     def send(self, resp: Response, data: bytes) -> None:
         assert self.transport is not None and self._resp is None
         self._resp = resp
-        if self.closed:  # it went away between its release and now
+        if self.closed or self.transport.is_closing():  # it went away since its release
             resp._lost(None)
             return
-        self.transport.write(data)
+        try:
+            self.transport.write(data)
+        except (OSError, RuntimeError) as exc:  # uvloop: a transport closed under us
+            resp._lost(exc)
 
     def finished(self, resp: Response, keep_alive: bool) -> None:
         if self._resp is resp:
