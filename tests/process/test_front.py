@@ -8,6 +8,7 @@ test needs; real signals to real processes.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import http.client
 import json
 import os
@@ -16,6 +17,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -174,8 +176,9 @@ def test_the_front_restarting_costs_only_its_own_restart(pod):
     print(f"front restart: serving again {down * 1000:.0f} ms after its kill -9")
 
 
-def test_hold_expiry_answers_503_with_retry_after(tmp_path):
-    """No engine at all: a request waits the whole hold, then is told why."""
+@contextlib.contextmanager
+def front_without_engines(tmp_path: Path, hold: float) -> Iterator[int]:
+    """A lock server and a front, and no engine ever: the front's port."""
     run = Path(tempfile.mkdtemp(prefix="us-", dir="/dev/shm"))
     port = free_port_block(4)
     lock = Proc(
@@ -185,11 +188,21 @@ def test_hold_expiry_answers_503_with_retry_after(tmp_path):
     )  # fmt: skip
     front = Proc(
         understudy("front", "serve", "--run-dir", str(run), "--port", str(port),
-                   "--status-port", str(port + 1), "--hold", "1"),
+                   "--status-port", str(port + 1), "--hold", str(hold)),
         log=tmp_path / "front.log",
     )  # fmt: skip
     try:
         wait_for(lambda: _answers(port + 1), 20, what="front up")
+        yield port
+    finally:
+        front.stop()
+        lock.stop()
+        subprocess.run(["rm", "-rf", str(run)], check=False)
+
+
+def test_hold_expiry_answers_503_with_retry_after(tmp_path):
+    """No engine at all: a request waits the whole hold, then is told why."""
+    with front_without_engines(tmp_path, hold=1) as port:
         assert http_json(port + 1, "/ready")[0] == 503  # never had an engine
         t0 = time.monotonic()
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
@@ -201,30 +214,13 @@ def test_hold_expiry_answers_503_with_retry_after(tmp_path):
         assert body["error"]["type"] == "server_error"
         assert "within the hold of 1.0s" in body["error"]["message"]
         assert 0.9 < time.monotonic() - t0 < 3
-    finally:
-        front.stop()
-        lock.stop()
-        subprocess.run(["rm", "-rf", str(run)], check=False)
 
 
 def test_a_held_request_whose_client_leaves_is_let_go(tmp_path):
     """A request held for an engine that never comes, whose client gives up:
     it stops being held and in flight at once (its task is cancelled), and
     counts as a 4xx, the client's doing; not at the end of the hold."""
-    run = Path(tempfile.mkdtemp(prefix="us-", dir="/dev/shm"))
-    port = free_port_block(4)
-    lock = Proc(
-        understudy("lockserver", "serve", "--socket", str(run / "lock.sock"),
-                   "--state-file", str(run / "lock.state")),
-        log=tmp_path / "lock.log",
-    )  # fmt: skip
-    front = Proc(
-        understudy("front", "serve", "--run-dir", str(run), "--port", str(port),
-                   "--status-port", str(port + 1), "--hold", "60"),
-        log=tmp_path / "front.log",
-    )  # fmt: skip
-    try:
-        wait_for(lambda: _answers(port + 1), 20, what="front up")
+    with front_without_engines(tmp_path, hold=60) as port:
         for body in (b'{"prompt": "hi"}', b'{"prompt": "hi", "stream": true}'):
             with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
                 s.sendall(
@@ -236,10 +232,6 @@ def test_a_held_request_whose_client_leaves_is_let_go(tmp_path):
             wait_for(lambda: _idle(port + 1), 5, what="the request let go")
         text = http_json(port + 1, "/metrics")[1]
         assert 'understudy_front_requests_total{code="4xx"} 2.0' in text, text
-    finally:
-        front.stop()
-        lock.stop()
-        subprocess.run(["rm", "-rf", str(run)], check=False)
 
 
 def _idle(status_port: int) -> bool:
