@@ -137,23 +137,27 @@ def _any_cluster(config: pytest.Config, k8s_manager: Any) -> Cluster | None:
     if provider and provider.lower() != "external":
         manager.create()
     path = Path(manager.kubeconfig).absolute()
-    env = {**os.environ, "KUBECONFIG": str(path)}
-    nodes = json.loads(
-        subprocess.run(
-            ["kubectl", "get", "nodes", "-o", "json"],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=60,
-        ).stdout
-    )
     image = config.getoption("understudy_image")
     ours = (CLUSTER_DIR / "admin.kubeconfig").exists() and (
         path.resolve() == (CLUSTER_DIR / "admin.kubeconfig").resolve()
     )
-    if ours:
-        env = {**_read_env_file(CLUSTER_DIR / "env"), "KUBECONFIG": str(path)}
+    # hack/cluster's own cluster is asked with its own kubectl (its env file
+    # puts it first on PATH), not whatever kubectl the machine has: one here
+    # is a cloud SDK's dispatcher that picks a build by the server's version
+    # and failed once on its first call.
+    env = {**(_read_env_file(CLUSTER_DIR / "env") if ours else os.environ), "KUBECONFIG": str(path)}
+    got = subprocess.run(
+        ["kubectl", "get", "nodes", "-o", "json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if got.returncode != 0:
+        raise RuntimeError(
+            f"kubectl get nodes ({path}): exit {got.returncode}: {got.stderr[-2000:]}"
+        )
+    nodes = json.loads(got.stdout)
     return Cluster(
         kubeconfig=path,
         cluster_dir=CLUSTER_DIR,
