@@ -14,8 +14,9 @@ it what to do:
   under it is sent again to the next (migration): replayed whole, or, for a
   stream that already sent tokens, continued after them.
 
-The status endpoints (``/live``, ``/ready``, ``/metrics``, ...) are on their
-own port, served by aiohttp: they are not on a request's path.
+What a request becomes on its way to an engine, and back, is ``forwarding``;
+the probes and metrics are on their own port (``status``), off the
+request's path.
 
 Engines answer ``409`` with ``X-Understudy-Not-Active`` when a request reaches
 them while not Active or under another epoch; the front then waits for the
@@ -31,16 +32,14 @@ import logging
 import os
 import signal
 import time
-import uuid
-from dataclasses import dataclass, field
 from typing import Any, assert_never
-from urllib.parse import unquote
 
-import httptools
 import prometheus_client as prom
 from aiohttp import web
 
 from understudy.front import continuation, downstream, fsm, upstream
+from understudy.front import forwarding as fw
+from understudy.front import status as status_port
 from understudy.front.config import FrontConfig
 from understudy.front.metrics import FrontMetrics
 from understudy.lockserver import Address, LockError, watch
@@ -50,15 +49,6 @@ from understudy.wire.serving import heartbeat_path, read_beat, serving_socket
 
 log = logging.getLogger("understudy.front")
 
-EPOCH_HEADER = b"X-Understudy-Epoch"
-NOT_ACTIVE_HEADER = b"X-Understudy-Not-Active"
-COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
-# Request headers an engine sees; everything hop-by-hop is the front's own.
-_FORWARD = frozenset(
-    {b"content-type", b"accept", b"authorization", b"openai-organization", b"user-agent"}
-)
-_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"server"})
-_SSE = [(b"Content-Type", b"text/event-stream"), (b"Cache-Control", b"no-cache")]
 # After a failed connect to the route (the engine is still waking), wait for
 # its socket to appear (one watcher per engine, polling every _WATCH_S, wakes
 # every waiting request at once) or at most this long before trying again.
@@ -75,27 +65,6 @@ _REFUSED_RETRY_S = 0.25
 # A heartbeat check that comes this much later than asked means the front was
 # not scheduled either: no verdict on the engine from it.
 _STALL_S = 0.25
-
-
-@dataclass(slots=True)
-class _Request:
-    """One client request across its attempts."""
-
-    method: bytes
-    path: str  # decoded: for matching and logs
-    target: bytes  # the request-target as the client sent it: what the engine gets
-    headers: list[tuple[bytes, bytes]]  # the ones an engine sees, as the client sent them
-    body: bytes
-    doc: dict[str, Any] | None  # the JSON body of a completion request
-    streaming: bool
-    arrived: float  # loop time
-    request_id: str = ""
-    created: int = 0
-    migrations: int = 0
-    relayed: bool = False
-    started: bool = False
-    token_ids: list[int] = field(default_factory=list)
-    rejection: str = ""  # the answer the next engine gave the stream's continuation
 
 
 class Front:
@@ -309,14 +278,16 @@ class Front:
         by ``_serve`` in a task, which makes every decision of the hold and
         of migration; the fast path decides nothing it would not.
         """
-        req = _parse(ex, self._now())
+        req = fw.parse(ex, self._now())
         self._inflight += 1
         try:
             route = self.state.route
             if route is not None and not req.streaming:
                 up = self._upstreams.get(route.engine_id)
                 if up is not None:
-                    sent = up.send_idle(req.method, req.target, _headers(req, route), _payload(req))
+                    sent = up.send_idle(
+                        req.method, req.target, fw.headers_for(req, route), fw.payload(req)
+                    )
                     if sent is not None:
                         sent.on_complete(lambda: self._answered(req, ex, route, sent))
                         return
@@ -326,23 +297,25 @@ class Front:
             self._done(req, ex)
 
     def _answered(
-        self, req: _Request, ex: downstream.Exchange, route: fsm.Route, sent: upstream.Response
+        self, req: fw.Request, ex: downstream.Exchange, route: fsm.Route, sent: upstream.Response
     ) -> None:
         """The fast path's attempt ended: relay the answer, or hand the request,
         with this attempt, to ``_serve``."""
-        if not sent.complete or _not_active(sent):
+        if not sent.complete or fw.not_active(sent):
             ex.task = asyncio.create_task(self._serve_task(req, ex, (route, sent)))
             return
         try:
             self.feed(fsm.Served(route.engine_id))
-            _relay(ex, sent, sent.body())
+            fw.relay(ex, sent, sent.body())
         except downstream.ClientGone:
             pass
         except Exception as exc:  # a bug: the client still gets an answer
             self._failed(req, ex, exc)
         self._done(req, ex)
 
-    async def _serve_task(self, req: _Request, ex: downstream.Exchange, sent: _Sent | None) -> None:
+    async def _serve_task(
+        self, req: fw.Request, ex: downstream.Exchange, sent: _Sent | None
+    ) -> None:
         try:
             await self._serve(req, ex, sent)
         except downstream.ClientGone:
@@ -352,7 +325,7 @@ class Front:
         finally:  # cancelled too: its client went away
             self._done(req, ex)
 
-    def _failed(self, req: _Request, ex: downstream.Exchange, exc: Exception) -> None:
+    def _failed(self, req: fw.Request, ex: downstream.Exchange, exc: Exception) -> None:
         log.error("serving %s failed", req.path, exc_info=exc)
         with contextlib.suppress(downstream.ClientGone):
             if ex.answered:
@@ -360,7 +333,7 @@ class Front:
             else:
                 ex.error(500, f"the front failed: {type(exc).__name__}")
 
-    def _done(self, req: _Request, ex: downstream.Exchange) -> None:
+    def _done(self, req: fw.Request, ex: downstream.Exchange) -> None:
         self._inflight -= 1
         if not self._inflight and self._drained is not None:
             self._drained.set()
@@ -369,7 +342,7 @@ class Front:
         # 499): it was the client's doing.
         self._codes[f"{ex.status // 100}xx" if ex.status else "4xx"].inc()
 
-    async def _serve(self, req: _Request, ex: downstream.Exchange, sent: _Sent | None) -> None:
+    async def _serve(self, req: fw.Request, ex: downstream.Exchange, sent: _Sent | None) -> None:
         """Serve a request through holds and migrations; ``sent``: an attempt
         already under way (the fast path's), to conclude first."""
         deadline = self._now() + self.cfg.hold_s
@@ -394,7 +367,7 @@ class Front:
                 case fsm.Verdict.RELAY:
                     self.feed(fsm.Served(route.engine_id))
                     if answer is not None:  # else the stream went out already
-                        _relay(ex, *answer)
+                        fw.relay(ex, *answer)
                     return None
                 case fsm.Verdict.WAIT:
                     refused = outcome is fsm.Outcome.NOT_ACTIVE
@@ -434,7 +407,7 @@ class Front:
                 case _:
                     assert_never(v)
 
-    def _give_up(self, req: _Request, ex: downstream.Exchange, status: int, message: str) -> None:
+    def _give_up(self, req: fw.Request, ex: downstream.Exchange, status: int, message: str) -> None:
         log_event(log, "gave_up", logging.ERROR, path=req.path, status=status, reason=message)
         if ex.answered:
             # A stream already went out: all that is left is to end it with an
@@ -448,14 +421,14 @@ class Front:
 
     async def _attempt(
         self,
-        req: _Request,
+        req: fw.Request,
         route: fsm.Route,
         ex: downstream.Exchange,
         sent: upstream.Response | None = None,
     ) -> tuple[fsm.Outcome, _Answer | None]:
         up = self._upstream(route.engine_id)
-        headers = _headers(req, route)
-        data = _payload(req)
+        headers = fw.headers_for(req, route)
+        data = fw.payload(req)
         try:
             if sent is not None:
                 r = await sent.head()
@@ -477,7 +450,7 @@ class Front:
         except upstream.UpstreamError as exc:
             return self._broken(req, route, exc)
         try:
-            if _not_active(r):
+            if fw.not_active(r):
                 await r.read()
                 up.drop_idle()  # its other connections are as good as gone
                 return fsm.Outcome.NOT_ACTIVE, None
@@ -496,7 +469,7 @@ class Front:
             r.close()
 
     def _broken(
-        self, req: _Request, route: fsm.Route, exc: Exception
+        self, req: fw.Request, route: fsm.Route, exc: Exception
     ) -> tuple[fsm.Outcome, _Answer | None]:
         log_event(
             log, "attempt_broken", logging.WARNING, engine=route.engine_id,
@@ -506,7 +479,7 @@ class Front:
         return fsm.Outcome.BROKEN, None
 
     async def _relay_stream(
-        self, req: _Request, r: upstream.Response, ex: downstream.Exchange
+        self, req: fw.Request, r: upstream.Response, ex: downstream.Exchange
     ) -> tuple[fsm.Outcome, _Answer | None]:
         """Relay an engine's event stream, keeping the token ids it carries. A
         client that goes away cancels this (its connection's doing)."""
@@ -514,7 +487,7 @@ class Front:
         async for chunk in r.chunks():
             for ev in decoder.feed(chunk):
                 if not ex.answered:
-                    ex.open_stream(200, _SSE)
+                    ex.open_stream(200, fw.SSE)
                 await ex.send(ev.raw)
                 req.relayed = True
                 req.started = True
@@ -543,19 +516,18 @@ class Front:
             **self.pressure(),
         }
 
+    @property
+    def registry(self) -> prom.CollectorRegistry:
+        return self.metrics.registry
+
+    def ready(self) -> tuple[bool, str]:
+        if fsm.ready(self.state, self._now(), self.cfg.hold_s):
+            return True, "serving" if self.state.route else "failover under way"
+        return False, "no active engine"
+
     async def start(self) -> None:
         await self._server.listen(self.cfg.host, self.cfg.port)
-        status = web.Application()
-        status.add_routes(
-            [
-                web.get("/live", self._live),
-                web.get("/ready", self._ready),
-                web.get("/pressure", self._pressure),
-                web.get("/state", self._view),
-                web.get("/metrics", self._metrics),
-            ]
-        )
-        await self._listen(status, self.cfg.host, self.cfg.status_port)
+        self._runners.append(await status_port.serve(self, self.cfg.host, self.cfg.status_port))
         self._tasks = [
             asyncio.create_task(self._watch_lock(), name="lock-watch"),
             asyncio.create_task(self._check_beats(), name="heartbeats"),
@@ -564,32 +536,6 @@ class Front:
             log, "listening", port=self.cfg.port, status_port=self.cfg.status_port,
             hold_s=self.cfg.hold_s, migration_limit=self.cfg.migration_limit,
         )  # fmt: skip
-
-    async def _listen(self, app: web.Application, host: str, port: int) -> None:
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await runner.setup()
-        await web.TCPSite(runner, host, port, reuse_address=True).start()
-        self._runners.append(runner)
-
-    async def _live(self, _: web.Request) -> web.Response:
-        return _text(200, "ok")
-
-    async def _pressure(self, _: web.Request) -> web.Response:
-        return web.json_response(self.pressure())
-
-    async def _view(self, _: web.Request) -> web.Response:
-        return web.json_response(self.view())
-
-    async def _ready(self, _: web.Request) -> web.Response:
-        if fsm.ready(self.state, self._now(), self.cfg.hold_s):
-            return _text(200, "serving" if self.state.route else "failover under way")
-        return _text(503, "no active engine")
-
-    async def _metrics(self, _: web.Request) -> web.Response:
-        return web.Response(
-            body=prom.generate_latest(self.metrics.registry),
-            headers={"Content-Type": prom.CONTENT_TYPE_LATEST},
-        )
 
     async def drain(self) -> None:
         """Finish in-flight requests (bounded), then close."""
@@ -617,73 +563,6 @@ class Front:
 _Answer = tuple[upstream.Response, bytes]
 # An attempt already sent (by the fast path), and where to.
 _Sent = tuple[fsm.Route, upstream.Response]
-
-
-def _parse(ex: downstream.Exchange, now: float) -> _Request:
-    headers = [(k, v) for k, v in ex.headers if k.lower() in _FORWARD]
-    method = ex.method
-    path = _path(ex.target)
-    doc: dict[str, Any] | None = None
-    streaming = False
-    if method == b"POST" and path in COMPLETIONS:
-        # Not JSON to us (nested too deep included): forwarded as it came.
-        with contextlib.suppress(ValueError, RecursionError):
-            parsed = json.loads(ex.body)
-            if isinstance(parsed, dict):
-                doc = parsed
-                streaming = parsed.get("stream") is True
-    # The engine gets the target as it came (percent-encoding, query and all):
-    # the decoded path could hold bytes that are not Latin-1 or even CR LF,
-    # which the engine's request line must never see.
-    req = _Request(method, path, ex.target, headers, ex.body, doc, streaming, now)
-    if doc is not None:
-        prefix = "chatcmpl" if path.endswith("chat/completions") else "cmpl"
-        req.request_id = f"{prefix}-{uuid.uuid4().hex}"
-        req.created = int(time.time())
-    return req
-
-
-def _path(target: bytes) -> str:
-    """The decoded path of a request-target, for matching and logs only."""
-    raw = target.split(b"?", 1)[0]
-    if not raw.startswith(b"/"):  # absolute-form (a proxy's), or "*"
-        with contextlib.suppress(httptools.HttpParserInvalidURLError):
-            raw = httptools.parse_url(target).path or b"/"
-    text = raw.decode("latin-1")
-    return unquote(text, errors="replace") if "%" in text else text
-
-
-def _headers(req: _Request, route: fsm.Route) -> list[tuple[bytes, bytes]]:
-    return [*req.headers, (EPOCH_HEADER, b"%d" % route.epoch)]
-
-
-def _not_active(r: upstream.Response) -> bool:
-    """The engine refused: not Active, draining, or another epoch."""
-    return r.status == 409 and r.header(NOT_ACTIVE_HEADER) is not None
-
-
-def _payload(req: _Request) -> bytes:
-    if req.doc is None:
-        return req.body  # not ours to understand: forwarded as it came
-    if req.started:
-        doc = continuation.resumed(req.doc, req.request_id, req.created, req.token_ids, req.started)
-    else:
-        doc = continuation.first_attempt(req.doc, req.request_id, req.created)
-    return json.dumps(doc, separators=(",", ":")).encode()
-
-
-def _relay(ex: downstream.Exchange, r: upstream.Response, payload: bytes) -> None:
-    """The engine's answer, to the client as it is (less the hop-by-hop headers)."""
-    headers = [(k, v) for k, v in r.headers if k.lower() not in _HOP]
-    length = None
-    if ex.method == b"HEAD":
-        declared = r.header(b"content-length")
-        length = int(declared) if declared is not None and declared.isdigit() else 0
-    ex.answer(r.status, headers, payload, content_length=length)
-
-
-def _text(status: int, text: str) -> web.Response:
-    return web.Response(status=status, text=text + "\n")
 
 
 async def run(cfg: FrontConfig) -> None:

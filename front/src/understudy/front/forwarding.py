@@ -1,0 +1,120 @@
+"""How a client's request becomes an engine's, and an engine's answer the client's.
+
+What the front reads of a request (its path, whether it is a completion and
+a stream), what an engine is sent on each attempt (the headers it may see,
+the epoch it must hold, a stream's continuation), and what of the engine's
+answer goes back (everything but the hop-by-hop headers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote
+
+import httptools
+
+from understudy.front import continuation, downstream, fsm, upstream
+
+EPOCH_HEADER = b"X-Understudy-Epoch"
+NOT_ACTIVE_HEADER = b"X-Understudy-Not-Active"
+COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
+# Request headers an engine sees; everything hop-by-hop is the front's own.
+_FORWARD = frozenset(
+    {b"content-type", b"accept", b"authorization", b"openai-organization", b"user-agent"}
+)
+_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"server"})
+SSE = [(b"Content-Type", b"text/event-stream"), (b"Cache-Control", b"no-cache")]
+
+
+@dataclass(slots=True)
+class Request:
+    """One client request across its attempts."""
+
+    method: bytes
+    path: str  # decoded: for matching and logs
+    target: bytes  # the request-target as the client sent it: what the engine gets
+    headers: list[tuple[bytes, bytes]]  # the ones an engine sees, as the client sent them
+    body: bytes
+    doc: dict[str, Any] | None  # the JSON body of a completion request
+    streaming: bool
+    arrived: float  # loop time
+    request_id: str = ""
+    created: int = 0
+    migrations: int = 0
+    relayed: bool = False
+    started: bool = False
+    token_ids: list[int] = field(default_factory=list)
+    rejection: str = ""  # the answer the next engine gave the stream's continuation
+
+
+def parse(ex: downstream.Exchange, now: float) -> Request:
+    """The request as the front keeps it across its attempts."""
+    headers = [(k, v) for k, v in ex.headers if k.lower() in _FORWARD]
+    method = ex.method
+    path = _path(ex.target)
+    doc: dict[str, Any] | None = None
+    streaming = False
+    if method == b"POST" and path in COMPLETIONS:
+        # Not JSON to us (nested too deep included): forwarded as it came.
+        with contextlib.suppress(ValueError, RecursionError):
+            parsed = json.loads(ex.body)
+            if isinstance(parsed, dict):
+                doc = parsed
+                streaming = parsed.get("stream") is True
+    # The engine gets the target as it came (percent-encoding, query and all):
+    # the decoded path could hold bytes that are not Latin-1 or even CR LF,
+    # which the engine's request line must never see.
+    req = Request(method, path, ex.target, headers, ex.body, doc, streaming, now)
+    if doc is not None:
+        prefix = "chatcmpl" if path.endswith("chat/completions") else "cmpl"
+        req.request_id = f"{prefix}-{uuid.uuid4().hex}"
+        req.created = int(time.time())
+    return req
+
+
+def _path(target: bytes) -> str:
+    """The decoded path of a request-target, for matching and logs only."""
+    raw = target.split(b"?", 1)[0]
+    if not raw.startswith(b"/"):  # absolute-form (a proxy's), or "*"
+        with contextlib.suppress(httptools.HttpParserInvalidURLError):
+            raw = httptools.parse_url(target).path or b"/"
+    text = raw.decode("latin-1")
+    return unquote(text, errors="replace") if "%" in text else text
+
+
+def headers_for(req: Request, route: fsm.Route) -> list[tuple[bytes, bytes]]:
+    """What an engine sees of the client's headers, and the epoch it must hold
+    to serve (an engine under another epoch refuses)."""
+    return [*req.headers, (EPOCH_HEADER, b"%d" % route.epoch)]
+
+
+def not_active(r: upstream.Response) -> bool:
+    """The engine refused: not Active, draining, or another epoch."""
+    return r.status == 409 and r.header(NOT_ACTIVE_HEADER) is not None
+
+
+def payload(req: Request) -> bytes:
+    """The body an attempt sends: a stream that already relayed tokens asks
+    the next engine to continue after them."""
+    if req.doc is None:
+        return req.body  # not ours to understand: forwarded as it came
+    if req.started:
+        doc = continuation.resumed(req.doc, req.request_id, req.created, req.token_ids, req.started)
+    else:
+        doc = continuation.first_attempt(req.doc, req.request_id, req.created)
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def relay(ex: downstream.Exchange, r: upstream.Response, body: bytes) -> None:
+    """The engine's answer, to the client as it is (less the hop-by-hop headers)."""
+    headers = [(k, v) for k, v in r.headers if k.lower() not in _HOP]
+    length = None
+    if ex.method == b"HEAD":
+        declared = r.header(b"content-length")
+        length = int(declared) if declared is not None and declared.isdigit() else 0
+    ex.answer(r.status, headers, body, content_length=length)
