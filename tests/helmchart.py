@@ -17,7 +17,8 @@ KUBE = ("--kube-version", "1.34.0")  # the oldest Kubernetes the chart supports
 
 def find_helm() -> str | None:
     candidates = [os.environ.get("UNDERSTUDY_HELM"), shutil.which("helm")]
-    candidates += sorted(str(p) for p in Path("/var/cache/understudy/helm").glob("*/bin/helm"))
+    cache = Path(os.environ.get("UNDERSTUDY_CACHE") or "/var/cache/understudy")
+    candidates += sorted(str(p) for p in (cache / "helm").glob("*/bin/helm"))
     candidates += ["/tmp/understudy-helm/bin/helm"]
     return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
 

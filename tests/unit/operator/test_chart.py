@@ -2,27 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
-from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
 import yaml
+from helmchart import CHART, ROOT, find_helm
 
-ROOT = Path(__file__).resolve().parents[3]
-CHART = ROOT / "charts" / "understudy"
 # Documented difference: Helm's own bookkeeping labels (docs/operator.md).
 HELM_LABELS = {"helm.sh/chart", "app.kubernetes.io/managed-by", "app.kubernetes.io/instance"}
-
-
-def find_helm() -> str | None:
-    candidates = [os.environ.get("UNDERSTUDY_HELM"), shutil.which("helm")]
-    candidates += sorted(str(p) for p in Path("/var/cache/understudy/helm").glob("*/bin/helm"))
-    candidates += ["/tmp/understudy-helm/bin/helm"]
-    return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
 
 
 HELM = find_helm()
