@@ -103,7 +103,9 @@ def build(args: argparse.Namespace) -> None:
             check=True,
         )
         shutil.move(str(out_tmp), args.output)
-    print(f"mkimage: {args.tag} -> {args.output} (layer sha256:{layer_digest[:12]})", file=sys.stderr)
+    print(
+        f"mkimage: {args.tag} -> {args.output} (layer sha256:{layer_digest[:12]})", file=sys.stderr
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
