@@ -405,7 +405,7 @@ class Fuzzer:
                     fd.close()
         return got
 
-    def judge(self, conn: Conn, reply: m.Reply, fd: int | None) -> None:
+    def judge(self, conn: Conn, reply: m.Reply, fd: int | None) -> None:  # noqa: C901
         self.stats[reply.type + (f" {reply.code}" if isinstance(reply, m.ErrorReply) else "")] += 1
         ensure(
             (fd is not None) == isinstance(reply, m.Exported),

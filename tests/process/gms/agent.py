@@ -76,7 +76,7 @@ class Agent:
     def cuda(self) -> bool:
         return self.client is not None and self.client.backend == "cuda"
 
-    def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
+    def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:  # noqa: C901, PLR0912, PLR0915
         op = cmd["op"]
         if op == "connect":
             self.client = GmsClient.connect(

@@ -91,7 +91,7 @@ events = st.lists(
 
 @settings(max_examples=600)
 @given(events)
-def test_incremental_equals_a_fresh_digest(evs: list[tuple[Any, ...]]) -> None:
+def test_incremental_equals_a_fresh_digest(evs: list[tuple[Any, ...]]) -> None:  # noqa: C901
     inv = Inventory()
     inv.reset_nodes([])
     inv.reset_slices([])

@@ -113,7 +113,7 @@ class HttpHost:
 
         self.loop.call_soon_threadsafe(beat)
 
-    def bind_serving(
+    def bind_serving(  # noqa: C901
         self, path: Path, routes: list[web.RouteDef], health: Health, epoch: Callable[[], int]
     ) -> None:
         """Listen on the serving socket; raises OSError if it cannot."""

@@ -147,7 +147,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def parse(gen: Generator, body: Any, chat: bool) -> Request:
+def parse(gen: Generator, body: Any, chat: bool) -> Request:  # noqa: C901
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")

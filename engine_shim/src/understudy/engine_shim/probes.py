@@ -40,7 +40,7 @@ class Verdict:
 OK, FAIL = 200, 503
 
 
-def verdict(
+def verdict(  # noqa: C901
     probe: Probe,
     state: State,
     time_in_state: float,

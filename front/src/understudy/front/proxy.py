@@ -342,7 +342,7 @@ class Front:
         # 499): it was the client's doing.
         self._codes[f"{ex.status // 100}xx" if ex.status else "4xx"].inc()
 
-    async def _serve(self, req: fw.Request, ex: downstream.Exchange, sent: _Sent | None) -> None:
+    async def _serve(self, req: fw.Request, ex: downstream.Exchange, sent: _Sent | None) -> None:  # noqa: C901
         """Serve a request through holds and migrations; ``sent``: an attempt
         already under way (the fast path's), to conclude first."""
         deadline = self._now() + self.cfg.hold_s
@@ -419,7 +419,7 @@ class Front:
             return
         ex.error(status, message, retry_after=1)
 
-    async def _attempt(
+    async def _attempt(  # noqa: C901
         self,
         req: fw.Request,
         route: fsm.Route,

@@ -274,7 +274,7 @@ class GmsServer:
         if self.machine.state is not before:  # reads (export, list, get) change nothing
             self._update_metrics()
 
-    def _execute(self, actions: list[fsm.Action]) -> None:
+    def _execute(self, actions: list[fsm.Action]) -> None:  # noqa: C901, PLR0912
         for action in actions:
             match action:
                 case fsm.Reply(sid, message):

@@ -71,7 +71,7 @@ def _signal_all(children: dict[int, int], sig: int) -> None:
             os.kill(pid, sig)
 
 
-def run(config: SupervisorConfig) -> int:
+def run(config: SupervisorConfig) -> int:  # noqa: C901
     prepare_socket_dir(config.socket_dir)
     env = dict(os.environ)
     mp_dir: str | None = None

@@ -280,7 +280,7 @@ class LockServer:
         for conn in list(self._watchers):
             self._send(conn, now)
 
-    def _execute(self, action: fsm.Action) -> None:
+    def _execute(self, action: fsm.Action) -> None:  # noqa: C901, PLR0912
         match action:
             case fsm.Persist(engine_id=engine_id, epoch=epoch):
                 # The grant's counts go to disk with the grant itself: kept

@@ -83,7 +83,7 @@ def _merge_rules(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, str]]:
     return [*a.get("x-kubernetes-validations", []), *b.get("x-kubernetes-validations", [])]
 
 
-def _structural(node: dict[str, Any], defs: dict[str, Any], *, in_spec: bool) -> dict[str, Any]:
+def _structural(node: dict[str, Any], defs: dict[str, Any], *, in_spec: bool) -> dict[str, Any]:  # noqa: C901, PLR0912
     if "$ref" in node:
         target = defs[node["$ref"].rsplit("/", 1)[-1]]
         merged = {**target, **{k: v for k, v in node.items() if k != "$ref"}}

@@ -428,7 +428,7 @@ def _wait(cond: Callable[[], Any], timeout: float) -> Any:
 SCENARIOS = ("takeover-kill", "lockserver", "gms")
 
 
-def drill(
+def drill(  # noqa: C901, PLR0912, PLR0915
     target: Target,
     kills: int,
     sig: int | list[int],

@@ -378,7 +378,7 @@ def _fmt_ms(v: Any) -> str:
     return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v * 1000:.1f}"
 
 
-def render_html(result: dict[str, Any], images: list[str]) -> str:
+def render_html(result: dict[str, Any], images: list[str]) -> str:  # noqa: C901, PLR0912
     """The page: the verdict and counts, the percentiles, the charts, each round."""
     s = result.get("summary", {})
     e = html.escape

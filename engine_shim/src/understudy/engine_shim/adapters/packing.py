@@ -97,7 +97,7 @@ def _expected_nbytes(dtype: str, shape: Sequence[int]) -> int:
     return math.prod(shape) * np.dtype(dtype).itemsize
 
 
-def weights_manifest(model_dir: Path | str) -> list[TensorSpec]:
+def weights_manifest(model_dir: Path | str) -> list[TensorSpec]:  # noqa: C901
     """Every tensor of ``model_dir/model.safetensors``, sorted by name; reads the header only."""
     path = Path(model_dir) / WEIGHTS_FILE
     with open(path, "rb") as f:

@@ -143,7 +143,7 @@ class Worker(StepThread[Request]):
         # by ending the process, never by serving errors until a probe notices.
         self._on_fatal(f"vLLM engine step failed: {type(exc).__name__}: {exc}")
 
-    def _iteration(self) -> bool:
+    def _iteration(self) -> bool:  # noqa: C901
         engine = self.engine
         with self._cond:
             while not (self._stopping or self._waiting or self._aborts or self._running):
@@ -278,7 +278,7 @@ class VllmEngine:
 
     # --- init: imports, config, tokenizer -----------------------------------------
 
-    def prepare(self) -> None:
+    def prepare(self) -> None:  # noqa: C901, PLR0915
         """Everything that needs neither the weights nor working memory."""
         if self._config is not None:
             return
