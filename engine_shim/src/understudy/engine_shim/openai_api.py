@@ -6,8 +6,8 @@ adds a usage chunk), ``GET /v1/models``. Shapes, usage counting and
 ``finish_reason`` follow vLLM's OpenAI server; errors are shaped like
 OpenAI's (``{"error": {"message", "type", "param", "code"}}``).
 
-The continuation contract with the pod's front door (its side:
-``understudy.front.continuation``): a request may carry ``understudy:
+The continuation contract with the pod's front door (``understudy.wire.serving``;
+its side: ``understudy.front.continuation``): a request may carry ``understudy:
 {request_id, created, resume: {token_ids, started}}``. ``request_id`` and
 ``created`` fix the response's ``id`` and ``created``; ``resume`` says which
 tokens an earlier engine already streamed to the client, and whether the
@@ -36,6 +36,7 @@ from understudy.engine_shim.generation import (
     Step,
     finish_of,
 )
+from understudy.wire.serving import FIELD, TOKENS_PREFIX
 
 NOT_ACTIVE_HEADER = "X-Understudy-Not-Active"
 
@@ -189,7 +190,7 @@ def parse(gen: Generator, body: Any, chat: bool) -> Request:  # noqa: C901
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError(400, "'stream_options' must be an object", "stream_options")
-    ours = body.get("understudy") or {}
+    ours = body.get(FIELD) or {}
     if not isinstance(ours, dict):
         raise ApiError(400, "'understudy' must be an object", "understudy")
     resume = ours.get("resume") or {}
@@ -244,7 +245,7 @@ def _chunk(req: Request, gen: Generator, choice: dict[str, Any] | None, **extra:
 
 
 def _event(token_ids: Sequence[int], data: bytes) -> bytes:
-    return b": tokens=" + ",".join(map(str, token_ids)).encode() + b"\ndata: " + data + b"\n\n"
+    return TOKENS_PREFIX + ",".join(map(str, token_ids)).encode() + b"\ndata: " + data + b"\n\n"
 
 
 def _choice(req: Request, text: str | None, finish: str | None, first: bool) -> dict[str, Any]:
