@@ -31,10 +31,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from understudy.tools.drill import percentile, stats, verdict
+from understudy.tools.figures import percentile, stats, verdict
 
 CHARTS = ("latency.png", "around-kills.png", "gaps.png", "phases.png")
-SERIES_CHARTS = ("latency.png", "around-kills.png")  # need the per-request series
 AROUND_KILL_S = (-0.5, 1.5)  # stretched to 1.5 × the longest gap (at most MAX_AROUND_S)
 MAX_AROUND_S = 10.0
 DPI = 100
