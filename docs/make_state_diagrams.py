@@ -22,6 +22,7 @@ from understudy.front import fsm as front
 from understudy.gms import fsm as gms
 from understudy.lockserver import fsm as lock
 from understudy.operator import lifecycle
+from understudy.wire import restart
 from understudy.wire.machine import mermaid
 
 OUT = Path(__file__).with_name("state-machines.md")
@@ -59,6 +60,17 @@ def sections() -> list[Section]:
             "One engine process. There is no way back: a dead engine is restarted as a "
             "new process, which starts in INIT again.",
             mermaid(engine.TRANSITIONS, initial=engine.State.INIT, final=[engine.State.DEAD]),
+        ),
+        Section(
+            "Respawner",
+            "wire/src/understudy/wire/restart.py",
+            "A container's init (`understudy respawn`): a child that said it started and "
+            "died is started again at once; one that died before that is backed off, and "
+            "after a few failures in a row the respawner exits, which hands the container "
+            "to kubelet.",
+            mermaid(
+                restart.TRANSITIONS, initial=restart.Phase.STARTING, final=[restart.Phase.DONE]
+            ),
         ),
         Section(
             "Front door routing",

@@ -162,16 +162,15 @@ def test_error_injected_during_init_exits_at_once(tmp_path):
     t0 = time.monotonic()
     p = Proc(
         understudy("engine", "run"),
-        env=_engine_env(tmp_path, UNDERSTUDY_FAULT_INIT="raise"),
+        env=_engine_env(tmp_path, UNDERSTUDY_FAILPOINTS="engine.init=raise"),
         log=tmp_path / "engine.log",
     )
     assert p.wait(30) == 1
     assert time.monotonic() - t0 < 20  # at once, not after a probe or budget
     log = (tmp_path / "engine.log").read_text()
     exit_lines = [line for line in log.splitlines() if "event=exit" in line]
-    assert (
-        len(exit_lines) == 1 and "state=Init" in exit_lines[0] and "fault injected" in exit_lines[0]
-    )
+    (line,) = exit_lines
+    assert "state=Init" in line and "failpoint engine.init" in line
 
 
 def test_missing_gms_fails_init_within_budget(tmp_path):
@@ -220,7 +219,9 @@ def test_hung_wake_exits_on_wake_timeout(tmp_path):
         ),
     ]
     try:
-        env = _engine_env(run, UNDERSTUDY_FAULT_WAKE="hang", UNDERSTUDY_WAKE_TIMEOUT_S="1.5")
+        env = _engine_env(
+            run, UNDERSTUDY_FAILPOINTS="engine.wake=hang", UNDERSTUDY_WAKE_TIMEOUT_S="1.5"
+        )
         engine = Proc(understudy("engine", "run"), env=env, log=run / "engine.log")
         assert engine.wait(60) == 5
         log = (run / "engine.log").read_text()

@@ -63,10 +63,10 @@ def cmd_local_up(args: argparse.Namespace) -> int:
     from understudy.wire.obs import setup_logging
 
     if args.engine == "vllm" and not args.engine_python:
-        from understudy.engine_shim import python_env
+        from understudy.tools import checkout
 
         try:
-            args.engine_python = python_env.vllm_python()
+            args.engine_python = checkout.vllm_python()
         except (OSError, subprocess.CalledProcessError) as exc:
             print(f"understudy local up: no python with vLLM: {exc}", file=sys.stderr)
             return 2
