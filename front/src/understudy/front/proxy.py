@@ -678,7 +678,10 @@ async def run(cfg: FrontConfig, started: float | None = None) -> None:
     await front.start(listener, offer)
     seconds = (started or 0.0) + time.monotonic() - t0
     front.metrics.start_seconds.set(seconds)
-    log_event(log, "accepting", source=source, start_ms=round(seconds * 1000, 1))
+    log_event(
+        log, "accepting", source=source, start_ms=round(seconds * 1000, 1),
+        cpu_ms=round(time.process_time() * 1000, 1),  # of that start: the machine's load aside
+    )  # fmt: skip
     if source == "bound":
         log_event(
             log, "serving_socket_unkept", logging.WARNING, keeper=str(cfg.run_dir),
