@@ -33,18 +33,17 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import fcntl
-import json
 import os
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from understudy.lockserver import tally
 from understudy.lockserver.fsm import PersistedRecord
+from understudy.wire import lockrecord
+from understudy.wire.lockrecord import copy_paths, encode
 
-COPIES = ("a", "b")
-_TRAILER = b"\ncrc32 "
+__all__ = ["Copy", "ReadResult", "StateFile", "copy_paths", "encode", "judge", "keep_copy", "read"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,11 +73,6 @@ class ReadResult:
     raw: bytes = b""
 
 
-def copy_paths(path: Path) -> tuple[Path, Path]:
-    a, b = (path.with_name(f"{path.name}.{c}") for c in COPIES)
-    return a, b
-
-
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     lock_path = path.with_name(path.name + ".lock")
@@ -90,33 +84,12 @@ def _locked(path: Path) -> Iterator[None]:
         os.close(fd)  # closing drops the flock
 
 
-def encode(seq: int, record: dict[str, object]) -> bytes:
-    """One copy's bytes: the record as JSON, then its checksum."""
-    body = json.dumps({"seq": seq, **record}).encode()
-    return body + _TRAILER + f"{zlib.crc32(body):08x}".encode() + b"\n"
-
-
 def parse_copy(path: Path, raw: bytes) -> Copy:
-    """Check one copy's checksum and fields (pure)."""
-    body, sep, trailer = raw.rpartition(_TRAILER)
-    if not sep:
-        return Copy(path, raw=raw, damage="no checksum")
-    if trailer.rstrip(b"\n") != f"{zlib.crc32(body):08x}".encode():
-        return Copy(path, raw=raw, damage="checksum mismatch")
-    try:
-        data = json.loads(body)
-        if not isinstance(data, dict):
-            raise ValueError("not an object")
-        seq, holder, epoch = data["seq"], data["holder"], data["epoch"]
-        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
-            raise ValueError("seq must be a non-negative integer")
-        if holder is not None and (not isinstance(holder, str) or not holder):
-            raise ValueError("holder must be a non-empty string or null")
-        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
-            raise ValueError("epoch must be a non-negative integer")
-    except (ValueError, KeyError, TypeError) as exc:
-        return Copy(path, raw=raw, damage=f"unparsable: {exc}")
-    return Copy(path, seq, PersistedRecord(holder, epoch), raw, data)
+    """Check one copy's checksum and fields (pure; the format: ``wire.lockrecord``)."""
+    parsed = lockrecord.parse(raw)
+    if isinstance(parsed, str):
+        return Copy(path, raw=raw, damage=parsed)
+    return Copy(path, parsed.seq, PersistedRecord(parsed.holder, parsed.epoch), raw, parsed.data)
 
 
 def _read_copy(path: Path) -> Copy:
