@@ -209,6 +209,17 @@ def test_a_failure_past_its_limit_gives_up(phase: P, kind: type) -> None:
     ]
 
 
+def test_every_declared_target_is_reached() -> None:
+    """An entry declares exactly the phases the tests see it land in: no edge the diagram
+    draws is unreachable, and none is missing."""
+    reached: dict[tuple[P, type], set[P]] = {pair: {land[0]} for pair, land in LANDS.items()}
+    for pair, (_, to) in GIVES_UP.items():
+        reached[pair].add(to)
+    for pair, to in EXPIRES.items():
+        reached[pair].add(to)
+    assert {pair: set(e.targets) for pair, e in lc.TRANSITIONS.items()} == reached
+
+
 def test_deadlines_come_from_the_budget_table() -> None:
     for phase in P:
         want = BUDGET_OF.get(phase)

@@ -4,7 +4,7 @@ The phases and attempt fencing follow PyLet's instance lifecycle; the split
 between checks that only report and one place that decides follows Backend.AI
 Sokovan's handlers and coordinator.
 
-* The planner's **checks** (``checks.py``, ``scheduling.py``) look at a
+* The planner's **checks** (``checks.py``, ``membership.py``) look at a
   replica's pod and report what they saw as an event record: ``Bound``,
   ``Unschedulable``, ``Unbound`` (still waiting), and so on. Each report
   belongs to one :class:`Check` and names the attempt it saw.
@@ -392,7 +392,12 @@ def _lost(to: ReplicaPhase, reason: Reason) -> Entry[Replica, Action, P]:
 
 
 def _fine(phase: ReplicaPhase) -> Entry[Replica, Action, P]:
-    """A check found nothing wrong: not news. Like every success it clears the retry count."""
+    """A check found nothing wrong: not news.
+
+    Like every success it clears the retry count. The presence and node checks
+    run before bind and start in each pass, so those two count one failure at
+    most and, in practice, leave their phase by its budget (docs/operator.md).
+    """
 
     def handler(replica: Replica, event: Fine, now: float) -> Result:
         return replace(replica, retries=0), []
