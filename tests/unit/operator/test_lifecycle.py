@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import get_args
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -309,17 +309,6 @@ def test_reset_delete_and_retire(phase: P) -> None:
         assert retired.phase is (P.DRAINING if phase is P.RUNNING else P.TERMINATING)
 
 
-def test_history_drops_repeated_waiting() -> None:
-    e = lc.HistoryEntry(1.0, 0, 1, lc.Check.BIND, V.SKIPPED, None, P.SCHEDULED, "waiting")
-    assert lc.accepted([], [e, e]) == [e]
-    assert lc.accepted([e], [replace(e, time=2.0)]) == []
-    assert lc.accepted([e], [replace(e, message="other")]) == [replace(e, message="other")]
-    moved = replace(e, reason=Reason.BOUND, verdict=V.SUCCESS)
-    assert lc.accepted([e], [moved]) == [moved]
-    again = replace(e, attempt=2)  # the same wait for a new attempt is news
-    assert lc.accepted([e], [again]) == [again]
-
-
 # ------------------------------------------------------------- properties
 
 # The most failures a record may hold in each phase (0 elsewhere).
@@ -340,7 +329,6 @@ class ReplicaMachine(RuleBasedStateMachine):
         super().__init__()
         self.rec = lc.Replica(0, policy=POLICY)
         self.now = 0.0
-        self.history: tuple[lc.HistoryEntry, ...] = ()
         self.ended = False
 
     @rule(event=events, dt=st.floats(0, 30))
@@ -368,11 +356,6 @@ class ReplicaMachine(RuleBasedStateMachine):
             assert len(got) == 1 and got[0].reason is not None
         self.rec = new
         self.ended = self.ended or new.phase is P.TERMINATING
-        self.history = lc.append_history(self.history, got, limit=8)
-
-    @invariant()
-    def history_bounded(self) -> None:
-        assert len(self.history) <= 8
 
     @invariant()
     def retries_within_the_phase_limit(self) -> None:
@@ -381,12 +364,3 @@ class ReplicaMachine(RuleBasedStateMachine):
 
 TestReplicaMachine = ReplicaMachine.TestCase
 TestReplicaMachine.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)
-
-
-@given(st.lists(st.tuples(st.sampled_from(list(LANDS)), st.integers(1, 10)), max_size=60))
-def test_history_never_exceeds_its_limit(pairs: list[tuple[tuple[P, type], int]]) -> None:
-    hist: tuple[lc.HistoryEntry, ...] = ()
-    for i, ((phase, kind), limit) in enumerate(pairs):
-        _, actions = lc.step(sample(phase), EVENTS[kind](), float(i))
-        hist = lc.append_history(hist, records(actions), limit)
-        assert len(hist) <= limit

@@ -31,7 +31,7 @@ Core module: no I/O imports; ``now`` is epoch seconds passed in.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import ClassVar
@@ -547,42 +547,3 @@ def reset(replica: Replica, now: float) -> Replica:
     if replica.phase is P.FAILED:
         return step(replica, Reset(), now)[0]
     return replica
-
-
-# ---------------------------------------------------------------- history
-
-HISTORY_LIMIT = 32
-
-
-def accepted(
-    history: Sequence[HistoryEntry], entries: Sequence[HistoryEntry]
-) -> list[HistoryEntry]:
-    """The entries worth storing.
-
-    A verdict without a transition that repeats the same check's last entry
-    for the replica (a replica waiting, pass after pass) is dropped, so the
-    history and its Events record changes, not polling. (A success without a
-    transition is never recorded at all.)
-    """
-    out: list[HistoryEntry] = []
-    last: dict[tuple[int, Check], HistoryEntry] = {}
-    for h in history:
-        last[(h.replica, h.check)] = h
-    for e in entries:
-        prev = last.get((e.replica, e.check))
-        if (
-            prev is not None
-            and e.reason is None
-            and (prev.verdict, prev.attempt, prev.message) == (e.verdict, e.attempt, e.message)
-        ):
-            continue
-        out.append(e)
-        last[(e.replica, e.check)] = e
-    return out
-
-
-def append_history(
-    history: Sequence[HistoryEntry], entries: Sequence[HistoryEntry], limit: int = HISTORY_LIMIT
-) -> tuple[HistoryEntry, ...]:
-    """Bounded history: the last ``limit`` accepted entries."""
-    return tuple([*history, *accepted(history, entries)][-limit:])

@@ -4,8 +4,8 @@
   ``understudy.dev/routable`` label, the Active engine and its epoch from each
   engine's ``/state``, and the failovers seen as the epoch rises under a new
   Active engine;
-* the history (:func:`history`): the lifecycle's records, bounded, and the
-  Events of those that are news;
+* the history (:func:`history`): the lifecycle's records that are news
+  (:func:`accepted`), bounded, and their Events;
 * the instance (:func:`instance_status`): its phase, the conditions through
   ``set_condition``, the counts the scale subresource reads.
 
@@ -215,6 +215,45 @@ def replica_statuses(
 # ---------------------------------------------------------------- history
 
 
+HISTORY_LIMIT = 32
+
+
+def accepted(
+    history: Sequence[lc.HistoryEntry], entries: Sequence[lc.HistoryEntry]
+) -> list[lc.HistoryEntry]:
+    """The entries worth storing.
+
+    A verdict without a transition that repeats the same check's last entry
+    for the replica (a replica waiting, pass after pass) is dropped, so the
+    history and its Events record changes, not polling. (A success without a
+    transition is never recorded at all.)
+    """
+    out: list[lc.HistoryEntry] = []
+    last: dict[tuple[int, lc.Check], lc.HistoryEntry] = {}
+    for h in history:
+        last[(h.replica, h.check)] = h
+    for e in entries:
+        prev = last.get((e.replica, e.check))
+        if (
+            prev is not None
+            and e.reason is None
+            and (prev.verdict, prev.attempt, prev.message) == (e.verdict, e.attempt, e.message)
+        ):
+            continue
+        out.append(e)
+        last[(e.replica, e.check)] = e
+    return out
+
+
+def append_history(
+    history: Sequence[lc.HistoryEntry],
+    entries: Sequence[lc.HistoryEntry],
+    limit: int = HISTORY_LIMIT,
+) -> tuple[lc.HistoryEntry, ...]:
+    """Bounded history: the last ``limit`` accepted entries."""
+    return tuple([*history, *accepted(history, entries)][-limit:])
+
+
 def _history_in(inst: GpuInstance) -> tuple[lc.HistoryEntry, ...]:
     out = []
     for h in inst.status.history:
@@ -276,9 +315,9 @@ def history(
 ) -> tuple[list[HistoryEntry], tuple[EventSpec, ...]]:
     """The bounded history with this pass's news, and an Event for each but quiet waiting."""
     old = _history_in(inst)
-    fresh = lc.accepted(old, entries)
+    fresh = accepted(old, entries)
     events = tuple(_event_of(e) for e in fresh if e.verdict is not lc.Verdict.SKIPPED or e.reason)
-    return _history_out(lc.append_history(old, entries)), events
+    return _history_out(append_history(old, entries)), events
 
 
 # --------------------------------------------------------------- instance
