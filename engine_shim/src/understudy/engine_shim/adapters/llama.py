@@ -34,7 +34,7 @@ import numpy.typing as npt
 from aiohttp import web
 
 from understudy.engine_shim import openai_api
-from understudy.engine_shim.adapters import tiny_llama
+from understudy.engine_shim.adapters import models, tiny_llama
 from understudy.engine_shim.adapters.base import AdapterError, Engine
 from understudy.engine_shim.adapters.llama_model import (
     KVCache,
@@ -45,6 +45,7 @@ from understudy.engine_shim.adapters.llama_model import (
     sample,
 )
 from understudy.engine_shim.adapters.llama_text import ChatTokenizer
+from understudy.engine_shim.adapters.model_cache import cache_dir
 from understudy.engine_shim.adapters.packing import (
     WEIGHTS_FILE,
     WeightsError,
@@ -234,13 +235,12 @@ class LlamaEngine:
 
     def __init__(self, model: str = tiny_llama.BUILTIN, engine_args: Sequence[str] = ()) -> None:
         try:
-            self.model_dir = tiny_llama.resolve(model)
+            self.model_dir = models.resolve(model)
         except ValueError as exc:
             raise AdapterError(str(exc)) from None
         except OSError as exc:  # e.g. no writable model cache: say where it looked
             raise AdapterError(
-                f"model {model!r}: cannot build it in {tiny_llama.cache_dir()} "
-                f"(UNDERSTUDY_MODEL_CACHE): {exc}"
+                f"model {model!r}: cannot build it in {cache_dir()} (UNDERSTUDY_MODEL_CACHE): {exc}"
             ) from exc
         if not (self.model_dir / WEIGHTS_FILE).is_file():
             raise AdapterError(f"model {model!r}: no {WEIGHTS_FILE} in {self.model_dir}")
@@ -250,9 +250,7 @@ class LlamaEngine:
         except (WeightsError, OSError, ValueError, KeyError) as exc:
             raise AdapterError(f"model {model!r}: {exc}") from exc
         args = _parse_args(engine_args, self.config.max_position_embeddings)
-        self.model_id: str = (
-            model.removeprefix("builtin:") if model.startswith(tiny_llama.BUILTIN) else model
-        )
+        self.model_id: str = models.served_name(model)
         self.max_model_len: int = args.max_model_len
         self.eos_ids: frozenset[int] = self.text.eos_ids
         self.max_num_seqs: int = args.max_num_seqs
