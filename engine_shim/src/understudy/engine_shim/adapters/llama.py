@@ -68,6 +68,13 @@ __all__ = ["Batcher", "LlamaEngine", "NotServing", "Request"]
 META_KEY: Final = "llama"
 DEFAULT_MAX_NUM_SEQS: Final = 8
 STUCK_AFTER_S: Final = 30.0  # one worker iteration longer than this: unhealthy
+# Prompt (and resumed) tokens prefilled per iteration, one request at least:
+# vLLM's max_num_batched_tokens in spirit. Eight requests that arrive at once
+# (a failover hands the next engine every stream in flight) are prefilled over
+# several iterations, between decode steps, instead of in one long iteration:
+# the running streams keep flowing, and no iteration of a real model on a
+# busy CPU outlives STUCK_AFTER_S (whose liveness verdict would kill it).
+PREFILL_BUDGET: Final = 256
 STOP_TIMEOUT_S: Final = 60.0
 WARMUP_IDS: Final = (0, 5, 6, 7)
 
@@ -135,13 +142,15 @@ class Batcher(StepThread[Request]):
             if self._stopping:
                 return False
             self._drop(r for r in self._running if r.cancelled)
-            admitted = []
-            while self._waiting and self._free:
+            admitted: list[Request] = []
+            budget = PREFILL_BUDGET
+            while self._waiting and self._free and (budget > 0 or not admitted):
                 req = self._waiting.popleft()
                 if req.cancelled:
                     continue
                 req.slot = self._free.pop()
                 admitted.append(req)
+                budget -= len(req.prompt) + len(req.resume)
             self._running.extend(admitted)
             running = list(self._running)
         self.busy_since = time.monotonic()
