@@ -276,7 +276,7 @@ class VllmEngine:
 
     # --- init: imports, config, tokenizer -----------------------------------------
 
-    def prepare(self) -> None:  # noqa: C901, PLR0915
+    def prepare(self) -> None:  # noqa: C901
         """Everything that needs neither the weights nor working memory."""
         if self._config is not None:
             return
@@ -336,9 +336,9 @@ class VllmEngine:
         from transformers import AutoTokenizer
 
         self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-        eos = set(getattr(model_config.hf_config, "eos_token_id", None) or [])
-        if isinstance(model_config.hf_config.eos_token_id, int):
-            eos = {model_config.hf_config.eos_token_id}
+        # config.json may give one id (SmolLM2's 2) or a list (tiny-llama's).
+        configured = getattr(model_config.hf_config, "eos_token_id", None)
+        eos = {configured} if isinstance(configured, int) else set(configured or [])
         if self._tokenizer.eos_token_id is not None:
             eos.add(int(self._tokenizer.eos_token_id))
         self.eos_ids = frozenset(eos)
