@@ -180,14 +180,6 @@ class Clients:
         self.pool.shutdown()
 
 
-def _front_pid(pod: LocalPod) -> int | None:
-    """The front process's pid (None while no front answers its status port)."""
-    try:
-        return http_json(pod.front_port, "/state", timeout=2)[1]["pid"]
-    except (OSError, http.client.HTTPException):
-        return None
-
-
 def test_a_killed_front_refuses_no_connection_and_counts_what_it_lost(pod):
     """The front dies (kill -9, three times) under 8 clients: the lock server
     keeps the serving socket, so connections wait for the next front instead
@@ -199,11 +191,11 @@ def test_a_killed_front_refuses_no_connection_and_counts_what_it_lost(pod):
     try:
         for _ in range(3):
             time.sleep(0.7)
-            old = _front_pid(pod)
+            old = pod.front_pid()
             assert old is not None
             t0 = time.monotonic()
             os.kill(old, signal.SIGKILL)
-            wait_for(lambda: _front_pid(pod) not in (old, None), 20, 0.01, what="the next front")  # noqa: B023
+            wait_for(lambda: pod.front_pid() not in (old, None), 20, 0.01, what="the next front")  # noqa: B023
             starts.append(time.monotonic() - t0)
         time.sleep(0.5)
     finally:
@@ -238,10 +230,10 @@ def test_a_restarted_lock_server_takes_the_socket_from_the_front(pod):
     clients = Clients(pod, 4, hold_ms=20)
     try:
         time.sleep(0.5)
-        front = _front_pid(pod)
+        front = pod.front_pid()
         assert front is not None
         os.kill(front, signal.SIGKILL)
-        wait_for(lambda: _front_pid(pod) not in (front, None), 20, 0.01, what="the next front")
+        wait_for(lambda: pod.front_pid() not in (front, None), 20, 0.01, what="the next front")
         time.sleep(0.5)
     finally:
         clients.close()
