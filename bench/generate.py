@@ -63,15 +63,16 @@ from understudy.engine_shim.adapters import models, smollm2, tiny_llama
 from understudy.engine_shim.adapters.llama import LlamaEngine
 from understudy.engine_shim.generation import SamplingParams
 
-PROMPTS = (  # chat questions, through the model's chat template
-    "What is the capital of France?",
-    "Tell me about the café culture of Paris.",
-    "Write a story about a dragon who lives in Zürich.",
+# Chat questions, through the model's chat template, whose greedy answers
+# from SmolLM2 run past 80 tokens (a decode rate needs the whole
+# --max-tokens; both engines give the same greedy tokens, so the same count).
+PROMPTS = (
+    "Tell me about the café culture of Paris, with a few French words like crème brûlée.",
+    "Write a story about a dragon named Zoë who lives in Zürich.",
     "Explain what a failover is, in detail.",
-    "How does a lock server decide who holds the lock?",
-    "Write a Python function that adds two numbers, and explain it.",
-    "List the planets of the solar system with one fact each.",
-    "Why is the sky blue?",
+    "What does an understudy do in a theatre?",
+    "Write a short poem in French about the sea.",
+    "Tell me about understudies.",
 )
 PREFILL_LENGTHS = (128, 1024)
 VLLM_START_S = 900.0  # imports and model load on a busy 2-core machine
@@ -111,6 +112,8 @@ async def ours_one(engine: LlamaEngine, prompt: list[int], params: SamplingParam
     times = []
     async for _ in engine.generate(prompt, params):
         times.append(time.perf_counter())
+    if len(times) != params.max_tokens:
+        raise RuntimeError(f"ours ended after {len(times)} tokens, not {params.max_tokens}")
     run.add(sent, times)
 
 
