@@ -148,7 +148,46 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def parse(gen: Generator, body: Any, chat: bool) -> Request:  # noqa: C901
+def _max_tokens(gen: Generator, body: dict[str, Any], chat: bool, prompt: int) -> tuple[int, str]:
+    """The completion budget and the key it came from (default: the room left)."""
+    room = gen.max_model_len - prompt
+    if room < 1:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {gen.max_model_len} tokens; "
+            f"the prompt has {prompt}.",
+            "messages" if chat else "prompt",
+        )
+    key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    max_tokens = _int(body, key, 1, 1 << 20)
+    if max_tokens is None:
+        return room, key
+    if max_tokens > room:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {gen.max_model_len} tokens. However, you "
+            f"requested {prompt + max_tokens} tokens ({prompt} in the "
+            f"prompt, {max_tokens} for the completion).",
+            key,
+        )
+    return max_tokens, key
+
+
+def _ours(body: dict[str, Any], max_tokens: int, key: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The front's continuation fields: ``understudy`` and its ``resume``, checked."""
+    ours = body.get("understudy") or {}
+    if not isinstance(ours, dict):
+        raise ApiError(400, "'understudy' must be an object", "understudy")
+    resume = ours.get("resume") or {}
+    ids = resume.get("token_ids", [])
+    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+        raise ApiError(400, "'understudy.resume.token_ids' must be token ids", "understudy")
+    if len(ids) > max_tokens:
+        raise ApiError(400, f"more resumed tokens than the {key} of {max_tokens}", "understudy")
+    return ours, resume
+
+
+def parse(gen: Generator, body: Any, chat: bool) -> Request:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -158,26 +197,7 @@ def parse(gen: Generator, body: Any, chat: bool) -> Request:  # noqa: C901
         if body.get(key, default) not in (default, None):
             raise ApiError(400, f"'{key}' is not supported by this engine", key)
     prompt_ids = gen.encode_chat(_messages(body)) if chat else _prompt_ids(gen, body)
-    room = gen.max_model_len - len(prompt_ids)
-    if room < 1:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {gen.max_model_len} tokens; "
-            f"the prompt has {len(prompt_ids)}.",
-            "messages" if chat else "prompt",
-        )
-    key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
-    max_tokens = _int(body, key, 1, 1 << 20)
-    if max_tokens is None:
-        max_tokens = room
-    elif max_tokens > room:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {gen.max_model_len} tokens. However, you "
-            f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the "
-            f"prompt, {max_tokens} for the completion).",
-            key,
-        )
+    max_tokens, key = _max_tokens(gen, body, chat, len(prompt_ids))
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=_float(body, "temperature", 0.0, 2.0, 1.0),
@@ -190,15 +210,8 @@ def parse(gen: Generator, body: Any, chat: bool) -> Request:  # noqa: C901
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError(400, "'stream_options' must be an object", "stream_options")
-    ours = body.get("understudy") or {}
-    if not isinstance(ours, dict):
-        raise ApiError(400, "'understudy' must be an object", "understudy")
-    resume = ours.get("resume") or {}
+    ours, resume = _ours(body, max_tokens, key)
     ids = resume.get("token_ids", [])
-    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-        raise ApiError(400, "'understudy.resume.token_ids' must be token ids", "understudy")
-    if len(ids) > max_tokens:
-        raise ApiError(400, f"more resumed tokens than the {key} of {max_tokens}", "understudy")
     prefix = "chatcmpl" if chat else "cmpl"
     request_id = ours.get("request_id")
     created = ours.get("created")

@@ -97,9 +97,8 @@ def _expected_nbytes(dtype: str, shape: Sequence[int]) -> int:
     return math.prod(shape) * np.dtype(dtype).itemsize
 
 
-def weights_manifest(model_dir: Path | str) -> list[TensorSpec]:  # noqa: C901
-    """Every tensor of ``model_dir/model.safetensors``, sorted by name; reads the header only."""
-    path = Path(model_dir) / WEIGHTS_FILE
+def _read_header(path: Path) -> tuple[dict[str, object], int, int]:
+    """The safetensors JSON header, where the data starts, and the file's size."""
     with open(path, "rb") as f:
         prefix = f.read(8)
         if len(prefix) != 8:
@@ -117,23 +116,36 @@ def weights_manifest(model_dir: Path | str) -> list[TensorSpec]:  # noqa: C901
         raise WeightsError(f"{path}: header is not JSON: {e}") from e
     if not isinstance(header, dict):
         raise WeightsError(f"{path}: header is not a JSON object")
-    data_start = 8 + header_len
-    specs = []
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = _DTYPES[entry["dtype"]]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(o) for o in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise WeightsError(f"{path}: bad or unsupported entry {name!r}: {entry!r}") from e
-        nbytes = end - begin
-        if min(shape, default=0) < 0 or nbytes != _expected_nbytes(dtype, shape):
-            raise WeightsError(f"{path}: {name!r}: {nbytes} bytes do not match {dtype}{shape}")
-        if begin < 0 or data_start + end > file_size:
-            raise WeightsError(f"{path}: {name!r}: data range lies outside the file")
-        specs.append(TensorSpec(name, dtype, shape, nbytes, data_start + begin))
+    return header, 8 + header_len, file_size
+
+
+def _spec(path: Path, name: str, entry: object, data_start: int, file_size: int) -> TensorSpec:
+    bad = WeightsError(f"{path}: bad or unsupported entry {name!r}: {entry!r}")
+    if not isinstance(entry, dict):
+        raise bad
+    try:
+        dtype = _DTYPES[entry["dtype"]]
+        shape = tuple(int(d) for d in entry["shape"])
+        begin, end = (int(o) for o in entry["data_offsets"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise bad from e
+    nbytes = end - begin
+    if min(shape, default=0) < 0 or nbytes != _expected_nbytes(dtype, shape):
+        raise WeightsError(f"{path}: {name!r}: {nbytes} bytes do not match {dtype}{shape}")
+    if begin < 0 or data_start + end > file_size:
+        raise WeightsError(f"{path}: {name!r}: data range lies outside the file")
+    return TensorSpec(name, dtype, shape, nbytes, data_start + begin)
+
+
+def weights_manifest(model_dir: Path | str) -> list[TensorSpec]:
+    """Every tensor of ``model_dir/model.safetensors``, sorted by name; reads the header only."""
+    path = Path(model_dir) / WEIGHTS_FILE
+    header, data_start, file_size = _read_header(path)
+    specs = [
+        _spec(path, name, entry, data_start, file_size)
+        for name, entry in header.items()
+        if name != "__metadata__"
+    ]
     specs.sort(key=lambda s: s.name)
     return specs
 
