@@ -73,6 +73,32 @@ async def test_seeded_sampling_differs_from_greedy_and_between_seeds(engine: Lla
     assert len({tuple(greedy), tuple(a), tuple(b)}) == 3
 
 
+async def test_a_failovers_worth_of_resumed_streams_continues_the_same(tiny_llama_dir: Path):
+    """Eight streams continued at once, 60 resumed ids each: 480 rows to feed,
+    spread over iterations by the decode budget (DECODE_BUDGET) and the
+    prefill budget, while a fresh request keeps generating beside them; every
+    stream goes on with exactly the uninterrupted run's tokens."""
+    params = SamplingParams(max_tokens=80, temperature=0)
+    first = make_engine(tiny_llama_dir)
+    try:
+        prompts = [first.encode(t) for t in (*TEXTS, *TEXTS[:2])]
+        whole = [ids(await run(first, p, params)) for p in prompts]
+    finally:
+        first.close()
+    other = make_engine(tiny_llama_dir, "--max-num-seqs", "9")
+    try:
+        fresh = other.encode("A fresh request beside them")
+        alone = ids(await run(other, fresh, params))
+        got = await asyncio.gather(
+            *(run(other, p, params, w[:60]) for p, w in zip(prompts, whole, strict=True)),
+            run(other, fresh, params),
+        )
+        assert [ids(g) for g in got[:-1]] == [w[60:] for w in whole]
+        assert ids(got[-1]) == alone
+    finally:
+        other.close()
+
+
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 async def test_continuing_after_resumed_ids_gives_the_same_tokens(
     engine: LlamaEngine, tiny_llama_dir: Path, params: SamplingParams

@@ -75,6 +75,13 @@ STUCK_AFTER_S: Final = 30.0  # one worker iteration longer than this: unhealthy
 # the running streams keep flowing, and no iteration of a real model on a
 # busy CPU outlives STUCK_AFTER_S (whose liveness verdict would kill it).
 PREFILL_BUDGET: Final = 256
+# Rows (tokens) through decode per iteration. A continued stream feeds the
+# ids an earlier engine already sent through decode, one row each (as the
+# first engine computed them); a failover hands the next engine every stream
+# at once, hundreds of rows. The running streams' next tokens go first, the
+# feeds take what is left, over as many iterations as they need: rows are
+# independent of each other, so the split changes no number.
+DECODE_BUDGET: Final = 32
 STOP_TIMEOUT_S: Final = 60.0
 WARMUP_IDS: Final = (0, 5, 6, 7)
 
@@ -201,18 +208,25 @@ class Batcher(StepThread[Request]):
         send(req, Step(token, reason))
 
     def _decode(self, requests: Sequence[Request]) -> None:
-        if not requests:
-            return
         rows: list[Row] = []
-        last: list[int] = []
-        for req in requests:
-            rows.extend(Row(req.slot, req.position + i, t) for i, t in enumerate(req.feed))
-            last.append(len(rows) - 1)
-            req.position += len(req.feed)
-            req.feed = []
+        done: list[tuple[Request, int]] = []  # fed completely: its logits' row
+        budget = max(DECODE_BUDGET, self.cache.slots)
+        # One-token feeds (streams generating) first, then the resumed ids.
+        for req in sorted(requests, key=lambda r: len(r.feed) > 1):
+            take = req.feed[:budget]
+            if not take:
+                break
+            rows.extend(Row(req.slot, req.position + i, t) for i, t in enumerate(take))
+            req.position += len(take)
+            req.feed = req.feed[len(take) :]
+            budget -= len(take)
+            if not req.feed:
+                done.append((req, len(rows) - 1))
+        if not rows:
+            return
         logits = self.model.decode(rows, self.cache)
         self.steps += 1
-        for req, row in zip(requests, last, strict=True):
+        for req, row in done:
             req.logits = logits[row]
 
 

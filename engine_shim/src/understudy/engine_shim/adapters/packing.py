@@ -22,7 +22,7 @@ import mmap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, TypedDict
+from typing import Final, TypedDict
 
 import numpy as np
 import numpy.typing as npt
@@ -97,9 +97,8 @@ def _expected_nbytes(dtype: str, shape: Sequence[int]) -> int:
     return math.prod(shape) * np.dtype(dtype).itemsize
 
 
-def _read_header(path: Path) -> tuple[dict[str, Any], int, int]:
-    """The safetensors header as a JSON object, where the data starts, and the
-    file's size; reads nothing past the header."""
+def _read_header(path: Path) -> tuple[dict[str, object], int, int]:
+    """The safetensors JSON header, where the data starts, and the file's size."""
     with open(path, "rb") as f:
         prefix = f.read(8)
         if len(prefix) != 8:
@@ -120,14 +119,16 @@ def _read_header(path: Path) -> tuple[dict[str, Any], int, int]:
     return header, 8 + header_len, file_size
 
 
-def _spec(path: Path, name: str, entry: Any, data_start: int, file_size: int) -> TensorSpec:
-    """One header entry, checked against its dtype, its shape and the file."""
+def _spec(path: Path, name: str, entry: object, data_start: int, file_size: int) -> TensorSpec:
+    bad = WeightsError(f"{path}: bad or unsupported entry {name!r}: {entry!r}")
+    if not isinstance(entry, dict):
+        raise bad
     try:
         dtype = _DTYPES[entry["dtype"]]
         shape = tuple(int(d) for d in entry["shape"])
         begin, end = (int(o) for o in entry["data_offsets"])
     except (KeyError, TypeError, ValueError) as e:
-        raise WeightsError(f"{path}: bad or unsupported entry {name!r}: {entry!r}") from e
+        raise bad from e
     nbytes = end - begin
     if min(shape, default=0) < 0 or nbytes != _expected_nbytes(dtype, shape):
         raise WeightsError(f"{path}: {name!r}: {nbytes} bytes do not match {dtype}{shape}")
