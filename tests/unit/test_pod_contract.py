@@ -70,3 +70,24 @@ def test_sidecar_commands_are_the_same():
         # Locally: [python, -m, understudy.cli, ...]; in the pod: [understudy, ...].
         ours = ["understudy", *c.argv[c.argv.index("understudy.cli") + 1 :]]
         assert [_num(a) for a in argv] == [_num(a) for a in ours], c.name
+
+
+def test_engine_commands_are_the_same():
+    """Both run the engine under the respawner (docs/pod.md)."""
+    inst = _instance()
+    pod = render.render_pod(inst, 0, 1, None, render.RenderConfig())
+    for c in local.containers(_local_config(inst))[3:]:
+        (rendered,) = [x for x in pod["spec"]["containers"] if x["name"] == c.name]
+        argv = [*rendered["command"], *rendered["args"]]
+        # Locally: python -m understudy.cli respawn -- python -m understudy.cli engine run.
+        local_argv = c.argv[c.argv.index("understudy.cli") + 1 :]
+        cut = local_argv.index("--")
+        child = local_argv[cut + 1 :]
+        ours = [
+            "understudy",
+            *local_argv[: cut + 1],
+            "understudy",
+            *child[child.index("understudy.cli") + 1 :],
+        ]
+        assert argv == ours, c.name
+        assert argv[:4] == ["understudy", "respawn", "--spare", "--"]

@@ -198,7 +198,7 @@ PROBE_STATUS: dict[tuple[Probe, State], tuple[int, int]] = {
     (Probe.STARTUP, S.ACTIVE): (200, 200),
     (Probe.STARTUP, S.DRAINING): (200, 200),
     (Probe.STARTUP, S.DEAD): (503, 503),
-    (Probe.LIVE, S.INIT): (503, 503),
+    (Probe.LIVE, S.INIT): (200, 200),  # the shim enforces its startup budget itself
     (Probe.LIVE, S.STANDBY): (200, 200),
     (Probe.LIVE, S.WAKING): (200, 200),  # within the wake timeout
     (Probe.LIVE, S.ACTIVE): (200, 503),

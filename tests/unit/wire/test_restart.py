@@ -27,7 +27,14 @@ from understudy.wire.restart import (
 
 P = Phase
 POLICY = Policy(initial_s=1.0, max_s=8.0, give_up_after=3)
-EVENTS: list[restart.Event] = [Ready(), Exited(137), BackoffOver(), Stop(15)]
+SPARE = Policy(initial_s=1.0, max_s=8.0, give_up_after=3, spare=True)
+EVENTS: list[restart.Event] = [
+    Ready(),
+    Exited(137),
+    restart.SpareExited(9),
+    BackoffOver(),
+    Stop(15),
+]
 
 # Where every legal pair lands, from the policy's rules (the module docstring),
 # not read from the table. The started child's death restarts at once; a
@@ -43,6 +50,8 @@ LANDS: dict[tuple[Phase, type], Phase] = {
     (P.STOPPING, Exited): P.DONE,
     (P.STOPPING, Stop): P.STOPPING,
     (P.STOPPING, Ready): P.STOPPING,
+    # A spare's end changes no phase (it is not replaced until the next start).
+    **{(p, restart.SpareExited): p for p in (P.STARTING, P.RUNNING, P.BACKOFF, P.STOPPING)},
 }
 # The actions of each legal pair, from phase entered at t=10 with 2 starts, at t=20.
 ACTIONS: dict[tuple[Phase, type], list[type]] = {
@@ -56,6 +65,8 @@ ACTIONS: dict[tuple[Phase, type], list[type]] = {
     (P.STOPPING, Exited): [Exit],
     (P.STOPPING, Stop): [Signal],
     (P.STOPPING, Ready): [],
+    **{(p, restart.SpareExited): [restart.Note] for p in (P.STARTING, P.RUNNING, P.BACKOFF)},
+    (P.STOPPING, restart.SpareExited): [],
 }
 
 
@@ -151,11 +162,12 @@ def test_a_state_is_frozen() -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.sampled_from(EVENTS), max_size=30))
-def test_invariants(events: list[restart.Event]) -> None:
-    """Over any sequence: one Start per child; Done is final and comes with
-    one Exit; never more failures in a row than the policy allows."""
-    s, actions = restart.initial(0.0, POLICY)
+@given(st.lists(st.sampled_from(EVENTS), max_size=30), st.sampled_from([POLICY, SPARE]))
+def test_invariants(events: list[restart.Event], policy: Policy) -> None:
+    """Over any sequence: one Start or Go per child; Done is final and comes with
+    one Exit; never more failures in a row than the policy allows; a Go only
+    with a spare, and never two spares."""
+    s, actions = restart.initial(0.0, policy)
     starts = sum(isinstance(a, Start) for a in actions)
     exits = 0
     for t, e in zip(itertools.count(1), events, strict=False):
@@ -165,6 +177,38 @@ def test_invariants(events: list[restart.Event]) -> None:
             continue
         starts += sum(isinstance(a, Start) for a in actions)
         exits += sum(isinstance(a, Exit) for a in actions)
+        starts += sum(isinstance(a, restart.Go) for a in actions)
         assert starts == s.starts
-        assert s.failures <= POLICY.give_up_after
+        assert s.failures <= policy.give_up_after
         assert exits == (1 if s.phase is P.DONE else 0)
+        assert not s.spare or policy.spare
+
+
+def test_with_a_spare_the_next_process_is_prepared_and_then_goes_on() -> None:
+    s, actions = restart.initial(0.0, SPARE)
+    assert actions == [Start(0)]  # the first start has no spare to use
+    s, actions = restart.step(s, Ready(), 2.0)
+    assert restart.StartSpare() in actions and s.spare
+    for i in range(1, 6):
+        s, actions = restart.step(s, Exited(137), 10.0 * i)
+        assert actions[-1] == restart.Go(i) and not s.spare  # the spare goes on
+        s, actions = restart.step(s, Ready(), 10.0 * i + 0.5)
+        assert restart.StartSpare() in actions and s.spare  # and a new one is prepared
+
+
+def test_a_spare_that_dies_is_not_replaced_until_the_next_start() -> None:
+    s, _ = restart.initial(0.0, SPARE)
+    s, _ = restart.step(s, Ready(), 1.0)
+    s, actions = restart.step(s, restart.SpareExited(1), 2.0)
+    assert not s.spare and not any(isinstance(a, restart.StartSpare) for a in actions)
+    s, actions = restart.step(s, Exited(137), 3.0)
+    assert actions[-1] == Start(1)  # no spare: a fresh start
+    s, actions = restart.step(s, Ready(), 4.0)
+    assert restart.StartSpare() in actions
+
+
+def test_a_stop_ends_the_spare_too() -> None:
+    s, _ = restart.initial(0.0, SPARE)
+    s, _ = restart.step(s, Ready(), 1.0)
+    s, actions = restart.step(s, Stop(15), 2.0)
+    assert actions == [restart.StopSpare(), Signal(15)]

@@ -24,13 +24,14 @@ import prometheus_client as prom
 from understudy.engine_shim import fsm
 from understudy.engine_shim.adapters.base import Engine
 from understudy.engine_shim.config import EngineConfig
+from understudy.engine_shim.early_status import EarlyStatus
 from understudy.engine_shim.fsm import Budgets, State
 from understudy.engine_shim.http import HttpHost
 from understudy.engine_shim.probes import Probe, Verdict, verdict
 from understudy.engine_shim.weights import Weights
 from understudy.gms.client import GmsError
 from understudy.lockserver import client as lock_client
-from understudy.wire import failpoints, heap
+from understudy.wire import failpoints, heap, respawn
 from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.engine_shim")
@@ -102,8 +103,15 @@ class Metrics:
 
 
 class Shim:
-    def __init__(self, cfg: EngineConfig, engine: Engine, host: HttpHost | None = None) -> None:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        engine: Engine,
+        host: HttpHost | None = None,
+        early: EarlyStatus | None = None,
+    ) -> None:
         self.cfg = cfg
+        self.early = early  # the status port, answered since the process began
         self.engine = engine
         self.s = fsm.initial(time.monotonic(), Budgets(cfg.startup_budget_s, cfg.wake_timeout_s))
         self.metrics = Metrics(cfg)
@@ -237,6 +245,8 @@ class Shim:
             "name": self.cfg.name,
             "engine_id": self.cfg.engine_id,
             "pid": os.getpid(),
+            # in-place restarts of this container's engine before this process
+            "restarts": respawn.restarts(),
             "adapter": self.engine.name,
             "state": s.state.value,
             "time_in_state_s": round(s.time_in_state(time.monotonic()), 4),
@@ -256,7 +266,12 @@ class Shim:
         cfg = self.cfg
         self.host.start()
         self.host.serve_status(
-            "0.0.0.0", cfg.status_port, self.verdict, self.state_view, self.metrics.registry
+            "0.0.0.0",
+            cfg.status_port,
+            self.verdict,
+            self.state_view,
+            self.metrics.registry,
+            sock=self.early.handover() if self.early is not None else None,
         )
         self.host.start_heartbeat(cfg.heartbeat, lambda: self.s.epoch)
         # SIGTERM drains an Active engine and ends any other at once. A handler
@@ -289,6 +304,10 @@ class Shim:
             self.durations["init"]
         )
         pending = self.feed(fsm.InitDone())
+        # Standby: this engine has proved it can start. A respawner (the
+        # engine container's init, docs/pod.md) restarts it at once from now
+        # on if it dies, instead of backing off.
+        respawn.notify_ready()
         while pending:
             pending += self._do(pending.pop(0))
         threading.Event().wait()  # Active: serve until the process ends

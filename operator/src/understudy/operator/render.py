@@ -349,8 +349,12 @@ def engine_container(inst: GpuInstance, cfg: RenderConfig, i: int) -> dict[str, 
         "name": name,
         "image": inst.spec.engine.image or cfg.image,
         "imagePullPolicy": cfg.image_pull_policy,
+        # The respawner restarts a dead engine in place at once, without
+        # kubelet's CrashLoopBackOff, from a spare that has done its imports;
+        # an engine that cannot start is backed off and then handed to
+        # kubelet (docs/pod.md, re-arm on a stock kubelet).
         "command": ["understudy"],
-        "args": ["engine", "run"],
+        "args": ["respawn", "--spare", "--", "understudy", "engine", "run"],
         "env": engine_env(inst, name, i),
         # No serving port: the front owns it; an engine listens on a Unix socket
         # in the pod's run directory, and only while Active.

@@ -207,7 +207,11 @@ def containers(cfg: LocalConfig) -> list[Container]:
         out.append(
             Container(
                 name,
-                [cfg.engine_python or sys.executable, "-m", "understudy.cli", "engine", "run"],
+                # As in the pod: the respawner restarts the engine in place.
+                [
+                    *_understudy("respawn", "--spare", "--"),
+                    *(cfg.engine_python or sys.executable, "-m", "understudy.cli", "engine", "run"),
+                ],
                 engine_env(cfg, role, name, index),
                 cfg.status_port + index,
             )
