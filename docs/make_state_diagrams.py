@@ -76,7 +76,9 @@ def sections() -> list[Section]:
             "Front door routing",
             "front/src/understudy/front/fsm.py",
             "Where the pod's front door sends requests: the engine that holds the lock, "
-            "under the newest epoch seen. While WAITING, requests are held.",
+            "under the newest epoch seen. While WAITING, requests are held. An event is "
+            "judged against the state first (`kind`); an edge names the event and, in "
+            "brackets, what it meant.",
             mermaid(front.TRANSITIONS, initial=front.Phase.WAITING),
         ),
         Section(

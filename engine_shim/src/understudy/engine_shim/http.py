@@ -30,7 +30,7 @@ import prometheus_client as prom
 from aiohttp import web
 
 from understudy.engine_shim.probes import Probe, Verdict
-from understudy.wire.serving import HeartbeatWriter
+from understudy.wire.heartbeat import HeartbeatWriter
 
 Health = Callable[[], tuple[bool, str]]
 EPOCH_HEADER = "X-Understudy-Epoch"

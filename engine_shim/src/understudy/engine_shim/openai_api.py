@@ -6,8 +6,8 @@ adds a usage chunk), ``GET /v1/models``. Shapes, usage counting and
 ``finish_reason`` follow vLLM's OpenAI server; errors are shaped like
 OpenAI's (``{"error": {"message", "type", "param", "code"}}``).
 
-The continuation contract with the pod's front door (its side:
-``understudy.front.continuation``): a request may carry ``understudy:
+The continuation contract with the pod's front door (``understudy.wire.serving``;
+its side: ``understudy.front.continuation``): a request may carry ``understudy:
 {request_id, created, resume: {token_ids, started}}``. ``request_id`` and
 ``created`` fix the response's ``id`` and ``created``; ``resume`` says which
 tokens an earlier engine already streamed to the client, and whether the
@@ -36,6 +36,7 @@ from understudy.engine_shim.generation import (
     Step,
     finish_of,
 )
+from understudy.wire.serving import FIELD, TOKENS_PREFIX
 
 NOT_ACTIVE_HEADER = "X-Understudy-Not-Active"
 
@@ -207,9 +208,9 @@ def _resume(ours: dict[str, Any], max_tokens: int, key: str) -> tuple[tuple[int,
     resume = ours.get("resume") or {}
     ids = resume.get("token_ids", [])
     if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-        raise ApiError(400, "'understudy.resume.token_ids' must be token ids", "understudy")
+        raise ApiError(400, f"'{FIELD}.resume.token_ids' must be token ids", FIELD)
     if len(ids) > max_tokens:
-        raise ApiError(400, f"more resumed tokens than the {key} of {max_tokens}", "understudy")
+        raise ApiError(400, f"more resumed tokens than the {key} of {max_tokens}", FIELD)
     return tuple(ids), bool(resume.get("started", bool(ids)))
 
 
@@ -224,7 +225,7 @@ def parse(gen: Generator, body: Any, chat: bool) -> Request:
         seed=_int(body, "seed", -(1 << 63), (1 << 63) - 1),
     )
     stream, include_usage = _stream(body)
-    ours = _object(body, "understudy")
+    ours = _object(body, FIELD)
     resume, started = _resume(ours, max_tokens, key)
     prefix = "chatcmpl" if chat else "cmpl"
     request_id = ours.get("request_id")
@@ -272,7 +273,7 @@ def _chunk(req: Request, gen: Generator, choice: dict[str, Any] | None, **extra:
 
 
 def _event(token_ids: Sequence[int], data: bytes) -> bytes:
-    return b": tokens=" + ",".join(map(str, token_ids)).encode() + b"\ndata: " + data + b"\n\n"
+    return TOKENS_PREFIX + ",".join(map(str, token_ids)).encode() + b"\ndata: " + data + b"\n\n"
 
 
 def _choice(req: Request, text: str | None, finish: str | None, first: bool) -> dict[str, Any]:

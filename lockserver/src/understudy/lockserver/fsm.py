@@ -126,7 +126,9 @@ class Disconnected:
 
 @dataclass(frozen=True, slots=True)
 class WindowExpired:
-    """The shell's window timer fired (possibly a hair early)."""
+    """The window's deadline passed. The shell feeds it from its timer, and
+    only once the deadline is due (a timer that fires early is armed again):
+    fed before the deadline, it is refused (``InvalidTransition``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,8 +332,13 @@ def _grant(s: LockState, w: Waiter, now: float) -> Result:
 
 
 def _holder_gone(s: LockState, e: HolderGone, now: float) -> Result:
-    if s.window is None or s.window.holder != e.engine_id:
-        return s, []
+    assert s.window is not None  # WINDOW always has one
+    if e.engine_id != s.window.holder:
+        raise InvalidTransition(
+            f"HolderGone for {e.engine_id}, but the window waits for {s.window.holder}",
+            s.phase,
+            HolderGone,
+        )
     new, actions = _release(s, now)
     return new, [WindowClosed("holder_gone"), *actions]
 
@@ -390,7 +397,7 @@ def _next_waiter(s: LockState) -> Waiter | None:
 
 def _release(s: LockState, now: float) -> Result:
     """The lock just became free (holder gone or window over): promote or clear."""
-    s = replace(s, holder=None, window=None)
+    s = replace(s, phase=Phase.FREE, holder=None, window=None)
     refused: list[Action] = []
     while (nxt := _next_waiter(s)) is not None:
         claim = _claim(s, nxt.engine_id, nxt.resume_epoch)
@@ -403,7 +410,7 @@ def _release(s: LockState, now: float) -> Result:
     return replace(s, phase=Phase.FREE), [*refused, Clear(s.epoch)]
 
 
-def _refused(e: AcquireRequested, claim: Reject | str | None, s: LockState) -> Reject | None:
+def _refused(e: AcquireRequested, claim: Reject | str | None) -> Reject | None:
     if isinstance(claim, Reject):
         return replace(claim, conn=e.conn)
     return None
@@ -412,7 +419,7 @@ def _refused(e: AcquireRequested, claim: Reject | str | None, s: LockState) -> R
 def _acquire_free(s: LockState, e: AcquireRequested, now: float) -> Result:
     if (why := _known(s, e.conn)) is not None:
         return s, [Reject(e.conn, "bad_request", f"this connection {why}")]
-    if (no := _refused(e, _claim(s, e.engine_id, e.resume_epoch), s)) is not None:
+    if (no := _refused(e, _claim(s, e.engine_id, e.resume_epoch))) is not None:
         return s, [no]
     w = Waiter(e.conn, e.engine_id, e.resume_epoch, now)
     if s.waiters:  # a grant is being retried after a failed write: queue up
@@ -423,7 +430,7 @@ def _acquire_free(s: LockState, e: AcquireRequested, now: float) -> Result:
 def _acquire_held(s: LockState, e: AcquireRequested, now: float) -> Result:
     if (why := _known(s, e.conn)) is not None:
         return s, [Reject(e.conn, "bad_request", f"this connection {why}")]
-    if (no := _refused(e, _claim(s, e.engine_id, e.resume_epoch), s)) is not None:
+    if (no := _refused(e, _claim(s, e.engine_id, e.resume_epoch))) is not None:
         return s, [no]
     w = Waiter(e.conn, e.engine_id, e.resume_epoch, now)
     return replace(s, waiters=(*s.waiters, w)), []
@@ -444,7 +451,7 @@ def _acquire_window(s: LockState, e: AcquireRequested, now: float) -> Result:
         w = replace(w, resume_epoch=s.window.epoch)
         new, actions = _grant(replace(s, waiters=(*s.waiters, w)), w, now)
         return new, [WindowClosed("reclaimed"), *actions]
-    if (no := _refused(e, claim, s)) is not None:
+    if (no := _refused(e, claim)) is not None:
         return s, [no]
     if claim == "reissue":
         # The record was lost: the first engine that says it held the lock is
@@ -470,9 +477,13 @@ def _disconnect_other(s: LockState, e: Disconnected, now: float) -> Result:
 
 
 def _window_timer(s: LockState, e: WindowExpired, now: float) -> Result:
-    assert s.window is not None
+    assert s.window is not None  # WINDOW always has one
     if now < s.window.deadline:
-        return s, []  # early wake-up of the shell's timer
+        raise InvalidTransition(
+            f"WindowExpired {s.window.deadline - now:.6f}s before the deadline",
+            s.phase,
+            WindowExpired,
+        )
     new, actions = _release(s, now)
     return new, [WindowClosed("expired"), *actions]
 
@@ -482,7 +493,10 @@ def _window_timer(s: LockState, e: WindowExpired, now: float) -> Result:
 P = Phase
 
 # (phase, event type) -> (handler, phases it may lead to). A miss is an
-# InvalidTransition: the shell fed an event this phase cannot take.
+# InvalidTransition: the shell fed an event this phase cannot take. A window
+# ends in HELD when someone waits for the lock (the first waiter is granted),
+# in FREE when nobody does. Timer events and holder reports that arrive after
+# the window closed are stale, and change nothing.
 TRANSITIONS: dict[tuple[Phase, type], Entry[LockState, Action, Phase]] = {
     (P.INIT, Restored): Entry(_restored, frozenset({P.FREE, P.WINDOW})),
     (P.INIT, Connected): Entry(_noop, frozenset({P.INIT})),
@@ -497,8 +511,8 @@ TRANSITIONS: dict[tuple[Phase, type], Entry[LockState, Action, Phase]] = {
     (P.WINDOW, Connected): Entry(_noop, frozenset({P.WINDOW})),
     (P.WINDOW, AcquireRequested): Entry(_acquire_window, frozenset({P.WINDOW, P.HELD})),
     (P.WINDOW, Disconnected): Entry(_disconnect_other, frozenset({P.WINDOW})),
-    (P.WINDOW, WindowExpired): Entry(_window_timer, frozenset({P.WINDOW, P.HELD, P.FREE})),
-    (P.WINDOW, HolderGone): Entry(_holder_gone, frozenset({P.WINDOW, P.HELD, P.FREE})),
+    (P.WINDOW, WindowExpired): Entry(_window_timer, frozenset({P.HELD, P.FREE})),
+    (P.WINDOW, HolderGone): Entry(_holder_gone, frozenset({P.HELD, P.FREE})),
     (P.FREE, HolderGone): Entry(_noop, frozenset({P.FREE})),
     (P.HELD, HolderGone): Entry(_noop, frozenset({P.HELD})),
     (P.HELD, Persisted): Entry(_persisted, frozenset({P.HELD})),

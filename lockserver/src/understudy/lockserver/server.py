@@ -40,8 +40,9 @@ from understudy.lockserver.messages import (
     client_codec,
     server_codec,
 )
+from understudy.wire.heartbeat import read_beat
 from understudy.wire.obs import log_event, start_metrics_server
-from understudy.wire.serving import heartbeat_path, read_beat
+from understudy.wire.serving import heartbeat_path
 from understudy.wire.uds import bind_unix, peer_credentials, set_keepalive
 
 log = logging.getLogger("understudy.lockserver")
@@ -280,92 +281,110 @@ class LockServer:
         for conn in list(self._watchers):
             self._send(conn, now)
 
-    def _execute(self, action: fsm.Action) -> None:  # noqa: C901, PLR0912
+    def _execute(self, action: fsm.Action) -> None:
         match action:
-            case fsm.Persist(engine_id=engine_id, epoch=epoch):
-                # The grant's counts go to disk with the grant itself: kept
-                # only if the write succeeds (a failed write undoes the grant).
-                staged, wall = self._counted_grant(), time.time()
-                try:
-                    statefile.write(self.config.state_file, engine_id, epoch, wall, staged)
-                except OSError as exc:
-                    WRITE_FAILURES.labels(record="grant").inc()
-                    self._feed(fsm.PersistFailed(f"{exc.strerror or exc} ({exc.errno})"))
-                else:
-                    if staged.handovers > self.tally.handovers:
-                        released = self._released_at
-                        self._rearm_from = released if released is not None else self._now()
-                    self.tally, self._granted_wall = staged, wall
-                    self._feed(fsm.Persisted())
-            case fsm.Clear(epoch=epoch):
-                try:
-                    statefile.write(self.config.state_file, None, epoch, time.time(), self.tally)
-                except OSError as exc:
-                    # The file still names the last holder: a restart would
-                    # wait a reconnect window for it. Slower, never unsafe.
-                    WRITE_FAILURES.labels(record="release").inc()
-                    log_event(
-                        log, "state_write_failed", logging.ERROR, record="release",
-                        epoch=epoch, error=str(exc),
-                    )  # fmt: skip
-                log_event(log, "released", epoch=epoch)
-            case fsm.ArmRetry(deadline=deadline, reason=reason):
-                log_event(
-                    log, "grant_deferred", logging.ERROR, reason=reason,
-                    retry_in_ms=round((deadline - self._now()) * 1000),
-                    consequence="the grant waits until the state file can be written",
-                )  # fmt: skip
-                assert self._loop is not None
-                self._loop.call_at(deadline, lambda: self._feed(fsm.RetryGrant()))
-            case fsm.Grant(conn=conn, engine_id=engine_id, epoch=epoch, resumed=resumed):
-                # The grant first (the record is already on disk): the log
-                # line and metrics are off the handover's critical path.
-                released = None
-                if self._released_at is not None and not resumed:
-                    released = time.time() - (self._now() - self._released_at)
-                self._send(
-                    conn,
-                    Granted(
-                        engine_id=engine_id,
-                        epoch=epoch,
-                        resumed=resumed,
-                        reissued=action.reissued,
-                        released_at=released,
-                    ),
-                )
-                self._released_at = None
-                WAIT.observe(action.waited_s)
-                log_event(
-                    log,
-                    "granted",
-                    engine_id=engine_id,
-                    epoch=epoch,
-                    resumed=resumed,
-                    waited_ms=round(action.waited_s * 1000, 3),
-                    conn=conn,
-                )
+            case fsm.Persist():
+                self._persist(action)
+            case fsm.Clear():
+                self._clear(action)
+            case fsm.ArmRetry():
+                self._arm_retry(action)
+            case fsm.Grant():
+                self._grant(action)
             case fsm.Reject(conn=conn, code=code, message=message):
                 self._reject(conn, code, message)
-            case fsm.WindowOpened(holder=holder, epoch=epoch, deadline=deadline, corrupt=corrupt):
-                log_event(
-                    log,
-                    "window_opened",
-                    logging.WARNING,
-                    holder=holder or "<unknown>",
-                    epoch=epoch,
-                    seconds=round(deadline - self._now(), 3),
-                    corrupt=corrupt,
-                )
-                self._arm_timer(deadline)
-            case fsm.WindowClosed(reason=reason):
-                # Written with the grant or release that always follows it.
-                self.tally = tally.window_closed(self.tally, reason)
-                log_event(log, "window_closed", reason=reason)
-                if self._timer is not None:
-                    self._timer.cancel()
-                    self._timer = None
+            case fsm.WindowOpened():
+                self._window_opened(action)
+            case fsm.WindowClosed():
+                self._window_closed(action)
             case _:
                 assert_never(action)
+
+    def _persist(self, action: fsm.Persist) -> None:
+        # The grant's counts go to disk with the grant itself: kept only if
+        # the write succeeds (a failed write undoes the grant).
+        staged, wall = self._counted_grant(), time.time()
+        try:
+            statefile.write(self.config.state_file, action.engine_id, action.epoch, wall, staged)
+        except OSError as exc:
+            WRITE_FAILURES.labels(record="grant").inc()
+            self._feed(fsm.PersistFailed(f"{exc.strerror or exc} ({exc.errno})"))
+            return
+        if staged.handovers > self.tally.handovers:
+            released = self._released_at
+            self._rearm_from = released if released is not None else self._now()
+        self.tally, self._granted_wall = staged, wall
+        self._feed(fsm.Persisted())
+
+    def _clear(self, action: fsm.Clear) -> None:
+        try:
+            statefile.write(self.config.state_file, None, action.epoch, time.time(), self.tally)
+        except OSError as exc:
+            # The file still names the last holder: a restart would wait a
+            # reconnect window for it. Slower, never unsafe.
+            WRITE_FAILURES.labels(record="release").inc()
+            log_event(
+                log, "state_write_failed", logging.ERROR, record="release",
+                epoch=action.epoch, error=str(exc),
+            )  # fmt: skip
+        log_event(log, "released", epoch=action.epoch)
+
+    def _arm_retry(self, action: fsm.ArmRetry) -> None:
+        log_event(
+            log, "grant_deferred", logging.ERROR, reason=action.reason,
+            retry_in_ms=round((action.deadline - self._now()) * 1000),
+            consequence="the grant waits until the state file can be written",
+        )  # fmt: skip
+        assert self._loop is not None
+        self._loop.call_at(action.deadline, lambda: self._feed(fsm.RetryGrant()))
+
+    def _grant(self, action: fsm.Grant) -> None:
+        # The grant first (the record is already on disk): the log line and
+        # metrics are off the handover's critical path.
+        released = None
+        if self._released_at is not None and not action.resumed:
+            released = time.time() - (self._now() - self._released_at)
+        self._send(
+            action.conn,
+            Granted(
+                engine_id=action.engine_id,
+                epoch=action.epoch,
+                resumed=action.resumed,
+                reissued=action.reissued,
+                released_at=released,
+            ),
+        )
+        self._released_at = None
+        WAIT.observe(action.waited_s)
+        log_event(
+            log,
+            "granted",
+            engine_id=action.engine_id,
+            epoch=action.epoch,
+            resumed=action.resumed,
+            waited_ms=round(action.waited_s * 1000, 3),
+            conn=action.conn,
+        )
+
+    def _window_opened(self, action: fsm.WindowOpened) -> None:
+        log_event(
+            log,
+            "window_opened",
+            logging.WARNING,
+            holder=action.holder or "<unknown>",
+            epoch=action.epoch,
+            seconds=round(action.deadline - self._now(), 3),
+            corrupt=action.corrupt,
+        )
+        self._arm_timer(action.deadline)
+
+    def _window_closed(self, action: fsm.WindowClosed) -> None:
+        # Written with the grant or release that always follows it.
+        self.tally = tally.window_closed(self.tally, action.reason)
+        log_event(log, "window_closed", reason=action.reason)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def _counted_grant(self) -> tally.Tally:
         """The tally once the pending grant is sent."""
@@ -446,10 +465,15 @@ class LockServer:
 
     def _on_timer(self) -> None:
         self._timer = None
-        self._feed(fsm.WindowExpired())
         deadline = fsm.next_deadline(self.state)
-        if deadline is not None and self._timer is None:  # woke a hair early
+        if deadline is None:
+            return  # the window closed meanwhile
+        if self._now() < deadline:
+            # The loop's timers may fire up to its clock's resolution early
+            # (libuv's: a millisecond); the core refuses an early expiry.
             self._arm_timer(deadline)
+            return
+        self._feed(fsm.WindowExpired())
 
     # -------------------------------------------------------- connections
 

@@ -58,8 +58,8 @@ def _preflight(cfg: Any) -> str | None:
     return None
 
 
-def cmd_local_up(args: argparse.Namespace) -> int:  # noqa: C901
-    from understudy.tools.local import KeepsFailing, Supervisor, read_state, wait_serving
+def cmd_local_up(args: argparse.Namespace) -> int:
+    from understudy.tools.local import KeepsFailing, Supervisor, wait_serving
     from understudy.wire.obs import setup_logging
 
     if args.engine == "vllm" and not args.engine_python:
@@ -78,45 +78,14 @@ def cmd_local_up(args: argparse.Namespace) -> int:  # noqa: C901
         print(f"understudy local up: {problem}", file=sys.stderr)
         return 2
     ports = [cfg.status_port + i for i in range(cfg.shadows + 1)]
-    with contextlib.suppress(FileNotFoundError):
-        state = read_state(cfg.dir)
-        if _alive(state["supervisor_pid"]):
-            print(
-                f"a local pod already runs in {cfg.dir} (pid {state['supervisor_pid']}); "
-                "`understudy local down` first",
-                file=sys.stderr,
-            )
-            return 1
+    if (running := _running_pod(cfg.dir)) is not None:
+        print(
+            f"a local pod already runs in {cfg.dir} (pid {running}); `understudy local down` first",
+            file=sys.stderr,
+        )
+        return 1
     if args.detach:
-        cfg.dir.mkdir(parents=True, exist_ok=True)
-        argv = [a for a in sys.argv[1:] if a != "--detach"]
-        if cfg.engine_python and "--engine-python" not in argv:
-            argv += ["--engine-python", cfg.engine_python]  # resolved once, here
-        with open(cfg.dir / "supervisor.log", "ab") as logf:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "understudy.cli", *argv],
-                stdout=logf,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        try:
-            serving = wait_serving(cfg.serve_port, ports, args.ready_timeout, cfg.dir)
-        except KeepsFailing as exc:
-            # Stop the pod: a crash loop left running only burns the CPU.
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGTERM)
-            proc.wait(30)
-            print(f"understudy local up: {exc}; the pod was stopped", file=sys.stderr)
-            return 1
-        if not serving:
-            print(
-                f"local pod not serving within {args.ready_timeout}s; logs in {cfg.dir}",
-                file=sys.stderr,
-            )
-            return 1 if proc.poll() is None else proc.returncode or 1
-        _print_where(cfg, proc.pid)
-        return 0
+        return _detach(cfg, args.ready_timeout, ports)
     setup_logging()
     sup = Supervisor(cfg)
 
@@ -129,6 +98,49 @@ def cmd_local_up(args: argparse.Namespace) -> int:  # noqa: C901
 
     threading.Thread(target=announce, daemon=True).start()
     sup.run_forever()
+    return 0
+
+
+def _running_pod(directory: Path) -> int | None:
+    """The supervisor pid of a local pod still running in ``directory``."""
+    from understudy.tools.local import read_state
+
+    with contextlib.suppress(FileNotFoundError):
+        pid: int = read_state(directory)["supervisor_pid"]
+        if _alive(pid):
+            return pid
+    return None
+
+
+def _detach(cfg: Any, ready_timeout: float, ports: list[int]) -> int:
+    """``local up --detach``: the pod in a new session; return once it serves."""
+    from understudy.tools.local import KeepsFailing, wait_serving
+
+    cfg.dir.mkdir(parents=True, exist_ok=True)
+    argv = [a for a in sys.argv[1:] if a != "--detach"]
+    if cfg.engine_python and "--engine-python" not in argv:
+        argv += ["--engine-python", cfg.engine_python]  # resolved once, here
+    with open(cfg.dir / "supervisor.log", "ab") as logf:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "understudy.cli", *argv],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    try:
+        serving = wait_serving(cfg.serve_port, ports, ready_timeout, cfg.dir)
+    except KeepsFailing as exc:
+        # Stop the pod: a crash loop left running only burns the CPU.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+        print(f"understudy local up: {exc}; the pod was stopped", file=sys.stderr)
+        return 1
+    if not serving:
+        print(f"local pod not serving within {ready_timeout}s; logs in {cfg.dir}", file=sys.stderr)
+        return 1 if proc.poll() is None else proc.returncode or 1
+    _print_where(cfg, proc.pid)
     return 0
 
 
