@@ -231,3 +231,36 @@ def test_hung_wake_exits_on_wake_timeout(tmp_path):
     finally:
         for p in sidecars:
             p.stop()
+
+
+def test_engines_are_restarted_in_place_under_kubelets_default_back_off(pod):
+    """The runner keeps kubelet's default CrashLoopBackOff (10 s, then 20 s,
+    ...): a container restarted by it would re-arm in 10 s or more from its
+    second death on. Killed four times, each engine is instead restarted in
+    place by its container's respawner (docs/pod.md): the container never
+    exits, the engine's restart count rises, and each re-arm is a process
+    start away (the bound is wide for a loaded machine, and still under the
+    10 s that the back-off alone would cost)."""
+    for kill in range(4):
+        active = pod.wait_armed()
+        before = active.get("restarts", 0)
+        killed_at = time.monotonic()
+        os.kill(active["pid"], signal.SIGKILL)
+        back = wait_for(
+            lambda a=active: next(
+                (
+                    e
+                    for e in pod.by_state("Standby")
+                    if e["name"] == a["name"] and e["pid"] != a["pid"]
+                ),
+                None,
+            ),
+            30,
+            0.02,
+            what=f"kill {kill}: {active['name']} back in Standby",
+        )
+        rearm = time.monotonic() - killed_at
+        assert back["restarts"] == before + 1, back
+        assert rearm < 8.0, (kill, rearm)
+    containers = pod.local_state()["containers"]
+    assert all(containers[n]["restarts"] == 0 for n in containers), containers

@@ -24,13 +24,21 @@ CHILD = textwrap.dedent(
     import json, os, sys, time
     from understudy.wire import respawn
     record, mode = sys.argv[1], sys.argv[2]
+    if respawn.is_spare():  # prepared ahead of time; waits for its turn
+        with open(record + ".spares", "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        respawn.wait_turn()
     fds = sorted(int(f) for f in os.listdir("/proc/self/fd"))
     with open(record, "a") as f:
         f.write(json.dumps({"pid": os.getpid(), "restarts": respawn.restarts(),
                             "fds": fds, "pgid": os.getpgid(0), "at": time.monotonic(),
                             "notify": os.environ.get(respawn.NOTIFY_FD)}) + "\\n")
-    if mode == "fail":
+    if mode == "fail" or (mode == "ready-then-fail" and respawn.restarts() > 0):
         sys.exit(3)
+    if mode == "ready-then-fail":  # the first one starts, then dies
+        respawn.notify_ready()
+        time.sleep(0.3)
+        sys.exit(9)
     if mode == "grandchild":  # leaves a process behind in its own group
         import subprocess
         g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -123,13 +131,20 @@ def test_the_child_gets_only_its_notify_pipe_and_a_group_of_its_own(respawn) -> 
     assert child["pgid"] == child["pid"] != os.getpgid(p.pid)
 
 
-def test_a_child_that_cannot_start_is_backed_off_then_the_respawner_gives_up(respawn) -> None:  # type: ignore[no-untyped-def]
-    p, record = respawn("fail", "--backoff-initial", "0.5", "--give-up-after", "3")
+def test_a_container_that_never_starts_is_handed_to_kubelet_at_once(respawn) -> None:  # type: ignore[no-untyped-def]
+    p, record = respawn("fail")
     assert p.wait(30) == 3  # the child's code: kubelet's CrashLoopBackOff takes over
+    assert len(_records(record)) == 1
+
+
+def test_a_restart_that_cannot_start_is_backed_off_then_the_respawner_gives_up(respawn) -> None:  # type: ignore[no-untyped-def]
+    p, record = respawn("ready-then-fail", "--backoff-initial", "0.5", "--give-up-after", "3")
+    assert p.wait(30) == 3
     starts = [r["at"] for r in _records(record)]
-    assert len(starts) == 3
+    assert len(starts) == 4  # started, then three restarts that failed to start
     gaps = [b - a for a, b in itertools.pairwise(starts)]
-    assert 0.5 <= gaps[0] < 1.5 and 1.0 <= gaps[1] < 2.5  # 0.5 s, then 1 s
+    assert gaps[0] < 1.5  # the death of a started child: at once (after its 0.3 s)
+    assert 0.5 <= gaps[1] < 1.5 and 1.0 <= gaps[2] < 2.5  # then 0.5 s, then 1 s
 
 
 def test_sigterm_goes_to_the_child_and_its_code_is_the_respawners(respawn) -> None:  # type: ignore[no-untyped-def]
@@ -178,3 +193,22 @@ def test_no_command_is_a_usage_error() -> None:
         [sys.executable, "-m", "understudy.cli", "respawn"], capture_output=True, timeout=30
     )
     assert done.returncode == 2 and b"no command" in done.stderr
+
+
+def test_with_a_spare_the_next_process_is_already_there(respawn) -> None:  # type: ignore[no-untyped-def]
+    p, record = respawn("serve", "--spare")
+    spares = Path(f"{record}.spares")
+    for n in range(1, 4):
+        _until("a spare", lambda n=n: spares.exists() and len(spares.read_text().split()) >= n)
+        spare = int(spares.read_text().split()[-1])
+        child = _records(record)[-1]
+        assert child["pid"] != spare
+        os.kill(child["pid"], signal.SIGKILL)
+        _until("the next child", lambda n=n: len(_records(record)) > n)
+        promoted = _records(record)[-1]
+        assert promoted["pid"] == spare and promoted["restarts"] == n
+        assert promoted["pgid"] == spare  # a group of its own, as any child
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(20) == 7
+    last_spare = int(spares.read_text().split()[-1])
+    _until("the spare ended with the respawner", lambda: not _alive(last_spare), 10)

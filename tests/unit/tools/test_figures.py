@@ -96,6 +96,18 @@ def test_successor_is_active_under_a_newer_epoch() -> None:
     assert figures.successor([engine("b", "Waking", 4)], 3) is None
 
 
+def test_rearm_is_when_the_killed_containers_next_engine_was_first_seen_in_standby() -> None:
+    seen = {
+        "a-1": ("a", 1.0),  # the killed engine itself, before the kill
+        "b-1": ("b", 12.0),  # another container
+        "a-2": ("a", 13.5),  # the killed container's next engine
+        "a-3": ("a", 20.0),  # and the one after (a later round)
+    }
+    assert figures.rearm_s(seen, "a", "a-1", t_kill=12.0) == 1.5
+    assert figures.rearm_s(seen, "a", "a-2", t_kill=19.0) == 1.0
+    assert figures.rearm_s(seen, "a", "a-3", t_kill=21.0) is None
+
+
 def test_rearmed_is_a_new_process_of_the_killed_container() -> None:
     same = engine("a", "Standby")  # engine_id a-1: the killed process itself
     assert not figures.rearmed([same], "a", "a-1")

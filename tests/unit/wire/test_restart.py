@@ -71,8 +71,11 @@ ACTIONS: dict[tuple[Phase, type], list[type]] = {
 
 
 def in_phase(phase: Phase) -> restart.RestartState:
+    """A respawner whose first child started (a restart's failure backs off)."""
     deadline = 20.0 if phase is P.BACKOFF else None
-    return restart.RestartState(phase, POLICY, since=10.0, starts=2, deadline=deadline)
+    return restart.RestartState(
+        phase, POLICY, since=10.0, starts=2, deadline=deadline, ever_ready=True
+    )
 
 
 def test_the_event_list_covers_every_event_kind() -> None:
@@ -115,12 +118,21 @@ def test_a_child_that_started_is_restarted_at_once_every_time() -> None:
         assert not any(isinstance(a, ArmTimer) for a in actions)
 
 
-def test_a_child_that_cannot_start_is_backed_off_then_handed_to_kubelet() -> None:
+def test_a_container_whose_first_process_never_starts_is_kubelets_at_once() -> None:
     s, _ = restart.initial(0.0, POLICY)
-    s, actions = restart.step(s, Exited(1), 0.2)
+    s, actions = restart.step(s, Exited(2), 0.5)
+    assert s.phase is P.DONE and [type(a) for a in actions] == [Exit]
+    assert actions[0].code == 2  # type: ignore[union-attr]
+
+
+def test_a_restart_that_cannot_start_is_backed_off_then_handed_to_kubelet() -> None:
+    s, _ = restart.initial(0.0, POLICY)
+    s, _ = restart.step(s, Ready(), 0.1)  # the container's first engine started
+    s, _ = restart.step(s, Exited(137), 0.15)  # and died: restarted at once
+    s, actions = restart.step(s, Exited(1), 0.2)  # the restart fails to start
     assert s.phase is P.BACKOFF and ArmTimer(1.2) in actions and s.deadline == 1.2
     s, actions = restart.step(s, BackoffOver(), 1.2)
-    assert actions == [Start(1)]
+    assert actions == [Start(2)]
     s, actions = restart.step(s, Exited(1), 1.5)
     assert ArmTimer(3.5) in actions  # 2 s: doubled
     s, _ = restart.step(s, BackoffOver(), 3.5)
@@ -131,6 +143,8 @@ def test_a_child_that_cannot_start_is_backed_off_then_handed_to_kubelet() -> Non
 
 def test_a_start_resets_the_failures() -> None:
     s, _ = restart.initial(0.0, POLICY)
+    s, _ = restart.step(s, Ready(), 0.05)
+    s, _ = restart.step(s, Exited(137), 0.07)
     s, _ = restart.step(s, Exited(1), 0.1)
     s, _ = restart.step(s, BackoffOver(), 1.1)
     s, _ = restart.step(s, Ready(), 2.0)

@@ -293,6 +293,9 @@ class Watcher(threading.Thread):
         self.split_brain: list[dict[str, Any]] = []
         self.epoch_regressions: list[dict[str, Any]] = []
         self.timeline: list[tuple[float, int]] = []
+        # engine id -> (container name, when it was first seen in Standby): the
+        # re-arm is read from here, not from when the drill got round to looking
+        self.standby_seen: dict[str, tuple[str, float]] = {}
         self.max_epoch = -1
         self.lock = threading.Lock()
 
@@ -321,6 +324,9 @@ class Watcher(threading.Thread):
                     {"name": e.get("name"), "epoch": epoch, "max_seen": self.max_epoch}
                 )
             self.max_epoch = max(self.max_epoch, epoch)
+        for e in engines:
+            if e.get("state") == "Standby" and e.get("engine_id"):
+                self.standby_seen.setdefault(e["engine_id"], (e.get("name") or "", now))
         standbys = sum(1 for e in engines if e.get("state") == "Standby")
         if not self.timeline or self.timeline[-1][1] != standbys:
             self.timeline.append((now, standbys))
@@ -509,7 +515,9 @@ def _measure(ses: _Session, plan: _Plan, rnd: Round, t_kill: float, wall_kill: f
             lambda es: figures.rearmed(es, rnd.killed, rnd.killed_engine_id), plan.timeout
         )
         if back:
-            rnd.rearm_s = time.monotonic() - t_kill
+            with ses.watcher.lock:
+                seen = dict(ses.watcher.standby_seen)
+            rnd.rearm_s = figures.rearm_s(seen, rnd.killed, rnd.killed_engine_id, t_kill)
 
 
 def _round(ses: _Session, plan: _Plan, i: int, log: Callable[[str], None]) -> bool:

@@ -106,6 +106,19 @@ def rearmed(engines: Iterable[Engine], name: str, engine_id: str) -> bool:
     )
 
 
+def rearm_s(
+    standby_seen: Mapping[str, tuple[str, float]], name: str, engine_id: str, t_kill: float
+) -> float | None:
+    """Kill → the killed container's next engine first seen in Standby, from the
+    watcher's ``engine id -> (name, first seen in Standby)``."""
+    times = [
+        at - t_kill
+        for eid, (n, at) in standby_seen.items()
+        if n == name and eid != engine_id and at >= t_kill
+    ]
+    return min(times, default=None)
+
+
 @dataclass(frozen=True, slots=True)
 class Wake:
     """kill → lock granted → Active, from the new engine's wall-clock stamps."""

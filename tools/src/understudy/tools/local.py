@@ -11,8 +11,11 @@ configurable. The supervisor plays kubelet:
 - a container that exits is restarted with kubelet's CrashLoopBackOff (at
   once, then 10 s doubling to 5 min between starts, forgotten after 10 min
   of running; ``--max-backoff`` lowers the cap as kubelet's
-  ``maxContainerRestartPeriod`` does), and a restarted engine rejoins as the
-  new standby by importing the committed weights;
+  ``maxContainerRestartPeriod`` does). An engine container runs, as in the
+  pod, ``understudy respawn --spare -- … engine run``, which restarts a dead
+  engine in place at once (docs/pod.md), so an engine's death is not a
+  container exit; the restarted engine rejoins as the new standby by
+  importing the committed weights;
 - engine probes as the pod declares them: ``/startup`` every second until it
   passes, then ``/live`` every second, three failures in a row → SIGTERM,
   then SIGKILL after a one-second grace (the liveness probe's
@@ -474,7 +477,11 @@ def last_error_line(path: Path | None) -> str | None:
             tail = f.read().decode(errors="replace")
     except OSError:
         return None
-    lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
+    # The container's init (the respawner) logs its own restarts and exit
+    # last; what the process itself said last is the line worth reporting.
+    lines = [
+        ln.strip() for ln in tail.splitlines() if ln.strip() and " understudy.respawn " not in ln
+    ]
     return lines[-1][:400] if lines else None
 
 

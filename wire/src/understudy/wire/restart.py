@@ -10,11 +10,13 @@ A child that said it started (``Ready``: an engine that reached Standby, a
 front that listens) and then died is restarted at once: it proved it can
 start, its death was a fault of the running process (a crash, a kill, a lost
 lock), and the pod is unarmed until it is back. A child that died before it
-said so failed to *start*: that is a configuration or environment problem a
-restart rarely cures, so it is backed off (``Policy``: 1 s, then 2 s, …), and
-after ``give_up_after`` failures in a row the respawner exits with the
-child's code, which hands the container to kubelet: its CrashLoopBackOff is
-what a user's tooling watches for a container that cannot start.
+said so failed to *start*. If no child of this respawner ever started, the
+container cannot start at all (a bad model path, a broken config): the
+respawner exits with the child's code at once, and the container is
+kubelet's, whose CrashLoopBackOff is what a user's tooling watches for that.
+If one did, the failure is more likely passing (the pod's state changed
+under it): it is backed off (``Policy``: 1 s, then 2 s, …), and after
+``give_up_after`` failures in a row the respawner exits all the same.
 
 With ``Policy.spare``, the next process is started ahead of time: once the
 child has started, a *spare* runs the slow, harmless part of a start (an
@@ -71,6 +73,7 @@ class RestartState:
     deadline: float | None = None  # BACKOFF: when the next start is due
     last_code: int | None = None
     spare: bool = False  # a spare process is running (waiting for its turn)
+    ever_ready: bool = False  # some child of this respawner said it started
 
     @property
     def restarts(self) -> int:
@@ -189,7 +192,7 @@ def _moved(s: RestartState, phase: Phase, now: float, **changes: Any) -> Restart
 
 
 def _ready(s: RestartState, e: Ready, now: float) -> Result:
-    new = _moved(s, Phase.RUNNING, now, failures=0)
+    new = _moved(s, Phase.RUNNING, now, failures=0, ever_ready=True)
     actions: list[Action] = [Note("child_ready", (("after_s", round(now - s.since, 3)),))]
     if s.policy.spare and not s.spare:
         new = replace(new, spare=True)
@@ -214,8 +217,12 @@ def _spare_gone(s: RestartState, e: SpareExited, now: float) -> Result:
 
 def _failed_to_start(s: RestartState, e: Exited, now: float) -> Result:
     failures = s.failures + 1
-    if failures >= s.policy.give_up_after:
-        why = f"failed to start {failures} times in a row, last code {e.code}"
+    if failures >= s.policy.give_up_after or not s.ever_ready:
+        why = (
+            f"failed to start {failures} times in a row, last code {e.code}"
+            if s.ever_ready
+            else f"the first process never started (code {e.code}): the container's to restart"
+        )
         new = _moved(s, Phase.DONE, now, failures=failures, last_code=e.code, spare=False)
         return new, [*([StopSpare()] if s.spare else []), Exit(e.code or 1, why)]
     delay = s.policy.delay(failures)
