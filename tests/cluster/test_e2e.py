@@ -212,12 +212,15 @@ def test_chaos_kill_active_engine_through_the_service(instance: Instance) -> Non
         assert max(gaps) < bound, (name, sorted(gaps)[-5:])
     assert report["exit_code"] == 0
     cluster = report["cluster"]
-    # every kill was a restart of an engine container, never a sidecar
-    restarts = cluster["restarts"]
     assert {r["signal"] for r in report["rounds"]} == set(SIGNALS.split(","))
-    engine_restarts = sum(v for k, v in restarts.items() if "/engine-" in k)
-    assert engine_restarts >= KILLS, restarts
-    assert all(v == 0 for k, v in restarts.items() if k.endswith(("/lockserver", "/gms", "/front")))
+    # The kubelet runs its default CrashLoopBackOff (10 s doubling to 5 min):
+    # every killed engine was restarted in place by its container's respawner,
+    # so no container restarted at all, and every re-arm took a process start,
+    # not the back-off that a container restart would have met from the second
+    # kill on (docs/pod.md, re-arm on a stock kubelet).
+    restarts = cluster["restarts"]
+    assert all(v == 0 for v in restarts.values()), restarts
+    assert s["rearm_s"]["n"] == KILLS and s["rearm_s"]["max"] < 10.0, s["rearm_s"]
     assert not cluster["left_endpoints"], cluster["seconds_not_an_endpoint"]
     assert _embed(instance.url()) == before
 

@@ -4,8 +4,9 @@
 (ClusterIP), reads every engine's ``/state`` at its pod IP and status port,
 and kills the Active engine's process from the node (the drill runs as root
 on the node hosting the pod: container processes are found in ``/proc`` by
-their ``POD_NAME`` and ``UNDERSTUDY_ENGINE_NAME``; a container's PID 1 cannot
-be SIGKILLed from inside its own PID namespace). An observer records, every
+their ``POD_NAME`` and ``UNDERSTUDY_ENGINE_NAME``, and the engine among them
+by its pid in the pod, which its ``/state`` reports; a container's PID 1
+cannot be SIGKILLed from inside its own PID namespace). An observer records, every
 50 ms, whether each pod is a ready endpoint of the Service, the pods' Ready
 condition and the containers' restart counts.
 """
@@ -35,8 +36,21 @@ def _environ(pid: str) -> dict[str, str]:
     return out
 
 
-def host_pid(pod: str, namespace: str, container: str) -> int | None:
-    """The node-level pid of the engine process of ``container`` in ``pod``."""
+def ns_pid(pid: str) -> int | None:
+    """The pid of node process ``pid`` inside its innermost PID namespace (the
+    pod's: what the engine reports as its own pid in ``/state``)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+    return None
+
+
+def host_pid(pod: str, namespace: str, container: str, pid_in_pod: int | None = None) -> int | None:
+    """The node-level pid of the engine process of ``container`` in ``pod``:
+    the one whose pid in the pod is ``pid_in_pod`` (the engine runs under its
+    container's respawner, which carries the same environment), else the
+    container's top process."""
     candidates: dict[int, int] = {}  # pid -> ppid
     for pid in filter(str.isdigit, os.listdir("/proc")):
         with contextlib.suppress(OSError):
@@ -49,6 +63,11 @@ def host_pid(pod: str, namespace: str, container: str) -> int | None:
                 with open(f"/proc/{pid}/stat") as f:
                     ppid = int(f.read().rsplit(")", 1)[1].split()[1])
                 candidates[int(pid)] = ppid
+    if pid_in_pod is not None:
+        for p in candidates:
+            with contextlib.suppress(OSError):
+                if ns_pid(str(p)) == pid_in_pod:
+                    return p
     tops = [p for p, pp in candidates.items() if pp not in candidates]
     return tops[0] if len(tops) == 1 else None
 
@@ -98,7 +117,7 @@ class KubeTarget:
         return out
 
     def kill(self, engine: dict[str, Any], sig: int) -> None:
-        pid = host_pid(engine["pod"], self.namespace, engine["name"])
+        pid = host_pid(engine["pod"], self.namespace, engine["name"], engine.get("pid"))
         if pid is None:
             raise RuntimeError(
                 f"no unique process for {engine['pod']}/{engine['name']} on "
