@@ -49,6 +49,8 @@ def child_command(config: SupervisorConfig, device: int) -> list[str]:
         config.backend,
         "--parent-pid",
         str(os.getpid()),
+        "--adopt-window",
+        f"{config.adopt_window_s:g}",
     ]
     if config.granularity is not None:
         cmd += ["--granularity", str(config.granularity)]
