@@ -67,8 +67,13 @@ def test_sidecar_commands_are_the_same():
     for c in local.containers(_local_config(inst))[:3]:
         rendered = sidecars[c.name]
         argv = [*rendered.get("command", []), *rendered.get("args", [])]
-        # Locally: [python, -m, understudy.cli, ...]; in the pod: [understudy, ...].
+        # Locally: [python, -m, understudy.cli, ...]; in the pod: [understudy, ...]
+        # (under a respawner: ... respawn -- [python, -m, understudy.cli, ...]).
         ours = ["understudy", *c.argv[c.argv.index("understudy.cli") + 1 :]]
+        if "--" in ours:
+            cut = ours.index("--")
+            child = ours[cut + 1 :]
+            ours = [*ours[: cut + 1], "understudy", *child[child.index("understudy.cli") + 1 :]]
         assert [_num(a) for a in argv] == [_num(a) for a in ours], c.name
 
 

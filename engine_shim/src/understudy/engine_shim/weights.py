@@ -117,7 +117,8 @@ class Weights:
         done = []
         for device, session in self.sessions.items():
             if session.connected:
-                continue
+                continue  # this device's GMS did not die
+
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(f"re-adoption timeout of {timeout:g}s spent before {device}")

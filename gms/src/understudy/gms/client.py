@@ -296,6 +296,8 @@ class GmsClient:
         self._chan: _Channel | None = None
         self._watcher: _Watcher | None = None
         self._mapped = False
+        self._gone = False  # the server hung up on the session (the watcher saw it)
+        self._health: tuple[bool, str] = (True, "")  # the last device_health answer
         self._lock = threading.RLock()
 
     # --- session -----------------------------------------------------------
@@ -339,6 +341,7 @@ class GmsClient:
         if self._mapper is None or self.backend != ok.backend:
             self._mapper = make_mapper(ok.backend, ok.device)
         self._chan = chan
+        self._gone = False
         self.granted_mode = ok.granted
         self.device, self.backend, self.granularity = ok.device, ok.backend, ok.granularity
         if self.on_lost is not None:
@@ -347,6 +350,7 @@ class GmsClient:
         return ok
 
     def _lost(self, exc: BaseException) -> None:
+        self._gone = True
         if self._mapped and self.on_lost is not None:
             self.on_lost(exc)
 
@@ -403,7 +407,8 @@ class GmsClient:
 
     @property
     def connected(self) -> bool:
-        return self._chan is not None
+        """A session the server has not hung up on."""
+        return self._chan is not None and not self._gone
 
     @property
     def allocations(self) -> list[Allocation]:
@@ -505,11 +510,24 @@ class GmsClient:
     def device_health(self) -> tuple[bool, str]:
         """(healthy, reason) of the GPU behind this session, as GMS sees it
         through NVML: an engine's health reason. Healthy with no reason where
-        GMS has no NVML (no driver, the host backend on a CPU machine)."""
-        gpu = self.state().gpu
+        GMS has no NVML (no driver, the host backend on a CPU machine).
+
+        Never waits: it is asked from the engine's event loop (its /health and
+        probes), which must keep beating. While the session is busy (a
+        re-adoption holds it) or gone, the last answer stands."""
+        if not self._lock.acquire(blocking=False):
+            return self._health
+        try:
+            if not self.connected:
+                return self._health
+            gpu = self.state().gpu
+        finally:
+            self._lock.release()
         if gpu is None or gpu.healthy:
-            return True, ""
-        return False, f"device {self.device} ({gpu.uuid}): {gpu.reason}"
+            self._health = (True, "")
+        else:
+            self._health = (False, f"device {self.device} ({gpu.uuid}): {gpu.reason}")
+        return self._health
 
     # --- sleep and wake ----------------------------------------------------
 
@@ -595,6 +613,7 @@ class GmsClient:
                 chan.close()
                 raise
             self._chan = chan
+            self._gone = False
             self.granted_mode = Granted.RO
             if self.on_lost is not None:
                 self._watcher = _Watcher(chan.sock, self._lost)

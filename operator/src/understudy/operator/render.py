@@ -208,8 +208,14 @@ def gms_container(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]:
         "image": cfg.image,
         "imagePullPolicy": cfg.image_pull_policy,
         "restartPolicy": "Always",
+        # Under the respawner too: a GMS that dies is back at once, without
+        # kubelet's back-off, and the Active engine gives it the weights back
+        # (docs/pod.md, GMS re-adoption).
         "command": ["understudy"],
         "args": [
+            "respawn",
+            "--",
+            "understudy",
             "gms",
             "serve",
             "--socket-dir",

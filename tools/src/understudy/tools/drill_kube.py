@@ -126,16 +126,23 @@ class KubeTarget:
         os.kill(pid, sig)
 
     def kill_container(self, pod: str, container_cmd: str, sig: int) -> int:
-        """Kill a sidecar's top process, found by its command line."""
+        """Kill a sidecar's process, found by its command line: the one that runs
+        it, not the container's respawner (whose command line names it too)."""
+        found: dict[int, int] = {}  # pid -> ppid
         for pid in filter(str.isdigit, os.listdir("/proc")):
             with contextlib.suppress(OSError):
                 env = _environ(pid)
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
                 if container_cmd in cmd and env.get("HOSTNAME") == pod:
-                    os.kill(int(pid), sig)
-                    return int(pid)
-        raise RuntimeError(f"no process running {container_cmd!r} in pod {pod}")
+                    with open(f"/proc/{pid}/stat") as f:
+                        found[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        if not found:
+            raise RuntimeError(f"no process running {container_cmd!r} in pod {pod}")
+        inner = [p for p, pp in found.items() if pp in found] or list(found)
+        target = min(inner)
+        os.kill(target, sig)
+        return target
 
     def kill_sidecar(self, which: str) -> None:
         from understudy.tools.drill import SIDECAR_COMMANDS

@@ -167,6 +167,11 @@ def containers(cfg: LocalConfig) -> list[Container]:
         Container(
             "gms",
             _understudy(
+                "respawn",
+                "--",
+                sys.executable,
+                "-m",
+                "understudy.cli",
                 "gms",
                 "serve",
                 "--socket-dir",
