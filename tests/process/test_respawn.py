@@ -143,8 +143,10 @@ def test_a_restart_that_cannot_start_is_backed_off_then_the_respawner_gives_up(r
     starts = [r["at"] for r in _records(record)]
     assert len(starts) == 4  # started, then three restarts that failed to start
     gaps = [b - a for a, b in itertools.pairwise(starts)]
-    assert gaps[0] < 1.5  # the death of a started child: at once (after its 0.3 s)
-    assert 0.5 <= gaps[1] < 1.5 and 1.0 <= gaps[2] < 2.5  # then 0.5 s, then 1 s
+    # Each gap is the previous child's life, the back-off and a python start
+    # (slow on a busy machine): after the failed starts, 0.5 s then 1 s. (The
+    # started child's death costs none: test_a_child_that_started_...)
+    assert gaps[1] >= 0.5 and gaps[2] >= 1.0 and gaps[2] - gaps[1] >= 0.4
 
 
 def test_sigterm_goes_to_the_child_and_its_code_is_the_respawners(respawn) -> None:  # type: ignore[no-untyped-def]
