@@ -107,7 +107,8 @@ def respawn(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 def test_a_child_that_started_is_restarted_in_place_at_once(respawn) -> None:  # type: ignore[no-untyped-def]
-    p, record = respawn("serve")
+    # A back-off of 30 s, were it applied, would show; a python start would not.
+    p, record = respawn("serve", "--backoff-initial", "30", "--backoff-max", "30")
     for n in range(1, 6):
         _until("a child", lambda n=n: len(_records(record)) >= n)
         first = _records(record)[-1]
@@ -117,8 +118,8 @@ def test_a_child_that_started_is_restarted_in_place_at_once(respawn) -> None:  #
         _until("the next child", lambda n=n: len(_records(record)) > n)
         nxt = _records(record)[-1]
         assert nxt["restarts"] == n and nxt["pid"] != first["pid"]
-        # At once: a process start, no back-off.
-        assert nxt["at"] - killed_at < 1.0
+        # At once: a process start (seconds at most on a busy machine), no back-off.
+        assert nxt["at"] - killed_at < 10.0
     assert p.poll() is None
 
 
