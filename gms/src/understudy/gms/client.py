@@ -606,12 +606,21 @@ class GmsClient:
                 raise GmsError("nothing to give back: no committed layout is mapped")
             self._drop_session()
             deadline = time.monotonic() + timeout
-            chan = _Channel(_connect_socket(self.path, deadline))
-            try:
-                how = self._give_back(chan, deadline, epoch)
-            except BaseException:
-                chan.close()
-                raise
+            while True:
+                chan = _Channel(_connect_socket(self.path, deadline))
+                try:
+                    how = self._give_back(chan, deadline, epoch)
+                    break
+                except GmsConnectionLost:
+                    # The dying server's socket, still there for a moment (it
+                    # closes on its way out): try again until the new one answers.
+                    chan.close()
+                    if time.monotonic() >= deadline:
+                        raise
+                    time.sleep(_RETRY_CONNECT_S)
+                except BaseException:
+                    chan.close()
+                    raise
             self._chan = chan
             self._gone = False
             self.granted_mode = Granted.RO
