@@ -311,3 +311,6 @@ def test_engines_are_restarted_in_place_under_kubelets_default_back_off(pod):
         assert rearm < 8.0, (kill, rearm)
     containers = pod.local_state()["containers"]
     assert all(containers[n]["restarts"] == 0 for n in containers), containers
+    # The status port stayed open through every restart (the respawner holds
+    # it): the runner's liveness probe never failed three times in a row.
+    assert "liveness_failed" not in (pod.dir / "supervisor.out").read_text()

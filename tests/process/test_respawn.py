@@ -48,6 +48,13 @@ CHILD = textwrap.dedent(
         g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"],
                              start_new_session=True)
         open(record + ".orphan", "w").write(str(g.pid))
+    if mode == "listen":  # answer on the socket the respawner holds: our pid
+        sock = respawn.inherited_socket("probe")
+        respawn.notify_ready()
+        while True:
+            conn, _ = sock.accept()
+            conn.sendall(str(os.getpid()).encode())
+            conn.close()
     respawn.notify_ready()
     import signal
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
@@ -220,3 +227,33 @@ def test_with_a_spare_the_next_process_is_already_there(respawn) -> None:  # typ
     assert p.wait(20) == 7
     last_spare = int(spares.read_text().split()[-1])
     _until("the spare ended with the respawner", lambda: not _alive(last_spare), 10)
+
+
+def test_a_port_it_holds_stays_open_while_the_child_restarts(respawn) -> None:  # type: ignore[no-untyped-def]
+    """--listen: a connection made while no child runs waits for the next one."""
+    import socket as socket_mod
+
+    with socket_mod.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    _, record = respawn("listen", "--listen", f"probe=127.0.0.1:{port}")
+    (first,) = _until("the child", lambda: _records(record))
+
+    def ask() -> int:
+        with socket_mod.create_connection(("127.0.0.1", port), timeout=20) as c:
+            return int(c.recv(64))
+
+    assert _until("an answer", lambda: _try(ask)) == first["pid"]
+    os.kill(first["pid"], signal.SIGSTOP)  # it holds the socket but answers nothing
+    os.kill(first["pid"], signal.SIGKILL)
+    # Asked at once, while no child runs: not refused, answered by the next one.
+    answered_by = ask()
+    assert answered_by != first["pid"]
+    assert answered_by == _records(record)[-1]["pid"]
+
+
+def _try(call):  # type: ignore[no-untyped-def]
+    try:
+        return call()
+    except OSError:
+        return None

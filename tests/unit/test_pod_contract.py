@@ -95,4 +95,5 @@ def test_engine_commands_are_the_same():
             *child[child.index("understudy.cli") + 1 :],
         ]
         assert argv == ours, c.name
-        assert argv[:4] == ["understudy", "respawn", "--spare", "--"]
+        assert argv[:3] == ["understudy", "respawn", "--spare"]
+        assert f"status=0.0.0.0:{rendered['ports'][0]['containerPort']}" in argv

@@ -45,15 +45,19 @@ class EarlyStatus:
 
     @classmethod
     def start(cls, port: int, host: str = "0.0.0.0", budget_s: float = 600.0) -> EarlyStatus:
-        """Bind and listen on ``port`` (OSError if it cannot) and answer from now on."""
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-            sock.listen(128)
-        except BaseException:
-            sock.close()
-            raise
+        """Answer on the status socket the container's respawner holds
+        (``--listen status=…``: it stays open across restarts), else bind and
+        listen on ``port`` (OSError if it cannot); answer from now on."""
+        sock = respawn.inherited_socket("status")
+        if sock is None:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((host, port))
+                sock.listen(128)
+            except BaseException:
+                sock.close()
+                raise
         early = cls(sock, budget_s)
         early._thread.start()
         return early

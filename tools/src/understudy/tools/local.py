@@ -17,7 +17,7 @@ configurable. The supervisor plays kubelet:
   container exit; the restarted engine rejoins as the new standby by
   importing the committed weights;
 - engine probes as the pod declares them: ``/startup`` every second until it
-  passes, then ``/live`` every second, three failures in a row → SIGTERM,
+  passes, then ``/live`` every second, five failures in a row → SIGTERM,
   then SIGKILL after a one-second grace (the liveness probe's
   ``terminationGracePeriodSeconds``) — that is how a hung (SIGSTOPped)
   engine gets replaced.
@@ -78,7 +78,7 @@ class LocalConfig:
     remap_timeout_s: float = 30.0
     max_backoff_s: float = 300.0
     probe_period_s: float = 1.0
-    liveness_failures: int = 3
+    liveness_failures: int = 5  # as the pod's engine liveness probe
     liveness_grace_s: float = 1.0
 
 
@@ -217,7 +217,13 @@ def containers(cfg: LocalConfig) -> list[Container]:
                 name,
                 # As in the pod: the respawner restarts the engine in place.
                 [
-                    *_understudy("respawn", "--spare", "--"),
+                    *_understudy(
+                        "respawn",
+                        "--spare",
+                        "--listen",
+                        f"status=0.0.0.0:{cfg.status_port + index}",
+                        "--",
+                    ),
                     *(cfg.engine_python or sys.executable, "-m", "understudy.cli", "engine", "run"),
                 ],
                 engine_env(cfg, role, name, index),

@@ -25,7 +25,14 @@ The thin shell around the pure policy:
 - every child that ends is reaped at once, and so is any orphan: the
   respawner is a child subreaper (``PR_SET_CHILD_SUBREAPER``), which a
   container's init must be when the pod does not share one PID namespace;
-- when the child ends, the rest of its process group is SIGKILLed.
+- when the child ends, the rest of its process group is SIGKILLed;
+- ``--listen NAME=HOST:PORT`` (socket activation, as systemd's): the
+  respawner binds the port once and every child inherits the listening
+  socket (``UNDERSTUDY_LISTEN_FDS``: ``NAME=FD,…``; :func:`inherited_socket`).
+  The port never closes while a child restarts: a connection waits in the
+  kernel's backlog for the next child instead of being refused. That is what
+  keeps kubelet's probes of the status port passing through a restart in
+  place; only connections the dead child had accepted are reset.
 
 One loop, no threads: ``select`` on the signal wake-up pipe and the child's
 notify pipe, with the back-off deadline as the timeout.
@@ -41,6 +48,7 @@ import logging
 import os
 import select
 import signal
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -55,6 +63,7 @@ log = logging.getLogger("understudy.respawn")
 NOTIFY_FD = "UNDERSTUDY_NOTIFY_FD"
 RESTARTS = "UNDERSTUDY_RESTARTS"
 GO_FD = "UNDERSTUDY_SPARE_GO_FD"
+LISTEN_FDS = "UNDERSTUDY_LISTEN_FDS"
 READY = b"READY=1\n"
 
 _STOP = (signal.SIGTERM, signal.SIGINT)
@@ -81,6 +90,36 @@ def notify_ready() -> bool:
         with contextlib.suppress(OSError, ValueError):
             os.close(int(fd))
     return True
+
+
+def inherited_socket(name: str) -> socket.socket | None:
+    """The listening socket the respawner passed as ``name`` (``--listen``), if
+    any. The fd stays this process's (and its children's, until exec)."""
+    for item in filter(None, os.environ.get(LISTEN_FDS, "").split(",")):
+        key, _, fd = item.partition("=")
+        if key == name and fd.isdigit():
+            try:
+                return socket.socket(fileno=int(fd))
+            except OSError:
+                return None
+    return None
+
+
+def listen(spec: str) -> tuple[str, socket.socket]:
+    """``NAME=HOST:PORT`` -> (name, a TCP socket listening there)."""
+    name, sep, address = spec.partition("=")
+    host, _, port = address.rpartition(":")
+    if not sep or not name or not port.isdigit():
+        raise ValueError(f"--listen wants NAME=HOST:PORT, got {spec!r}")
+    sock = socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]") or "0.0.0.0", int(port)))
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return name, sock
 
 
 def restarts() -> int:
@@ -151,11 +190,17 @@ class _Proc:
 
 
 class Respawner:
-    def __init__(self, argv: Sequence[str], policy: restart.Policy) -> None:
+    def __init__(
+        self,
+        argv: Sequence[str],
+        policy: restart.Policy,
+        listeners: Sequence[tuple[str, socket.socket]] = (),
+    ) -> None:
         if not argv:
             raise ValueError("respawn needs a command")
         self.argv = list(argv)
         self.policy = policy
+        self.listeners = list(listeners)  # bound once, inherited by every child
         self.child: _Proc | None = None
         self.spare: _Proc | None = None
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -167,6 +212,9 @@ class Respawner:
         """fork + exec the command with ``extra`` in its environment and ``keep``
         inherited; in a process group of its own, dying with the respawner."""
         env = {**os.environ, **extra}
+        if self.listeners:
+            env[LISTEN_FDS] = ",".join(f"{n}={s.fileno()}" for n, s in self.listeners)
+            keep = [*keep, *(s.fileno() for _, s in self.listeners)]
         parent = os.getpid()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -368,7 +416,12 @@ def cmd_respawn(args: argparse.Namespace) -> int:
         print("understudy respawn: no command (respawn [OPTIONS] -- CMD ...)", file=sys.stderr)
         return 2
     setup_logging()
-    return Respawner(argv, _policy(args)).run()
+    try:
+        listeners = [listen(spec) for spec in args.listen]
+    except (OSError, ValueError) as exc:
+        print(f"understudy respawn: --listen: {exc}", file=sys.stderr)
+        return 2
+    return Respawner(argv, _policy(args), listeners).run()
 
 
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -396,6 +449,14 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         action="store_true",
         help="keep the next process started ahead of time, waiting for its turn "
         "(wait_turn()), so a restart skips the command's slow preparation",
+    )
+    p.add_argument(
+        "--listen",
+        action="append",
+        default=[],
+        metavar="NAME=HOST:PORT",
+        help="bind this TCP port once and pass the listening socket to every child "
+        "(UNDERSTUDY_LISTEN_FDS): it stays open while the command restarts",
     )
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARG ...]")
     p.set_defaults(func=cmd_respawn)
