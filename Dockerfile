@@ -1,5 +1,6 @@
 # One image for every component: `understudy operator run`, `understudy
-# lockserver serve`, `understudy gms serve`, `understudy engine run`.
+# lockserver serve`, `understudy gms serve`, `understudy engine run` (under
+# `understudy respawn`, the engine container's small init: docs/pod.md).
 #
 # Builds from any Debian bookworm rootfs with python3 (>= 3.11), python3-venv
 # and ca-certificates; the only network it needs is PyPI. hack/cluster builds
@@ -44,7 +45,8 @@ RUN --mount=type=cache,target=/tmp/.cache/uv \
     if [ -n "${PACKAGES}" ]; then args=""; for p in ${PACKAGES}; do args="$args --package $p"; done; fi; \
     /opt/uv/bin/uv sync --frozen --no-dev --no-editable --all-extras --python python3 $args \
  && rm -rf /src \
- && /opt/understudy/bin/understudy --help >/dev/null
+ && /opt/understudy/bin/understudy --help >/dev/null \
+ && /opt/understudy/bin/understudy respawn --help >/dev/null
 
 # Non-root, matching the pods' runAsUser (docs/operator.md). A passwd entry,
 # because kopf names its peering identity after getpass.getuser().

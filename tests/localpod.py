@@ -79,10 +79,6 @@ class LocalPod:
                 "2",
                 "--remap-timeout",
                 "10",
-                # kubelet's back-off capped at 1 s, as on the test cluster
-                # (maxContainerRestartPeriod): the tests kill engines often.
-                "--max-backoff",
-                "1",
                 *extra,
             ),
             log=self.dir / "supervisor.out",

@@ -224,12 +224,15 @@ def test_chaos_kill_active_engine_through_the_service(instance: Instance) -> Non
         assert max(gaps) < bound, (name, sorted(gaps)[-5:])
     assert report["exit_code"] == 0
     cluster = report["cluster"]
-    # every kill was a restart of an engine container, never a sidecar
-    restarts = cluster["restarts"]
     assert {r["signal"] for r in report["rounds"]} == set(SIGNALS.split(","))
-    engine_restarts = sum(v for k, v in restarts.items() if "/engine-" in k)
-    assert engine_restarts >= KILLS, restarts
-    assert all(v == 0 for k, v in restarts.items() if k.endswith(("/lockserver", "/gms", "/front")))
+    # The kubelet runs its default CrashLoopBackOff (10 s doubling to 5 min):
+    # every killed engine was restarted in place by its container's respawner,
+    # so no container restarted at all, and every re-arm took a process start,
+    # not the back-off that a container restart would have met from the second
+    # kill on (docs/pod.md, re-arm on a stock kubelet).
+    restarts = cluster["restarts"]
+    assert all(v == 0 for v in restarts.values()), restarts
+    assert s["rearm_s"]["n"] == KILLS and s["rearm_s"]["max"] < 10.0, s["rearm_s"]
     assert not cluster["left_endpoints"], cluster["seconds_not_an_endpoint"]
     assert _embed(instance.url()) == before
 
@@ -304,21 +307,26 @@ def test_lockserver_sidecar_killed_no_failover(instance: Instance) -> None:
 
 
 @pytest.mark.timeout(900)
-def test_gms_sidecar_killed_engines_restart_and_pod_recovers(instance: Instance) -> None:
+def test_gms_sidecar_killed_the_active_engine_gives_the_weights_back(instance: Instance) -> None:
+    """GMS killed under load, three times: the Active engine serves on from its
+    mappings and gives them back to the restarted GMS (re-adoption): no engine
+    restarts, nothing is read from the checkpoint, no request fails, and the
+    clients' gap stays that of a request (docs/pod.md, GMS re-adoption)."""
     instance.wait_ready()
     before_vec = _embed(instance.url())
-    pod = instance.pod()
-    engines_before = _restarts(pod, "engine-primary") + _restarts(pod, "engine-shadow-1")
-    report = instance.drill("--sidecar", "gms")
-    pod = instance.pod()
-    assert _restarts(pod, "engine-primary") + _restarts(pod, "engine-shadow-1") > engines_before
-    assert report["recovered_s"] is not None, report  # armed again
-    assert report["distinct_answers"] == 1 and report["split_brain"] == 0
-    # Both engines lose their GMS and restart, but the front holds the requests:
-    # the outage is latency, not errors.
+    report = instance.drill("--sidecar", "gms", "--sidecar-clients", "16", "--sidecar-kills", "3")
+    assert report["kills"] == 3, report
     assert report["failed_after_kill"] == 0, report
-    instance.wait_ready(300)
-    assert _wait("serving again", lambda: _embed(instance.url()), 120) == before_vec
+    assert not report["failover"] and report["split_brain"] == 0, report
+    assert report["engine_restarts"] == 0 and report["checkpoint_reads"] == 0, report
+    assert report["readoptions"] == 3, report
+    assert report["distinct_answers"] == 1
+    # GMS came back in place (its respawner), so no container restarted either.
+    assert all(v == 0 for v in report["cluster"]["restarts"].values()), report["cluster"]
+    # A bound for a loaded two-core machine; the measured figures are in
+    # docs/failover-report.md with their load average.
+    assert report["gap_s"]["max"] < 2.0, report["gap_s"]
+    assert _embed(instance.url()) == before_vec
 
 
 @pytest.mark.timeout(900)

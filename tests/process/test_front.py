@@ -126,11 +126,13 @@ def test_sigterm_drains_the_active_engine_without_losing_a_request(pod):
     assert new["epoch"] > active["epoch"]
 
     def exits() -> list[str]:
-        log = (pod.dir / "supervisor.out").read_text()
-        return [ln for ln in log.splitlines() if "container_exited" in ln and active["name"] in ln]
+        log = pod.log(active["name"])
+        return [ln for ln in log.splitlines() if "understudy.respawn event=restart" in ln]
 
     # The engine gives the lock up before its process ends, so the next one
-    # can be Active before the supervisor has seen the exit: wait for it.
+    # can be Active before its container's respawner has seen the exit: wait
+    # for it. (SIGTERM to the engine alone; the container's own SIGTERM would
+    # end the respawner with it.)
     first = wait_for(exits, 15, what="the drained engine's exit")[0]
     assert "code=0" in first, first  # drained, then a clean exit
     assert "reason=drained" in pod.log(active["name"])

@@ -159,7 +159,7 @@ def test_the_default_distribution_installs_from_wheels(dist: Path, tmp_path: Pat
     env = {**os.environ, "UNDERSTUDY_MODEL_CACHE": str(tmp_path / "models")}
     up = subprocess.run(
         [bin_ / "understudy", "local", "up", "--detach", "--dir", run, "--port", str(port),
-         "--status-port", str(port + 4), "--metrics-port", str(port + 12), "--max-backoff", "1"],
+         "--status-port", str(port + 4), "--metrics-port", str(port + 12)],
         capture_output=True, text=True, cwd="/", timeout=300, env=env,
     )  # fmt: skip
     try:

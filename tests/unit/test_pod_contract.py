@@ -69,7 +69,35 @@ def test_sidecar_commands_are_the_same():
         rendered = sidecars[c.name]
         argv = [*rendered.get("command", []), *rendered.get("args", [])]
         # Locally: [python, -m, understudy.cli, ...]; in the pod: [understudy, ...]
-        # (and a command run under the respawner: this python, the pod's).
+        # (under a respawner: ... respawn -- [python, -m, understudy.cli, ...]
+        # becomes ... respawn -- [understudy, ...]; a child run as a module
+        # keeps its python, the pod's).
         ours = ["understudy", *c.argv[c.argv.index("understudy.cli") + 1 :]]
+        if "--" in ours and "understudy.cli" in ours[ours.index("--") :]:
+            cut = ours.index("--")
+            child = ours[cut + 1 :]
+            ours = [*ours[: cut + 1], "understudy", *child[child.index("understudy.cli") + 1 :]]
         ours = ["python" if a == sys.executable else a for a in ours]
         assert [_num(a) for a in argv] == [_num(a) for a in ours], c.name
+
+
+def test_engine_commands_are_the_same():
+    """Both run the engine under the respawner (docs/pod.md)."""
+    inst = _instance()
+    pod = render.render_pod(inst, 0, 1, None, render.RenderConfig())
+    for c in local.containers(_local_config(inst))[3:]:
+        (rendered,) = [x for x in pod["spec"]["containers"] if x["name"] == c.name]
+        argv = [*rendered["command"], *rendered["args"]]
+        # Locally: python -m understudy.cli respawn -- python -m understudy.cli engine run.
+        local_argv = c.argv[c.argv.index("understudy.cli") + 1 :]
+        cut = local_argv.index("--")
+        child = local_argv[cut + 1 :]
+        ours = [
+            "understudy",
+            *local_argv[: cut + 1],
+            "understudy",
+            *child[child.index("understudy.cli") + 1 :],
+        ]
+        assert argv == ours, c.name
+        assert argv[:3] == ["understudy", "respawn", "--spare"]
+        assert f"status=0.0.0.0:{rendered['ports'][0]['containerPort']}" in argv

@@ -174,6 +174,9 @@ def requests(draw: st.DrawFn) -> dict[str, Any]:
         weighted(
             (st.just("hello"), 6),
             (st.just("allocate"), 4),
+            # The one request that may carry an fd; outside a re-adoption it is
+            # refused and its fd (if the program sends one) closed at once.
+            (st.just("adopt_allocation"), 1),
             (st.just("export"), 3),
             (st.just("export_many"), 2),
             (st.just("commit"), 3),
@@ -191,7 +194,7 @@ def requests(draw: st.DrawFn) -> dict[str, Any]:
             doc["timeout_s"] = draw(timeouts)
             if draw(st.booleans()):
                 doc["client"] = draw(st.text(max_size=130))
-        case "allocate":
+        case "allocate" | "adopt_allocation":
             doc["size"] = draw(sizes)
             if draw(st.booleans()):
                 doc["tag"] = draw(weighted((st.just("weights"), 4), (st.text(max_size=66), 1)))
@@ -521,7 +524,10 @@ class Fuzzer:
 
         def quiet() -> m.StateReport | None:
             st = self.state()
-            idle = st.sessions == {m.Granted.RW: 0, m.Granted.RO: readers} and st.waiting == 0
+            idle = (
+                st.sessions == {m.Granted.RW: 0, m.Granted.RO: readers, m.Granted.ADOPT: 0}
+                and st.waiting == 0
+            )
             return st if idle else None
 
         try:

@@ -183,6 +183,10 @@ class Agent:
             self.last_elapsed = time.monotonic() - t0
         return {"elapsed": self.last_elapsed}
 
+    def op_readopt(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """GMS restarted under this mapped client: give the layout back."""
+        return {"how": self.c().readopt(cmd["timeout"]), "layout_hash": self.c().layout_hash}
+
     def op_state(self, cmd: dict[str, Any]) -> dict[str, Any]:
         report: dict[str, Any] = self.c().state().model_dump(mode="json")
         return report

@@ -96,7 +96,7 @@ def test_a_frame_cut_in_half_blocks_no_one(committed: tuple[Gms, int, str]) -> N
     assert json.loads(body)["type"] == "state"
     half.sendall(whole[:3])
     half.close()  # and then it goes away mid-frame
-    assert gms.state()["sessions"] == {"RW": 0, "RO": 0}
+    assert gms.state()["sessions"] == {"RW": 0, "RO": 0, "ADOPT": 0}
 
 
 def test_rw_operations_in_an_ro_session_are_refused(committed: tuple[Gms, int, str]) -> None:

@@ -117,7 +117,7 @@ def test_write_commit_import_sleep_wake_at_the_same_addresses(
         for i, k in enumerate(kept):  # pointers kept from before the sleep
             assert p.ok("verify_kept", kept=k, seed=i)["equal"]
     state = gms.state()
-    assert state["backend"] == "cuda" and state["sessions"] == {"RW": 0, "RO": 2}
+    assert state["backend"] == "cuda" and state["sessions"] == {"RW": 0, "RO": 2, "ADOPT": 0}
 
 
 def test_read_only_is_enforced_by_access_flags(gms: Gms, platform: GpuDouble | None) -> None:

@@ -48,7 +48,7 @@ def test_sleep_and_wake_at_the_same_addresses(gms: Gms) -> None:
         for i, k in enumerate(kept):  # numpy arrays built from the raw address, before sleep
             assert p.ok("verify_kept", kept=k, seed=i)["equal"]
             assert not p.ok("verify_kept", kept=k, seed=i + 100)["equal"]
-    assert gms.state()["sessions"] == {"RW": 0, "RO": 2}
+    assert gms.state()["sessions"] == {"RW": 0, "RO": 2, "ADOPT": 0}
 
 
 def test_remap_after_gms_restart_fails_within_its_timeout_then_stale(gms: Gms) -> None:

@@ -33,6 +33,8 @@ EVENTS = [
     fsm.WakeTimeout(),
     fsm.LockLost("lost"),
     fsm.GmsLost("gone"),
+    fsm.Readopted(),
+    fsm.ReadoptFailed("refused"),
     fsm.EpochReissued(8),
     fsm.Terminate(),
     fsm.Drained(unfinished=2),
@@ -60,7 +62,14 @@ LANDS: dict[tuple[State, type], State] = {
     **{(S.WAKING, kind): S.DEAD for kind in _DIES},
     (S.ACTIVE, fsm.EpochReissued): S.ACTIVE,
     (S.ACTIVE, fsm.Terminate): S.DRAINING,
-    **{(S.ACTIVE, kind): S.DEAD for kind in _DIES},
+    (S.ACTIVE, fsm.LockLost): S.DEAD,
+    (S.ACTIVE, fsm.Fatal): S.DEAD,
+    # GMS died under an Active engine: it serves on and gives the weights back.
+    (S.ACTIVE, fsm.GmsLost): S.ACTIVE,
+    (S.ACTIVE, fsm.Readopted): S.ACTIVE,
+    (S.ACTIVE, fsm.ReadoptFailed): S.DEAD,
+    (S.DRAINING, fsm.Readopted): S.DRAINING,
+    (S.DRAINING, fsm.ReadoptFailed): S.DEAD,
     (S.DRAINING, fsm.EpochReissued): S.DRAINING,
     (S.DRAINING, fsm.Drained): S.DEAD,
     **{(S.DRAINING, kind): S.DEAD for kind in _DIES},
@@ -71,6 +80,7 @@ EXIT_CODES: dict[type, ExitCode] = {
     fsm.WakeTimeout: ExitCode.WAKE_TIMEOUT,
     fsm.LockLost: ExitCode.LOCK_LOST,
     fsm.GmsLost: ExitCode.GMS_LOST,
+    fsm.ReadoptFailed: ExitCode.GMS_LOST,
     fsm.Fatal: ExitCode.FATAL,
     fsm.Terminate: ExitCode.DONE,
     fsm.Drained: ExitCode.DONE,
@@ -119,7 +129,20 @@ _ACTIONS_ON_THE_WAY: dict[tuple[State, type], list[fsm.Action]] = {
     (S.STANDBY, fsm.LockGranted): [Wake(deadline=25.0)],
     (S.WAKING, fsm.WakeDone): [BindServing()],
     (S.ACTIVE, fsm.Terminate): [fsm.Drain(deadline=45.0)],
+    (S.ACTIVE, fsm.GmsLost): [fsm.Readopt(deadline=25.0)],
 }
+
+
+def test_gms_lost_twice_while_active_gives_the_weights_back_once() -> None:
+    """One GMS death loses every device's session: one re-adoption, not one each."""
+    s, actions = step(in_state(State.ACTIVE), fsm.GmsLost("device 0"), 20.0)
+    assert s.readopting and actions == [fsm.Readopt(deadline=25.0)]
+    s, actions = step(s, fsm.GmsLost("device 1"), 20.1)
+    assert s.state is State.ACTIVE and s.readopting and actions == []
+    s, actions = step(s, fsm.Readopted(), 20.5)
+    assert s.state is State.ACTIVE and not s.readopting and actions == []
+    s, actions = step(s, fsm.GmsLost("again, later"), 30.0)
+    assert actions == [fsm.Readopt(deadline=35.0)]
 
 
 def test_a_state_is_frozen_so_a_refused_step_cannot_have_changed_it() -> None:
@@ -198,7 +221,7 @@ PROBE_STATUS: dict[tuple[Probe, State], tuple[int, int]] = {
     (Probe.STARTUP, S.ACTIVE): (200, 200),
     (Probe.STARTUP, S.DRAINING): (200, 200),
     (Probe.STARTUP, S.DEAD): (503, 503),
-    (Probe.LIVE, S.INIT): (503, 503),
+    (Probe.LIVE, S.INIT): (200, 200),  # the shim enforces its startup budget itself
     (Probe.LIVE, S.STANDBY): (200, 200),
     (Probe.LIVE, S.WAKING): (200, 200),  # within the wake timeout
     (Probe.LIVE, S.ACTIVE): (200, 503),

@@ -11,6 +11,7 @@ import pytest
 from understudy.gms import fsm
 from understudy.gms import messages as m
 from understudy.gms.fsm import Phase
+from understudy.gms.layout import AllocationRecord, MetadataRecord, canonical_json, layout_hash
 from understudy.gms.messages import ErrorCode, LocalGmsError, LockState, Mode
 from understudy.wire.machine import InvalidTransition
 
@@ -57,6 +58,21 @@ def committed_state() -> fsm.GmsState:
     return st
 
 
+ADOPTED = layout_hash(
+    (AllocationRecord(0, 4096, 100, "weights"),),
+    (MetadataRecord("k", canonical_json({"offset": 0})),),
+)
+
+
+def adopt(sid: int, digest: str = ADOPTED) -> fsm.Received[m.Request]:
+    return req(sid, m.Hello(mode=Mode.ADOPT, timeout_s=5.0, layout_hash=digest))
+
+
+def orphaned_state(digest: str = ADOPTED, deadline: float = 10.0) -> fsm.GmsState:
+    """A GMS that restarted over the record of layout ``digest``."""
+    return fsm.initial_state(INFO, fsm.Orphan(digest, deadline))
+
+
 def state_in(phase: Phase) -> fsm.GmsState:
     """A state where session S is in ``phase``, with allocation 0 and key "k"
     present whenever S could see them."""
@@ -75,6 +91,14 @@ def state_in(phase: Phase) -> fsm.GmsState:
             req(S, m.Allocate(size=100)),
             req(S, m.PutMetadata(key="k", value={"offset": 0})),
         )[0]
+    if phase is Phase.ADOPTING:  # the restarted GMS has one allocation and the key back
+        return run(
+            orphaned_state(),
+            fsm.Connected(S),
+            adopt(S),
+            req(S, m.AdoptAllocation(size=100)),
+            req(S, m.PutMetadata(key="k", value={"offset": 0})),
+        )[0]
     return run(committed_state(), fsm.Connected(S), hello(S, Mode.RO))[0]
 
 
@@ -85,6 +109,8 @@ EVENTS: dict[type, Callable[[], fsm.Event]] = {
     fsm.CreateFailed: lambda: fsm.CreateFailed(S, 0, "no memory"),
     m.Hello: lambda: hello(S, Mode.RW_OR_RO),
     m.Allocate: lambda: req(S, m.Allocate(size=1)),
+    m.AdoptAllocation: lambda: req(S, m.AdoptAllocation(size=1)),
+    fsm.AdoptionOver: fsm.AdoptionOver,
     m.Export: lambda: req(S, m.Export(id=0)),
     m.ExportMany: lambda: req(S, m.ExportMany(ids=(0,))),
     m.ListAllocations: lambda: req(S, m.ListAllocations()),
@@ -101,6 +127,7 @@ P = Phase
 READS = (m.Export, m.ExportMany, m.ListAllocations, m.GetMetadata, m.ListMetadata)
 QUERIES = (m.GetLayoutHash, m.GetState)
 WRITES = (m.Allocate, fsm.CreateFailed, m.PutMetadata)
+ADOPTS = (m.AdoptAllocation, fsm.CreateFailed, m.PutMetadata)
 
 # Where session S lands for every legal pair, written out from the protocol's
 # rules (docs/state-machines.md), not read from the table under test. Every
@@ -109,12 +136,18 @@ LANDS: dict[tuple[Phase, type], Phase] = {
     (P.NONE, fsm.Connected): P.PENDING,
     (P.PENDING, m.Hello): P.RW,  # nothing committed: RW_OR_RO takes RW
     **{(P.PENDING, k): P.PENDING for k in QUERIES},
-    **{(p, fsm.Disconnected): P.NONE for p in (P.PENDING, P.WAITING, P.RW, P.RO)},
+    **{(p, fsm.Disconnected): P.NONE for p in (P.PENDING, P.WAITING, P.RW, P.ADOPTING, P.RO)},
     # A timer that finds no wait is stale; a wait's own fires at its deadline only.
-    **{(p, fsm.Expire): p for p in (P.PENDING, P.WAITING, P.RW, P.RO)},
+    **{(p, fsm.Expire): p for p in (P.PENDING, P.WAITING, P.RW, P.ADOPTING, P.RO)},
     **{(P.RW, k): P.RW for k in (*READS, *QUERIES, *WRITES)},
     (P.RW, m.Commit): P.RO,  # commit ends RW; the connection reads on
+    # The adopter re-sends allocations (with their memory) and metadata, and
+    # commits the very layout it announced; it reads nothing meanwhile.
+    **{(P.ADOPTING, k): P.ADOPTING for k in (*ADOPTS, *QUERIES)},
+    (P.ADOPTING, m.Commit): P.RO,
     **{(P.RO, k): P.RO for k in (*READS, *QUERIES)},
+    # The adoption window's end is the server's, not a session's.
+    (P.NONE, fsm.AdoptionOver): P.NONE,
 }
 
 
@@ -146,6 +179,10 @@ def test_every_phase_event_pair(phase: Phase, kind: type) -> None:
     state = state_in(phase)
     assert state.phase(S) is phase
     event = EVENTS[kind]()
+    if kind is fsm.AdoptionOver:  # no session's: every session stays where it is
+        new, _ = fsm.step(state, event, 0.0)
+        assert new.phase(S) is phase
+        return
     if (phase, kind) in LANDS:
         new, _ = fsm.step(state, event, 0.0)
         assert new.phase(S) is LANDS[(phase, kind)]
@@ -167,7 +204,7 @@ def test_each_entry_declares_the_phases_it_reaches() -> None:
     for (phase, kind), target in LANDS.items():
         reached.setdefault((phase, kind), set()).add(target)
     # Hello lands by the grant rules; an expiry at the deadline ends the wait.
-    reached[(P.PENDING, m.Hello)] |= {P.WAITING, P.RO}
+    reached[(P.PENDING, m.Hello)] |= {P.WAITING, P.RO, P.ADOPTING}
     reached[(P.WAITING, fsm.Expire)].add(P.PENDING)
     for key, entry in fsm.TRANSITIONS.items():
         assert entry.targets == reached[key], key
@@ -207,6 +244,8 @@ def lock_state_fixture(ls: LockState) -> fsm.GmsState:
     base = fsm.initial_state(INFO)
     if ls is LockState.EMPTY:
         return base
+    if ls is LockState.ORPHANED:
+        return orphaned_state()
     if ls is LockState.RW:
         return run(base, fsm.Connected(OTHER), hello(OTHER, Mode.RW))[0]
     if ls is LockState.COMMITTED:
@@ -230,6 +269,17 @@ EXPECTED_GRANT: dict[tuple[LockState, Mode], Phase] = {
     (LockState.RO, Mode.RW): Phase.WAITING,
     (LockState.RO, Mode.RO): Phase.RO,
     (LockState.RO, Mode.RW_OR_RO): Phase.RO,
+    # Re-adoption: everyone waits for the orphaned layout's adopter; an
+    # adopter re-creates a layout where there is none, or re-attaches RO to
+    # the same one.
+    (LockState.ORPHANED, Mode.RW): Phase.WAITING,
+    (LockState.ORPHANED, Mode.RO): Phase.WAITING,
+    (LockState.ORPHANED, Mode.RW_OR_RO): Phase.WAITING,
+    (LockState.ORPHANED, Mode.ADOPT): Phase.ADOPTING,
+    (LockState.EMPTY, Mode.ADOPT): Phase.ADOPTING,
+    (LockState.COMMITTED, Mode.ADOPT): Phase.RO,
+    (LockState.RO, Mode.ADOPT): Phase.RO,
+    (LockState.RW, Mode.ADOPT): Phase.PENDING,  # refused: a new layout is coming
 }
 
 
@@ -238,8 +288,19 @@ def test_grant_rules(rule: tuple[LockState, Mode]) -> None:
     ls, mode = rule
     state = lock_state_fixture(ls)
     assert fsm.lock_state(state) is ls
-    new, actions = run(state, fsm.Connected(S), hello(S, mode))
+    state, _ = run(state, fsm.Connected(S))
     expected = EXPECTED_GRANT[rule]
+    if mode is Mode.ADOPT:
+        digest = ADOPTED if ls is LockState.ORPHANED else (state.layout_hash or ADOPTED)
+        if expected is Phase.PENDING:
+            with pytest.raises(fsm.Refused) as info:
+                fsm.step(state, adopt(S, digest), 0.0)
+            assert info.value.code is ErrorCode.STALE_LAYOUT
+            return
+        new, _ = fsm.step(state, adopt(S, digest), 0.0)
+        assert new.phase(S) is expected
+        return
+    new, actions = run(state, hello(S, mode))
     assert new.phase(S) is expected
     if expected is Phase.WAITING:
         assert fsm.ArmTimer(S, 5.0) in actions
@@ -393,3 +454,96 @@ def test_a_writer_with_a_stale_epoch_is_refused_and_nothing_changes() -> None:
         state, g.Received(2, msgs.Hello(mode=msgs.Mode.RW_OR_RO, timeout_s=1, epoch=7)), 0.0
     )
     assert ok.newest_epoch == 7
+
+
+# --- re-adoption: a GMS that restarted under an engine still serving --------
+
+
+def _adopted(st: fsm.GmsState, sid: int = S) -> tuple[fsm.GmsState, list[fsm.Action]]:
+    return run(
+        st,
+        fsm.Connected(sid),
+        adopt(sid),
+        req(sid, m.AdoptAllocation(size=100)),
+        req(sid, m.PutMetadata(key="k", value={"offset": 0})),
+        req(sid, m.Commit()),
+        now=1.0,
+    )
+
+
+def test_an_orphaned_layout_is_given_back_and_the_waiters_get_it_unchanged() -> None:
+    st, _ = run(orphaned_state(), fsm.Connected(2), hello(2, Mode.RW_OR_RO))
+    assert st.phase(2) is Phase.WAITING  # no reload over a layout on its way back
+    st, actions = _adopted(st)
+    assert [a for a in actions if isinstance(a, fsm.AdoptMemory)] == [
+        fsm.AdoptMemory(S, AllocationRecord(0, 4096, 100, "weights"))
+    ]
+    assert st.committed and st.layout_hash == ADOPTED and st.orphan is None
+    assert st.phase(S) is Phase.RO and st.phase(2) is Phase.RO  # the waiter: RO, no load
+    assert m.Committed(layout_hash=ADOPTED) in replies(actions, S)
+    assert any(isinstance(a, fsm.Transition) and a.event == "adopt" for a in actions)
+
+
+def test_an_adopter_must_commit_the_layout_it_announced() -> None:
+    st, _ = run(
+        orphaned_state(),
+        fsm.Connected(S),
+        adopt(S),
+        req(S, m.AdoptAllocation(size=100)),
+        req(S, m.PutMetadata(key="k", value={"offset": 1})),  # not what was committed
+    )
+    with pytest.raises(fsm.Refused) as info:
+        fsm.step(st, req(S, m.Commit()), 0.0)
+    assert info.value.code is ErrorCode.STALE_LAYOUT
+
+
+@pytest.mark.parametrize("state", ["orphaned", "committed"])
+def test_an_adopter_of_another_layout_is_refused(state: str) -> None:
+    st = orphaned_state("f" * 64) if state == "orphaned" else committed_state()
+    st, _ = run(st, fsm.Connected(S))
+    with pytest.raises(fsm.Refused) as info:
+        fsm.step(st, adopt(S, "e" * 64), 0.0)
+    assert info.value.code is ErrorCode.STALE_LAYOUT
+
+
+def test_a_layout_still_committed_is_reattached_not_sent_again() -> None:
+    st = committed_state()
+    st, actions = run(st, fsm.Connected(S), adopt(S, st.layout_hash or ""))
+    assert st.phase(S) is Phase.RO and not any(isinstance(a, fsm.AdoptMemory) for a in actions)
+
+
+def test_an_adopter_that_dies_halfway_leaves_the_pod_to_load_anew() -> None:
+    st, _ = run(orphaned_state(), fsm.Connected(2), hello(2, Mode.RW_OR_RO))
+    st, _ = run(st, fsm.Connected(S), adopt(S), req(S, m.AdoptAllocation(size=100)))
+    st, actions = run(st, fsm.Disconnected(S))
+    assert fsm.ReleaseMemory((0,)) in actions and st.allocations == () and st.orphan is None
+    assert st.phase(2) is Phase.RW  # the primary loads the checkpoint: today's path
+
+
+def test_the_adoption_window_ends_and_the_usual_rules_apply() -> None:
+    st, _ = run(orphaned_state(deadline=10.0), fsm.Connected(2), hello(2, Mode.RW_OR_RO))
+    early, actions = fsm.step(st, fsm.AdoptionOver(), 9.0)
+    assert early.orphan is not None and actions == [fsm.ArmAdoptionTimer(10.0)]
+    late, actions = fsm.step(st, fsm.AdoptionOver(), 10.0)
+    assert late.orphan is None and late.phase(2) is Phase.RW
+    assert any(isinstance(a, fsm.Transition) and a.event == "orphan_expired" for a in actions)
+    # A late adopter finds nothing committed and no writer... only after the writer left.
+    assert fsm.step(committed_state(), fsm.AdoptionOver(), 0.0)[1] == []  # stale timer
+
+
+def test_an_adopter_with_a_stale_epoch_may_not_write() -> None:
+    st, _ = run(
+        orphaned_state(), fsm.Connected(2), req(2, m.Hello(mode=Mode.RO, timeout_s=1, epoch=9))
+    )
+    st, _ = run(st, fsm.Connected(S))
+    stale = m.Hello(mode=Mode.ADOPT, timeout_s=1, epoch=8, layout_hash=ADOPTED)
+    with pytest.raises(fsm.Refused) as info:
+        fsm.step(st, req(S, stale), 0.0)
+    assert info.value.code is ErrorCode.STALE_EPOCH
+
+
+def test_adopt_goes_with_a_layout_hash_and_only_adopt() -> None:
+    with pytest.raises(ValueError, match="layout_hash goes with mode ADOPT"):
+        m.Hello(mode=Mode.ADOPT, timeout_s=1)
+    with pytest.raises(ValueError, match="layout_hash goes with mode ADOPT"):
+        m.Hello(mode=Mode.RO, timeout_s=1, layout_hash=ADOPTED)

@@ -29,7 +29,7 @@ class GmsLock(RuleBasedStateMachine):
         except (fsm.Refused, fsm.InvalidTransition):
             return None
         for a in actions:
-            if isinstance(a, fsm.CreateMemory):
+            if isinstance(a, fsm.CreateMemory | fsm.AdoptMemory):
                 assert a.allocation.id not in self.live_memory
                 self.live_memory.add(a.allocation.id)
             elif isinstance(a, fsm.ReleaseMemory):
@@ -50,9 +50,23 @@ class GmsLock(RuleBasedStateMachine):
             assert self.state.allocations == () and self.state.metadata == ()
             assert not self.state.committed and self.live_memory == set()
 
-    @rule(sid=SIDS, mode=st.sampled_from(list(Mode)), timeout=st.sampled_from([0.0, 0.5, 3.0]))
+    @rule(
+        sid=SIDS,
+        mode=st.sampled_from([Mode.RW, Mode.RO, Mode.RW_OR_RO]),
+        timeout=st.sampled_from([0.0, 0.5, 3.0]),
+    )
     def hello(self, sid: int, mode: Mode, timeout: float) -> None:
         self.feed(fsm.Received(sid, m.Hello(mode=mode, timeout_s=timeout)))
+
+    @rule(sid=SIDS, same=st.booleans())
+    def adopt(self, sid: int, same: bool) -> None:
+        """An engine giving a layout back: the committed one's, or another's."""
+        digest = self.state.layout_hash if same and self.state.layout_hash else "a" * 64
+        self.feed(fsm.Received(sid, m.Hello(mode=Mode.ADOPT, timeout_s=1.0, layout_hash=digest)))
+
+    @rule(sid=SIDS, size=st.integers(min_value=1, max_value=20000))
+    def adopt_allocation(self, sid: int, size: int) -> None:
+        self.feed(fsm.Received(sid, m.AdoptAllocation(size=size)))
 
     @rule(sid=SIDS, size=st.integers(min_value=1, max_value=20000))
     def allocate(self, sid: int, size: int) -> None:
@@ -85,7 +99,7 @@ class GmsLock(RuleBasedStateMachine):
 
     @invariant()
     def never_rw_beside_another_session(self) -> None:
-        writers = self.state.count(Phase.RW)
+        writers = self.state.count(Phase.RW) + self.state.count(Phase.ADOPTING)
         assert writers <= 1
         if writers:
             assert self.state.count(Phase.RO) == 0

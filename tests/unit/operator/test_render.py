@@ -144,6 +144,9 @@ def test_front_sidecar_serves_the_port_under_the_respawner() -> None:
 def test_gms_sidecar() -> None:
     gms = _pod(make(gpus={"count": 3}))["spec"]["initContainers"][1]
     assert gms["args"] == [
+        "respawn",  # a GMS that dies is back at once (docs/pod.md)
+        "--",
+        "understudy",
         "gms",
         "serve",
         "--socket-dir",

@@ -96,6 +96,18 @@ def test_successor_is_active_under_a_newer_epoch() -> None:
     assert figures.successor([engine("b", "Waking", 4)], 3) is None
 
 
+def test_rearm_is_when_the_killed_containers_next_engine_was_first_seen_in_standby() -> None:
+    seen = {
+        "a-1": ("a", 1.0),  # the killed engine itself, before the kill
+        "b-1": ("b", 12.0),  # another container
+        "a-2": ("a", 13.5),  # the killed container's next engine
+        "a-3": ("a", 20.0),  # and the one after (a later round)
+    }
+    assert figures.rearm_s(seen, "a", "a-1", t_kill=12.0) == 1.5
+    assert figures.rearm_s(seen, "a", "a-2", t_kill=19.0) == 1.0
+    assert figures.rearm_s(seen, "a", "a-3", t_kill=21.0) is None
+
+
 def test_rearmed_is_a_new_process_of_the_killed_container() -> None:
     same = engine("a", "Standby")  # engine_id a-1: the killed process itself
     assert not figures.rearmed([same], "a", "a-1")
@@ -169,3 +181,32 @@ def test_unarmed_figures() -> None:
         "unarmed_fraction": pytest.approx(0.225),
     }
     assert figures.unarmed_figures([], 0.0)["unarmed_fraction"] == 0.0
+
+
+def test_engine_changes_count_restarts_reloads_and_readoptions() -> None:
+    before = [
+        {"name": "a", "engine_id": "a-1", "readoptions": 0, "weights": {"loaded": [0]}},
+        {"name": "b", "engine_id": "b-1", "readoptions": 0, "weights": {"imported": [0]}},
+    ]
+    same = [{**before[0], "readoptions": 1}, before[1]]
+    assert figures.engine_changes(before, same) == figures.EngineChanges(0, 0, 1)
+    reloaded = [
+        {"name": "a", "engine_id": "a-2", "weights": {"loaded": [0], "imported": []}},
+        {"name": "b", "engine_id": "b-2", "weights": {"loaded": [], "imported": [0]}},
+    ]
+    assert figures.engine_changes(before, reloaded) == figures.EngineChanges(2, 1, 0)
+
+
+def test_gaps_between_kills_stop_at_the_next_kill() -> None:
+    done = [Sample(t, t + 0.01, True, "x") for t in (0.0, 0.1, 0.2, 1.5, 1.6, 5.0, 5.1)]
+    # kill at 0.25: next answer at 1.51 (gap 1.26); kill at 4.0: next at 5.01
+    gaps = figures.gaps_between_kills(done, [0.25, 4.0])
+    assert [round(g, 2) for g in gaps if g is not None] == [1.26, 1.01]
+
+
+def test_whole_waits_for_the_weights_to_be_given_back() -> None:
+    active = {"name": "a", "state": "Active", "readopting": True}
+    standby = {"name": "b", "state": "Standby"}
+    assert figures.settled([active, standby]) is active
+    assert figures.whole([active, standby]) is None
+    assert figures.whole([{**active, "readopting": False}, standby]) is not None

@@ -27,7 +27,14 @@ from understudy.wire.restart import (
 
 P = Phase
 POLICY = Policy(initial_s=1.0, max_s=8.0, give_up_after=3)
-EVENTS: list[restart.Event] = [Ready(), Exited(137), BackoffOver(), Stop(15)]
+SPARE = Policy(initial_s=1.0, max_s=8.0, give_up_after=3, spare=True)
+EVENTS: list[restart.Event] = [
+    Ready(),
+    Exited(137),
+    restart.SpareExited(9),
+    BackoffOver(),
+    Stop(15),
+]
 
 # Where every legal pair lands, from the policy's rules (the module docstring),
 # not read from the table. The started child's death restarts at once; a
@@ -43,6 +50,8 @@ LANDS: dict[tuple[Phase, type], Phase] = {
     (P.STOPPING, Exited): P.DONE,
     (P.STOPPING, Stop): P.STOPPING,
     (P.STOPPING, Ready): P.STOPPING,
+    # A spare's end changes no phase (it is not replaced until the next start).
+    **{(p, restart.SpareExited): p for p in (P.STARTING, P.RUNNING, P.BACKOFF, P.STOPPING)},
 }
 # The actions of each legal pair, from phase entered at t=10 with 2 starts, at t=20.
 ACTIONS: dict[tuple[Phase, type], list[type]] = {
@@ -56,12 +65,17 @@ ACTIONS: dict[tuple[Phase, type], list[type]] = {
     (P.STOPPING, Exited): [Exit],
     (P.STOPPING, Stop): [Signal],
     (P.STOPPING, Ready): [],
+    **{(p, restart.SpareExited): [restart.Note] for p in (P.STARTING, P.RUNNING, P.BACKOFF)},
+    (P.STOPPING, restart.SpareExited): [],
 }
 
 
 def in_phase(phase: Phase) -> restart.RestartState:
+    """A respawner whose first child started (a restart's failure backs off)."""
     deadline = 20.0 if phase is P.BACKOFF else None
-    return restart.RestartState(phase, POLICY, since=10.0, starts=2, deadline=deadline)
+    return restart.RestartState(
+        phase, POLICY, since=10.0, starts=2, deadline=deadline, ever_ready=True
+    )
 
 
 def test_the_event_list_covers_every_event_kind() -> None:
@@ -104,12 +118,21 @@ def test_a_child_that_started_is_restarted_at_once_every_time() -> None:
         assert not any(isinstance(a, ArmTimer) for a in actions)
 
 
-def test_a_child_that_cannot_start_is_backed_off_then_handed_to_kubelet() -> None:
+def test_a_container_whose_first_process_never_starts_is_kubelets_at_once() -> None:
     s, _ = restart.initial(0.0, POLICY)
-    s, actions = restart.step(s, Exited(1), 0.2)
+    s, actions = restart.step(s, Exited(2), 0.5)
+    assert s.phase is P.DONE and [type(a) for a in actions] == [Exit]
+    assert actions[0].code == 2  # type: ignore[union-attr]
+
+
+def test_a_restart_that_cannot_start_is_backed_off_then_handed_to_kubelet() -> None:
+    s, _ = restart.initial(0.0, POLICY)
+    s, _ = restart.step(s, Ready(), 0.1)  # the container's first engine started
+    s, _ = restart.step(s, Exited(137), 0.15)  # and died: restarted at once
+    s, actions = restart.step(s, Exited(1), 0.2)  # the restart fails to start
     assert s.phase is P.BACKOFF and ArmTimer(1.2) in actions and s.deadline == 1.2
     s, actions = restart.step(s, BackoffOver(), 1.2)
-    assert actions == [Start(1)]
+    assert actions == [Start(2)]
     s, actions = restart.step(s, Exited(1), 1.5)
     assert ArmTimer(3.5) in actions  # 2 s: doubled
     s, _ = restart.step(s, BackoffOver(), 3.5)
@@ -120,6 +143,8 @@ def test_a_child_that_cannot_start_is_backed_off_then_handed_to_kubelet() -> Non
 
 def test_a_start_resets_the_failures() -> None:
     s, _ = restart.initial(0.0, POLICY)
+    s, _ = restart.step(s, Ready(), 0.05)
+    s, _ = restart.step(s, Exited(137), 0.07)
     s, _ = restart.step(s, Exited(1), 0.1)
     s, _ = restart.step(s, BackoffOver(), 1.1)
     s, _ = restart.step(s, Ready(), 2.0)
@@ -151,11 +176,12 @@ def test_a_state_is_frozen() -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.sampled_from(EVENTS), max_size=30))
-def test_invariants(events: list[restart.Event]) -> None:
-    """Over any sequence: one Start per child; Done is final and comes with
-    one Exit; never more failures in a row than the policy allows."""
-    s, actions = restart.initial(0.0, POLICY)
+@given(st.lists(st.sampled_from(EVENTS), max_size=30), st.sampled_from([POLICY, SPARE]))
+def test_invariants(events: list[restart.Event], policy: Policy) -> None:
+    """Over any sequence: one Start or Go per child; Done is final and comes with
+    one Exit; never more failures in a row than the policy allows; a Go only
+    with a spare, and never two spares."""
+    s, actions = restart.initial(0.0, policy)
     starts = sum(isinstance(a, Start) for a in actions)
     exits = 0
     for t, e in zip(itertools.count(1), events, strict=False):
@@ -165,6 +191,38 @@ def test_invariants(events: list[restart.Event]) -> None:
             continue
         starts += sum(isinstance(a, Start) for a in actions)
         exits += sum(isinstance(a, Exit) for a in actions)
+        starts += sum(isinstance(a, restart.Go) for a in actions)
         assert starts == s.starts
-        assert s.failures <= POLICY.give_up_after
+        assert s.failures <= policy.give_up_after
         assert exits == (1 if s.phase is P.DONE else 0)
+        assert not s.spare or policy.spare
+
+
+def test_with_a_spare_the_next_process_is_prepared_and_then_goes_on() -> None:
+    s, actions = restart.initial(0.0, SPARE)
+    assert actions == [Start(0)]  # the first start has no spare to use
+    s, actions = restart.step(s, Ready(), 2.0)
+    assert restart.StartSpare() in actions and s.spare
+    for i in range(1, 6):
+        s, actions = restart.step(s, Exited(137), 10.0 * i)
+        assert actions[-1] == restart.Go(i) and not s.spare  # the spare goes on
+        s, actions = restart.step(s, Ready(), 10.0 * i + 0.5)
+        assert restart.StartSpare() in actions and s.spare  # and a new one is prepared
+
+
+def test_a_spare_that_dies_is_not_replaced_until_the_next_start() -> None:
+    s, _ = restart.initial(0.0, SPARE)
+    s, _ = restart.step(s, Ready(), 1.0)
+    s, actions = restart.step(s, restart.SpareExited(1), 2.0)
+    assert not s.spare and not any(isinstance(a, restart.StartSpare) for a in actions)
+    s, actions = restart.step(s, Exited(137), 3.0)
+    assert actions[-1] == Start(1)  # no spare: a fresh start
+    s, actions = restart.step(s, Ready(), 4.0)
+    assert restart.StartSpare() in actions
+
+
+def test_a_stop_ends_the_spare_too() -> None:
+    s, _ = restart.initial(0.0, SPARE)
+    s, _ = restart.step(s, Ready(), 1.0)
+    s, actions = restart.step(s, Stop(15), 2.0)
+    assert actions == [restart.StopSpare(), Signal(15)]

@@ -17,6 +17,10 @@ import argparse
 import os
 import subprocess
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from understudy.engine_shim.early_status import EarlyStatus
 
 
 def _reexec_for_vllm(args: argparse.Namespace) -> None:
@@ -39,12 +43,70 @@ def _reexec_for_vllm(args: argparse.Namespace) -> None:
     os.execve(python, [python, "-m", "understudy.cli", "engine", "run"], env)
 
 
+_ADAPTER_MODULES = {
+    "reference": "understudy.engine_shim.adapters.reference",
+    "llama": "understudy.engine_shim.adapters.llama",
+    "vllm": "understudy.engine_shim.adapters.vllm",
+    "synthetic": "understudy.engine_shim.adapters.synthetic",
+}
+
+
+def _prepare_if_spare() -> tuple[bool, EarlyStatus | None]:
+    """A spare engine (``understudy respawn --spare``) does the slow part of a
+    start that touches nothing shared, its imports, and waits for its turn
+    (the engine it stands behind died): no port, lock or GMS session before
+    that. The turn may come while it still imports: from that instant the
+    status port is answered (``early_status``), from a thread. Returns whether
+    this was a spare, and its early status server."""
+    from understudy.wire import respawn
+
+    if not respawn.is_spare():
+        return False, None
+    import importlib
+    import threading
+
+    got: list[EarlyStatus | None] = []
+    turn = threading.Event()
+
+    def wait() -> None:
+        respawn.wait_turn()
+        got.append(_early_status())
+        turn.set()
+
+    threading.Thread(target=wait, name="spare-turn", daemon=True).start()
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads
+    adapter = os.environ.get("UNDERSTUDY_ENGINE_ADAPTER", "reference")
+    for module in ("understudy.engine_shim.mainloop", _ADAPTER_MODULES.get(adapter)):
+        if module is not None:
+            importlib.import_module(module)
+    turn.wait()
+    return True, got[0]
+
+
+def _early_status() -> EarlyStatus | None:
+    """The status port, bound and answered before anything heavy is imported
+    (``early_status``); None if it cannot be (a bad value is the config's to
+    report, a port in use is an error)."""
+    from understudy.engine_shim.early_status import EarlyStatus
+
+    try:
+        port = int(os.environ.get("UNDERSTUDY_STATUS_PORT", "8100"))
+        budget = float(os.environ.get("UNDERSTUDY_STARTUP_BUDGET_S", "600"))
+        return EarlyStatus.start(port, budget_s=budget)
+    except (OSError, ValueError, OverflowError) as exc:
+        print(f"understudy engine: status port: {exc}", file=sys.stderr)
+        return None
+
+
 def cmd_engine_run(args: argparse.Namespace) -> int:
     try:
         _reexec_for_vllm(args)
     except (OSError, subprocess.CalledProcessError) as exc:
         print(f"understudy engine: vllm: no python with vLLM: {exc}", file=sys.stderr)
         return 1
+    was_spare, early = _prepare_if_spare()
+    if not was_spare:
+        early = _early_status()
     # Fix BLAS threading before numpy loads: one thread keeps the summation
     # order (and so every answer) identical across processes and nodes.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -57,6 +119,9 @@ def cmd_engine_run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"understudy engine: bad configuration: {exc}", file=sys.stderr)
         return 2
+    if early is None:
+        print(f"understudy engine: cannot listen on status port {cfg.status_port}", file=sys.stderr)
+        return 1
     from understudy.engine_shim.adapters.base import AdapterError, Engine, FailsFast
     from understudy.engine_shim.mainloop import Shim
 
@@ -83,7 +148,7 @@ def cmd_engine_run(args: argparse.Namespace) -> int:
         # `kubectl logs --previous` show a user.
         print(f"understudy engine: {cfg.adapter}: {exc}", file=sys.stderr)
         return 1
-    shim = Shim(cfg, engine)
+    shim = Shim(cfg, engine, early=early)
     if isinstance(engine, FailsFast):
         from understudy.engine_shim import fsm
 

@@ -14,6 +14,13 @@ Active is entered only after the wake *and* the serving endpoint are done
 (``ServingReady``), never before: a liveness probe must not judge a healthy
 but slow wake by the serving endpoint's health.
 
+An Active engine that loses GMS (the GMS container died) does not die: its
+mappings stay valid (memfd pages, imported VMM handles are reference-counted),
+so it keeps serving and gives its allocations back to the restarted GMS
+(``Readopt``), which re-commits them under the same layout; the standbys
+remap that layout when their turn comes. Only if that fails does it exit.
+An engine in any other state still ends on ``GmsLost``.
+
 ``Terminate`` (SIGTERM: a pod deletion, a rollout, a node drain) ends an
 engine that serves nothing at once; an Active engine drains first: it stops
 taking requests (the front holds new ones for the next Active engine),
@@ -84,6 +91,16 @@ class GmsLost:
 
 
 @dataclass(frozen=True, slots=True)
+class Readopted:
+    """The restarted GMS took the engine's allocations back (same layout)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadoptFailed:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class EpochReissued:
     """The restarted lock server had lost its record and re-granted this
     engine's lock under a new epoch: the engine keeps serving, fenced by it."""
@@ -119,6 +136,8 @@ Event = (
     | WakeTimeout
     | LockLost
     | GmsLost
+    | Readopted
+    | ReadoptFailed
     | EpochReissued
     | Terminate
     | Drained
@@ -146,6 +165,14 @@ class BindServing:
 
 
 @dataclass(frozen=True, slots=True)
+class Readopt:
+    """Give the weights' allocations back to the restarted GMS, within ``deadline``;
+    report Readopted or ReadoptFailed. Serving goes on meanwhile."""
+
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
 class Drain:
     """Stop accepting requests; report Drained when none is left or at ``deadline``."""
 
@@ -159,7 +186,7 @@ class Exit:
     state: State  # the state the engine died in, for the one exit log line
 
 
-Action = Acquire | Wake | BindServing | Drain | Exit
+Action = Acquire | Wake | BindServing | Readopt | Drain | Exit
 
 
 class ExitCode(enum.IntEnum):
@@ -195,6 +222,7 @@ class EngineState:
     budgets: Budgets
     epoch: int | None = None
     last_event: str = "start"
+    readopting: bool = False  # Active, giving the weights back to a restarted GMS
 
     def time_in_state(self, now: float) -> float:
         return max(0.0, now - self.since)
@@ -292,10 +320,27 @@ def _drained(s: EngineState, e: Drained, now: float) -> Result:
     return _moved(s, State.DEAD, e, now), [Exit(ExitCode.DONE, why, s.state)]
 
 
-_DIE = {LockLost: ExitCode.LOCK_LOST, GmsLost: ExitCode.GMS_LOST, Fatal: ExitCode.FATAL}
+def _gms_lost_serving(s: EngineState, e: GmsLost, now: float) -> Result:
+    """Serve on from the mappings; give them back to the next GMS (once)."""
+    new = replace(s, readopting=True, last_event=type(e).__name__)
+    if s.readopting:
+        return new, []  # another device's session, lost in the same death
+    return new, [Readopt(deadline=now + s.budgets.wake_s)]
 
 
-def _died(s: EngineState, e: LockLost | GmsLost | Fatal, now: float) -> Result:
+def _readopted(s: EngineState, e: Readopted, now: float) -> Result:
+    return replace(s, readopting=False, last_event=type(e).__name__), []
+
+
+_DIE = {
+    LockLost: ExitCode.LOCK_LOST,
+    GmsLost: ExitCode.GMS_LOST,
+    ReadoptFailed: ExitCode.GMS_LOST,
+    Fatal: ExitCode.FATAL,
+}
+
+
+def _died(s: EngineState, e: LockLost | GmsLost | ReadoptFailed | Fatal, now: float) -> Result:
     return _moved(s, State.DEAD, e, now), [Exit(_DIE[type(e)], e.reason, s.state)]
 
 
@@ -319,7 +364,9 @@ TRANSITIONS: dict[tuple[State, type], Entry[EngineState, Action, State]] = {
     (S.WAKING, GmsLost): Entry(_died, _DEAD),
     (S.WAKING, Fatal): Entry(_died, _DEAD),
     (S.ACTIVE, LockLost): Entry(_died, _DEAD),
-    (S.ACTIVE, GmsLost): Entry(_died, _DEAD),
+    (S.ACTIVE, GmsLost): Entry(_gms_lost_serving, frozenset({S.ACTIVE})),
+    (S.ACTIVE, Readopted): Entry(_readopted, frozenset({S.ACTIVE})),
+    (S.ACTIVE, ReadoptFailed): Entry(_died, _DEAD),
     (S.ACTIVE, Fatal): Entry(_died, _DEAD),
     (S.WAKING, EpochReissued): Entry(_reissued, frozenset({S.WAKING})),
     (S.ACTIVE, EpochReissued): Entry(_reissued, frozenset({S.ACTIVE})),
@@ -331,6 +378,9 @@ TRANSITIONS: dict[tuple[State, type], Entry[EngineState, Action, State]] = {
     (S.DRAINING, Drained): Entry(_drained, _DEAD),
     (S.DRAINING, LockLost): Entry(_died, _DEAD),
     (S.DRAINING, GmsLost): Entry(_died, _DEAD),
+    # A drain that began while the weights were being given back.
+    (S.DRAINING, Readopted): Entry(_readopted, frozenset({S.DRAINING})),
+    (S.DRAINING, ReadoptFailed): Entry(_died, _DEAD),
     (S.DRAINING, Fatal): Entry(_died, _DEAD),
 }
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
@@ -61,10 +62,16 @@ class HttpHost:
         fut: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self.loop)
         return fut.result(timeout)
 
-    async def _serve(self, app: web.Application, host: str, port: int) -> None:
+    async def _serve(
+        self, app: web.Application, host: str, port: int, sock: socket.socket | None = None
+    ) -> None:
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
-        site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=False)
+        site: web.BaseSite
+        if sock is not None:  # already listening (early_status): take it over
+            site = web.SockSite(runner, sock)
+        else:
+            site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=False)
         try:
             await site.start()
         except BaseException:
@@ -79,7 +86,11 @@ class HttpHost:
         verdict: Callable[[Probe], Verdict],
         state: Callable[[], dict[str, Any]],
         registry: prom.CollectorRegistry,
+        sock: socket.socket | None = None,
     ) -> None:
+        """Serve the status endpoints on ``host:port``, or on ``sock`` if the
+        port is already listening (the early status server hands it over)."""
+
         async def probe(request: web.Request) -> web.Response:
             v = verdict(Probe(request.match_info["probe"]))
             return web.Response(status=v.status, text=v.reason + "\n")
@@ -101,7 +112,7 @@ class HttpHost:
                 web.get("/metrics", metrics),
             ]
         )
-        self._call(self._serve(app, host, port))
+        self._call(self._serve(app, host, port, sock))
 
     def start_heartbeat(self, path: Path, epoch: Callable[[], int | None]) -> None:
         """Rewrite the heartbeat record from this loop every HEARTBEAT_S."""

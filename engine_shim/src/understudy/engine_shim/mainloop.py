@@ -24,13 +24,14 @@ import prometheus_client as prom
 from understudy.engine_shim import fsm
 from understudy.engine_shim.adapters.base import Engine
 from understudy.engine_shim.config import EngineConfig
+from understudy.engine_shim.early_status import EarlyStatus
 from understudy.engine_shim.fsm import Budgets, State
 from understudy.engine_shim.http import HttpHost
 from understudy.engine_shim.probes import Probe, Verdict, verdict
 from understudy.engine_shim.weights import Weights
 from understudy.gms.client import GmsError
 from understudy.lockserver import client as lock_client
-from understudy.wire import failpoints, heap
+from understudy.wire import failpoints, heap, respawn
 from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.engine_shim")
@@ -102,8 +103,15 @@ class Metrics:
 
 
 class Shim:
-    def __init__(self, cfg: EngineConfig, engine: Engine, host: HttpHost | None = None) -> None:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        engine: Engine,
+        host: HttpHost | None = None,
+        early: EarlyStatus | None = None,
+    ) -> None:
         self.cfg = cfg
+        self.early = early  # the status port, answered since the process began
         self.engine = engine
         self.s = fsm.initial(time.monotonic(), Budgets(cfg.startup_budget_s, cfg.wake_timeout_s))
         self.metrics = Metrics(cfg)
@@ -118,6 +126,7 @@ class Shim:
         self.walls: dict[str, float] = {"started_at": time.time()}
         self.durations: dict[str, float] = {}
         self._granted = 0.0  # monotonic time of the lock grant
+        self.readoptions = 0  # times this engine gave its weights back to a new GMS
 
     # --------------------------------------------------------- the core --
 
@@ -139,8 +148,16 @@ class Shim:
         return rest
 
     def report(self, event: fsm.Event) -> None:
-        """For monitors: feed an event whose actions can only be Exit."""
-        self.feed(event)
+        """For monitors (their own threads): feed an event; what it asks for
+        besides an exit (giving the weights back to a restarted GMS) runs on a
+        thread of its own, so the monitor goes on watching."""
+        pending = self.feed(event)
+        if pending:
+            threading.Thread(target=self._run, args=(pending,), name="report", daemon=True).start()
+
+    def _run(self, pending: list[fsm.Action]) -> None:
+        while pending:
+            pending += self._do(pending.pop(0))
 
     def _transitioned(self, old: fsm.EngineState, event: fsm.Event, now: float) -> None:
         new = self.s.state
@@ -237,10 +254,14 @@ class Shim:
             "name": self.cfg.name,
             "engine_id": self.cfg.engine_id,
             "pid": os.getpid(),
+            # in-place restarts of this container's engine before this process
+            "restarts": respawn.restarts(),
             "adapter": self.engine.name,
             "state": s.state.value,
             "time_in_state_s": round(s.time_in_state(time.monotonic()), 4),
             "epoch": s.epoch,
+            "readopting": s.readopting,
+            "readoptions": self.readoptions,
             "last_transition": self.last_transition,
             "serving_socket": str(self.cfg.serve_socket),
             "weights": {"loaded": self.weights.loaded, "imported": self.weights.imported},
@@ -256,7 +277,12 @@ class Shim:
         cfg = self.cfg
         self.host.start()
         self.host.serve_status(
-            "0.0.0.0", cfg.status_port, self.verdict, self.state_view, self.metrics.registry
+            "0.0.0.0",
+            cfg.status_port,
+            self.verdict,
+            self.state_view,
+            self.metrics.registry,
+            sock=self.early.handover() if self.early is not None else None,
         )
         self.host.start_heartbeat(cfg.heartbeat, lambda: self.s.epoch)
         # SIGTERM drains an Active engine and ends any other at once. A handler
@@ -289,72 +315,24 @@ class Shim:
             self.durations["init"]
         )
         pending = self.feed(fsm.InitDone())
+        # Standby: this engine has proved it can start. A respawner (the
+        # engine container's init, docs/pod.md) restarts it at once from now
+        # on if it dies, instead of backing off.
+        respawn.notify_ready()
         while pending:
             pending += self._do(pending.pop(0))
         threading.Event().wait()  # Active: serve until the process ends
 
     def _do(self, action: fsm.Action) -> list[fsm.Action]:
-        cfg = self.cfg
         match action:
             case fsm.Acquire():
-                try:
-                    self.held = lock_client.acquire(
-                        str(cfg.lock_socket),
-                        cfg.engine_id,
-                        None,
-                        on_lost=lambda why: self.report(fsm.LockLost(why)),
-                        on_epoch=self._reissued,
-                        reconnect_timeout=cfg.lock_reconnect_s,
-                        connect_timeout=cfg.lock_reconnect_s,
-                    )
-                except lock_client.LockError as exc:
-                    return self.feed(fsm.Fatal(f"lock: {exc}"))
-                self._granted = time.monotonic()
-                self.metrics.epoch.labels(**self.metrics.labels).set(self.held.epoch)
-                released = self.held.released_at
-                if released is not None:
-                    # The lock server's clock and ours are the node's: the
-                    # previous holder's death to our grant is the detection.
-                    self.walls["released_at"] = released
-                    self.durations["detect"] = max(0.0, time.time() - released)
-                    self.metrics.failover.labels(**self.metrics.labels, phase="detect").observe(
-                        self.durations["detect"]
-                    )
-                return self.feed(fsm.LockGranted(self.held.epoch))
+                return self._acquire()
             case fsm.Wake():
-                t0 = time.monotonic()
-                try:
-                    failpoints.hit("engine.wake")
-                    self.weights.wake(cfg.remap_timeout_s, self.s.epoch)
-                    self.engine.wake()
-                except Exception as exc:  # a failed remap is fatal: restart and re-init
-                    return self.feed(fsm.Fatal(f"wake failed: {type(exc).__name__}: {exc}"))
-                self.durations["wake"] = time.monotonic() - t0
-                self.metrics.failover.labels(**self.metrics.labels, phase="wake").observe(
-                    self.durations["wake"]
-                )
-                return self.feed(fsm.WakeDone())
+                return self._wake()
             case fsm.BindServing():
-                t0 = time.monotonic()
-                try:
-                    self.host.bind_serving(
-                        cfg.serve_socket,
-                        self.engine.routes(),
-                        self.serving_health,
-                        lambda: self.s.epoch or 0,
-                    )
-                except OSError as exc:
-                    return self.feed(fsm.Fatal(f"cannot listen on {cfg.serve_socket}: {exc}"))
-                self._serving = True
-                self.durations["serve"] = time.monotonic() - t0
-                self.durations["grant_to_active"] = time.monotonic() - self._granted
-                self.metrics.failover.labels(**self.metrics.labels, phase="serve").observe(
-                    self.durations["serve"]
-                )
-                self.metrics.failover.labels(
-                    **self.metrics.labels, phase="grant_to_active"
-                ).observe(self.durations["grant_to_active"])
-                return self.feed(fsm.ServingReady())
+                return self._bind_serving()
+            case fsm.Readopt(deadline=deadline):
+                return self._readopt(deadline)
             case fsm.Drain(deadline=deadline):
                 unfinished = self.host.drain(max(0.0, deadline - time.monotonic()))
                 return self.feed(fsm.Drained(unfinished=unfinished))
@@ -362,6 +340,90 @@ class Shim:
                 return []  # carried out in feed()
             case _:
                 assert_never(action)
+
+    def _acquire(self) -> list[fsm.Action]:
+        cfg = self.cfg
+        try:
+            self.held = lock_client.acquire(
+                str(cfg.lock_socket),
+                cfg.engine_id,
+                None,
+                on_lost=lambda why: self.report(fsm.LockLost(why)),
+                on_epoch=self._reissued,
+                reconnect_timeout=cfg.lock_reconnect_s,
+                connect_timeout=cfg.lock_reconnect_s,
+            )
+        except lock_client.LockError as exc:
+            return self.feed(fsm.Fatal(f"lock: {exc}"))
+        self._granted = time.monotonic()
+        self.metrics.epoch.labels(**self.metrics.labels).set(self.held.epoch)
+        released = self.held.released_at
+        if released is not None:
+            # The lock server's clock and ours are the node's: the
+            # previous holder's death to our grant is the detection.
+            self.walls["released_at"] = released
+            self.durations["detect"] = max(0.0, time.time() - released)
+            self.metrics.failover.labels(**self.metrics.labels, phase="detect").observe(
+                self.durations["detect"]
+            )
+        return self.feed(fsm.LockGranted(self.held.epoch))
+
+    def _wake(self) -> list[fsm.Action]:
+        t0 = time.monotonic()
+        try:
+            failpoints.hit("engine.wake")
+            self.weights.wake(self.cfg.remap_timeout_s, self.s.epoch)
+            self.engine.wake()
+        except Exception as exc:  # a failed remap is fatal: restart and re-init
+            return self.feed(fsm.Fatal(f"wake failed: {type(exc).__name__}: {exc}"))
+        self.durations["wake"] = time.monotonic() - t0
+        self.metrics.failover.labels(**self.metrics.labels, phase="wake").observe(
+            self.durations["wake"]
+        )
+        return self.feed(fsm.WakeDone())
+
+    def _bind_serving(self) -> list[fsm.Action]:
+        cfg = self.cfg
+        t0 = time.monotonic()
+        try:
+            self.host.bind_serving(
+                cfg.serve_socket,
+                self.engine.routes(),
+                self.serving_health,
+                lambda: self.s.epoch or 0,
+            )
+        except OSError as exc:
+            return self.feed(fsm.Fatal(f"cannot listen on {cfg.serve_socket}: {exc}"))
+        self._serving = True
+        self.durations["serve"] = time.monotonic() - t0
+        self.durations["grant_to_active"] = time.monotonic() - self._granted
+        self.metrics.failover.labels(**self.metrics.labels, phase="serve").observe(
+            self.durations["serve"]
+        )
+        self.metrics.failover.labels(**self.metrics.labels, phase="grant_to_active").observe(
+            self.durations["grant_to_active"]
+        )
+        return self.feed(fsm.ServingReady())
+
+    def _readopt(self, deadline: float) -> list[fsm.Action]:
+        """GMS died under this Active engine: give its allocations back to the
+        restarted one (serving goes on from the mappings meanwhile)."""
+        t0 = time.monotonic()
+        try:
+            failpoints.hit("gms.readopt")
+            how = self.weights.readopt(max(0.0, deadline - t0), self.s.epoch)
+        except Exception as exc:  # the next GMS never came, or refused: exit
+            return self.feed(fsm.ReadoptFailed(f"re-adoption failed: {type(exc).__name__}: {exc}"))
+        self.readoptions += 1
+        self.durations["readopt"] = time.monotonic() - t0
+        log_event(
+            log,
+            "readopted",
+            engine=self.cfg.engine_id,
+            how=",".join(how),
+            seconds=round(self.durations["readopt"], 4),
+        )
+        return self.feed(fsm.Readopted())
 
     def _reissued(self, epoch: int) -> None:
         """From the lock's monitor thread: our grant lives on under a new epoch."""
@@ -373,9 +435,6 @@ class Shim:
         """SIGTERM, in the signal handler: the work goes to a thread of its own
         (the main thread may be blocked in acquire, or be the one serving)."""
 
-        def run() -> None:
-            pending = self.feed(fsm.Terminate())
-            while pending:
-                pending += self._do(pending.pop(0))
-
-        threading.Thread(target=run, name="terminate", daemon=True).start()
+        threading.Thread(
+            target=lambda: self._run(self.feed(fsm.Terminate())), name="terminate", daemon=True
+        ).start()

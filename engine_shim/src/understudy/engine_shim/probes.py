@@ -4,8 +4,10 @@ Three endpoints on the engine's status port (docs/pod.md):
 
 - ``/startup`` — 503 in Init (kubelet's startup probe covers model loading and
   graph capture, which take minutes), 200 once the engine has left Init.
-- ``/live`` — Init 503 (unreachable in a pod: the startup probe gates it);
-  Standby 200, an idle standby is alive; Waking 200 until the wake timeout,
+- ``/live`` — Init 200: the shim ends an engine that outlives its startup
+  budget itself (``InitTimeout``), and an engine restarted in place by its
+  container's respawner is in Init under a liveness probe, not a startup
+  probe (docs/pod.md); Standby 200, an idle standby is alive; Waking 200 until the wake timeout,
   then 503, so a hung wake gets the container killed; Active: the serving
   endpoint's health; Draining 200 (it is finishing its requests); Dead 503.
 - ``/ready`` — "a useful member of the pod": Standby 200, Active 200 when the
@@ -88,7 +90,7 @@ def _started(state: State) -> Rule:
 VERDICTS: dict[tuple[Probe, State], Rule] = {
     (Probe.STARTUP, State.INIT): _initialising(FAIL),
     **{(Probe.STARTUP, s): _started(s) for s in State if s not in (State.INIT, State.DEAD)},
-    (Probe.LIVE, State.INIT): _initialising(FAIL),
+    (Probe.LIVE, State.INIT): _initialising(OK),
     (Probe.LIVE, State.STANDBY): _always(OK, "standby"),
     (Probe.LIVE, State.WAKING): _live_while_waking,
     (Probe.LIVE, State.ACTIVE): _serving,

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from understudy.engine_shim.adapters.base import Engine
 from understudy.engine_shim.config import EngineConfig
 from understudy.gms.client import GmsClient, GmsError, query_state
-from understudy.gms.messages import Granted, Mode
+from understudy.gms.messages import Granted, LockState, Mode
 from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.engine_shim.weights")
@@ -109,6 +109,24 @@ class Weights:
                     f"remap of device {device} failed: {type(exc).__name__}: {exc}"
                 ) from exc
 
+    def readopt(self, timeout: float, epoch: int | None) -> list[str]:
+        """GMS restarted under this Active engine: give every lost session's
+        allocations back to it (``GmsClient.readopt``) within ``timeout``.
+        Returns what each device's GMS did: adopted, or reattached."""
+        deadline = time.monotonic() + timeout
+        done = []
+        for device, session in self.sessions.items():
+            if session.connected:
+                continue  # this device's GMS did not die
+
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"re-adoption timeout of {timeout:g}s spent before {device}")
+            how = session.readopt(remaining, epoch)
+            done.append(f"{device}:{how}")
+            log_event(log, "gms_readopted", device=device, how=how, layout=session.layout_hash)
+        return done
+
     def _fail_fast(self, device: int, timeout: float) -> None:
         """A GMS that restarted while we slept has nothing committed and, with
         nobody loading, never will: say so now instead of after the whole
@@ -117,7 +135,11 @@ class Weights:
             state = query_state(self.cfg.gms_socket(device), timeout)
         except GmsError as exc:
             raise WakeError(f"GMS for device {device} unreachable: {exc}") from exc
-        if not state.committed and state.sessions.get(Granted.RW, 0) == 0:
+        if (
+            not state.committed
+            and state.sessions.get(Granted.RW, 0) == 0
+            and state.state is not LockState.ORPHANED  # an Active engine gives it back
+        ):
             raise WakeError(
                 f"GMS for device {device} has no committed weights and no writer: "
                 "it restarted while this engine slept"

@@ -68,6 +68,7 @@ def cmd_server(args: argparse.Namespace) -> int:
         backend=args.backend,
         granularity=args.granularity,
         metrics_port=args.metrics_port,
+        adopt_window_s=args.adopt_window,
     )
     try:
         return asyncio.run(server.run(config))
@@ -90,6 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         granularity=args.granularity,
         metrics_port=args.metrics_port,
         grace_s=args.grace,
+        adopt_window_s=args.adopt_window,
     )
     return supervisor.run(config)
 
@@ -136,6 +138,12 @@ def cmd_wait_ready(args: argparse.Namespace) -> int:
     return 0
 
 
+_ADOPT_HELP = (
+    "after a restart over a committed layout, seconds to wait for the engine that "
+    "still maps it to give it back before anyone may load anew"
+)
+
+
 def _add(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     backend_help = "host (memfd, any Linux) or cuda (CUDA VMM)"
 
@@ -147,6 +155,7 @@ def _add(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--granularity", type=int, default=None, help="host backend alignment")
     p.add_argument("--metrics-port", type=int, default=None)
     p.add_argument("--grace", type=float, default=5.0, help="seconds before SIGKILL")
+    p.add_argument("--adopt-window", type=float, default=5.0, help=_ADOPT_HELP)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("server", help="one GMS server (one device, one tag)")
@@ -156,6 +165,7 @@ def _add(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--tag", default=DEFAULT_TAG)
     p.add_argument("--granularity", type=int, default=None)
     p.add_argument("--metrics-port", type=int, default=None)
+    p.add_argument("--adopt-window", type=float, default=5.0, help=_ADOPT_HELP)
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_server)
 

@@ -191,8 +191,12 @@ class _Channel:
         self._codec = m.reply_codec()
         self.broken = False
 
-    def request(self, msg: m.Request, deadline: float | None) -> tuple[m.Reply, OwnedFd | None]:
-        self._send([msg], deadline)
+    def request(
+        self, msg: m.Request, deadline: float | None, fd: int | None = None
+    ) -> tuple[m.Reply, OwnedFd | None]:
+        """Send ``msg`` (with ``fd``, for the one request that carries one) and
+        receive its reply."""
+        self._send([msg], deadline, fd)
         return self._receive(msg, deadline)
 
     def export_many(
@@ -227,7 +231,7 @@ class _Channel:
             return GmsConnectionLost(f"bad frame from GMS: {exc}")
         return GmsConnectionLost(f"GMS connection lost during {msg.type}: {exc}")
 
-    def _send(self, msgs: list[m.Request], deadline: float | None) -> None:
+    def _send(self, msgs: list[m.Request], deadline: float | None, fd: int | None = None) -> None:
         if self.broken:
             raise GmsConnectionLost("the GMS connection is no longer usable")
         data = b"".join(
@@ -235,7 +239,7 @@ class _Channel:
         )
         try:
             self._timeout(deadline)
-            send_frame(self.sock, data)
+            send_frame(self.sock, data, fd)
         except OSError as exc:  # TimeoutError included
             raise self._io_error(msgs[0], exc) from None
 
@@ -292,6 +296,8 @@ class GmsClient:
         self._chan: _Channel | None = None
         self._watcher: _Watcher | None = None
         self._mapped = False
+        self._gone = False  # the server hung up on the session (the watcher saw it)
+        self._health: tuple[bool, str] = (True, "")  # the last device_health answer
         self._lock = threading.RLock()
 
     # --- session -----------------------------------------------------------
@@ -335,6 +341,7 @@ class GmsClient:
         if self._mapper is None or self.backend != ok.backend:
             self._mapper = make_mapper(ok.backend, ok.device)
         self._chan = chan
+        self._gone = False
         self.granted_mode = ok.granted
         self.device, self.backend, self.granularity = ok.device, ok.backend, ok.granularity
         if self.on_lost is not None:
@@ -343,6 +350,7 @@ class GmsClient:
         return ok
 
     def _lost(self, exc: BaseException) -> None:
+        self._gone = True
         if self._mapped and self.on_lost is not None:
             self.on_lost(exc)
 
@@ -399,7 +407,8 @@ class GmsClient:
 
     @property
     def connected(self) -> bool:
-        return self._chan is not None
+        """A session the server has not hung up on."""
+        return self._chan is not None and not self._gone
 
     @property
     def allocations(self) -> list[Allocation]:
@@ -501,11 +510,24 @@ class GmsClient:
     def device_health(self) -> tuple[bool, str]:
         """(healthy, reason) of the GPU behind this session, as GMS sees it
         through NVML: an engine's health reason. Healthy with no reason where
-        GMS has no NVML (no driver, the host backend on a CPU machine)."""
-        gpu = self.state().gpu
+        GMS has no NVML (no driver, the host backend on a CPU machine).
+
+        Never waits: it is asked from the engine's event loop (its /health and
+        probes), which must keep beating. While the session is busy (a
+        re-adoption holds it) or gone, the last answer stands."""
+        if not self._lock.acquire(blocking=False):
+            return self._health
+        try:
+            if not self.connected:
+                return self._health
+            gpu = self.state().gpu
+        finally:
+            self._lock.release()
         if gpu is None or gpu.healthy:
-            return True, ""
-        return False, f"device {self.device} ({gpu.uuid}): {gpu.reason}"
+            self._health = (True, "")
+        else:
+            self._health = (False, f"device {self.device} ({gpu.uuid}): {gpu.reason}")
+        return self._health
 
     # --- sleep and wake ----------------------------------------------------
 
@@ -566,6 +588,81 @@ class GmsClient:
                 self._drop_session()
                 self.granted_mode = None
                 raise
+
+    def readopt(self, timeout: float, epoch: int | None = None) -> str:
+        """GMS restarted under this mapped session: give the layout back.
+
+        Connect to the new server (retrying until it listens, within
+        ``timeout``) with mode ADOPT and this layout's hash, then re-send every
+        allocation in its order, each with its memory (``mapper.export``: the
+        memfd kept, or the VMM handle exported again), the metadata, and
+        commit: the server commits the same layout hash, so a sleeping engine
+        remaps it unchanged. If the server has that layout committed already,
+        it re-attaches this session instead. The mappings never move. Returns
+        ``"adopted"`` or ``"reattached"``; raises ``GmsRefused``
+        (``stale_layout``) when the server holds or awaits another layout."""
+        with self._lock:
+            if not self._mapped or self.layout_hash is None or self._mapper is None:
+                raise GmsError("nothing to give back: no committed layout is mapped")
+            self._drop_session()
+            deadline = time.monotonic() + timeout
+            while True:
+                chan = _Channel(_connect_socket(self.path, deadline))
+                try:
+                    how = self._give_back(chan, deadline, epoch)
+                    break
+                except GmsConnectionLost:
+                    # The dying server's socket, still there for a moment (it
+                    # closes on its way out): try again until the new one answers.
+                    chan.close()
+                    if time.monotonic() >= deadline:
+                        raise
+                    time.sleep(_RETRY_CONNECT_S)
+                except BaseException:
+                    chan.close()
+                    raise
+            self._chan = chan
+            self._gone = False
+            self.granted_mode = Granted.RO
+            if self.on_lost is not None:
+                self._watcher = _Watcher(chan.sock, self._lost)
+                self._watcher.start()
+            return how
+
+    def _give_back(self, chan: _Channel, deadline: float, epoch: int | None) -> str:
+        assert self._mapper is not None and self.layout_hash is not None
+        until = deadline + _REPLY_SLACK_S
+        hello = m.Hello(
+            mode=Mode.ADOPT,
+            timeout_s=max(0.0, deadline - time.monotonic()),
+            client=f"pid-{os.getpid()}",
+            epoch=epoch,
+            layout_hash=self.layout_hash,
+        )
+        reply, fd = chan.request(hello, until)
+        ok = _expect(reply, m.HelloOk, fd)
+        if (ok.backend, ok.device) != (self.backend, self.device):
+            raise GmsError(f"GMS came back as {ok.backend} device {ok.device}")
+        if ok.granted is Granted.RO:  # the layout is here already: ids may differ
+            infos = _expect(chan.request(m.ListAllocations(), until)[0], m.Allocations).allocations
+            self._check_same(infos)
+            for a, info in zip(self._allocs, infos, strict=True):
+                a.id = info.id
+            return "reattached"
+        for a in self._allocs:
+            memory = self._mapper.export(a.address)
+            adopt = m.AdoptAllocation(size=a.requested, tag=a.tag)
+            try:
+                reply, fd = chan.request(adopt, until, memory)
+            finally:
+                os.close(memory)
+            a.id = _expect(reply, m.Allocated, fd).allocation.id
+        for key, value in self._metadata.items():
+            _expect(chan.request(m.PutMetadata(key=key, value=value), until)[0], m.Ok)
+        digest = _expect(chan.request(m.Commit(), until)[0], m.Committed).layout_hash
+        if digest != self.layout_hash:  # the server checks it too; never seen
+            raise StaleMemoryLayoutError(f"re-committed {digest[:16]}, not {self.layout_hash[:16]}")
+        return "adopted"
 
     def _check_same(self, infos: tuple[m.AllocationInfo, ...]) -> None:
         if len(infos) != len(self._allocs):

@@ -35,6 +35,9 @@ class ServerConfig:
     granularity: int | None = None  # host backend only; None = 2 MiB
     metrics_port: int | None = None  # None: no own /metrics (supervised children)
     health_interval_s: float = 5.0  # NVML poll for metrics and log (health.py)
+    # After a restart over a committed layout: how long every hello waits for
+    # the engine that still maps it to give it back (fsm, re-adoption).
+    adopt_window_s: float = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +49,7 @@ class SupervisorConfig:
     granularity: int | None = None
     metrics_port: int | None = None
     grace_s: float = 5.0  # after a child dies or SIGTERM: SIGTERM, then SIGKILL
+    adopt_window_s: float = 5.0
 
 
 @dataclass(frozen=True, slots=True)

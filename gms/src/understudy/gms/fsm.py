@@ -15,7 +15,19 @@ Two pieces of data drive it:
   ``InvalidTransition`` otherwise (a bug in the shell); either way the state
   is unchanged.
 * ``GRANT_RULES``: (lock state, requested mode) → decision. The lock state is
-  derived from the live sessions (``lock_state``): EMPTY, RW, COMMITTED, RO.
+  derived from the live sessions (``lock_state``): EMPTY, RW, COMMITTED, RO,
+  and ORPHANED.
+
+Re-adoption. GMS keeps a record of its committed layout (the shell writes it
+beside the socket). A GMS that restarts over such a record starts ORPHANED:
+the layout's memory lives on in the mappings of the engine that serves from
+it, and that engine gives it back (mode ADOPT: each allocation re-sent with
+its fd, the metadata, commit). The commit must produce the same layout hash,
+so every sleeping engine remaps it as if nothing happened. While ORPHANED,
+every other hello waits, so no engine reloads the checkpoint over a layout
+that is on its way back; after the adoption window (``AdoptionOver``) the
+record is forgotten and the usual rules apply, which is today's path for a
+GMS death that no engine can undo (nobody held the weights).
 
 Waiters are re-evaluated in arrival order after every event that changes the
 sessions or the committed flag. Every wait has a deadline (``now`` + the
@@ -65,17 +77,20 @@ class Refused(RemoteGmsError):
 
 
 class Phase(enum.Enum):
-    NONE = "none"  # no such session (not connected yet, or gone)
+    NONE = "none"  # no such session (not connected yet, or gone); server-level events
     PENDING = "pending"  # connected, no lock asked for (or its wait expired)
     WAITING = "waiting"  # hello received, not grantable yet
     RW = "rw"
+    ADOPTING = "adopting"  # re-sending a layout it still maps (after a GMS restart)
     RO = "ro"
 
 
 class Decision(enum.Enum):
     GRANT_RW = "grant_rw"
     GRANT_RO = "grant_ro"  # unless a writer (mode RW) is waiting
+    GRANT_ADOPT = "grant_adopt"
     WAIT = "wait"
+    REFUSE = "refuse"  # ADOPT never waits: its layout is not the one coming
 
 
 # (lock state, requested mode) -> decision. RW: no writer and no readers.
@@ -94,6 +109,18 @@ GRANT_RULES: dict[tuple[LockState, Mode], Decision] = {
     (LockState.RO, Mode.RW): Decision.WAIT,
     (LockState.RO, Mode.RO): Decision.GRANT_RO,
     (LockState.RO, Mode.RW_OR_RO): Decision.GRANT_RO,
+    # The adopter re-creates the layout where there is none; where it is
+    # committed already it re-attaches (RO, same hash only); a writer at work
+    # means a new layout is coming, not its own.
+    (LockState.EMPTY, Mode.ADOPT): Decision.GRANT_ADOPT,
+    (LockState.RW, Mode.ADOPT): Decision.REFUSE,
+    (LockState.COMMITTED, Mode.ADOPT): Decision.GRANT_RO,
+    (LockState.RO, Mode.ADOPT): Decision.GRANT_RO,
+    # Orphaned: everyone waits for the adopter, within the adoption window.
+    (LockState.ORPHANED, Mode.RW): Decision.WAIT,
+    (LockState.ORPHANED, Mode.RO): Decision.WAIT,
+    (LockState.ORPHANED, Mode.RW_OR_RO): Decision.WAIT,
+    (LockState.ORPHANED, Mode.ADOPT): Decision.GRANT_ADOPT,
 }
 
 
@@ -115,6 +142,15 @@ class Session:
     mode: Mode | None = None  # requested in hello
     since: float = 0.0  # when the current wait started
     deadline: float | None = None
+    layout_hash: str | None = None  # ADOPTING: the layout it re-sends
+
+
+@dataclass(frozen=True, slots=True)
+class Orphan:
+    """A layout committed before GMS restarted, awaited from its engine."""
+
+    layout_hash: str
+    deadline: float  # the end of the adoption window
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +163,7 @@ class GmsState:
     layout_hash: str | None = None
     next_id: int = 0
     newest_epoch: int = 0  # the highest lock epoch any hello carried
+    orphan: Orphan | None = None
 
     def session(self, sid: int) -> Session | None:
         for s in self.sessions:
@@ -154,12 +191,13 @@ class GmsState:
         return min(deadlines) if deadlines else None
 
 
-def initial_state(info: ServerInfo) -> GmsState:
-    return GmsState(info=info)
+def initial_state(info: ServerInfo, orphan: Orphan | None = None) -> GmsState:
+    """A fresh server; ``orphan``: the layout it committed before it restarted."""
+    return GmsState(info=info, orphan=orphan)
 
 
 def lock_state(state: GmsState) -> LockState:
-    if any(s.phase is Phase.RW for s in state.sessions):
+    if any(s.phase in (Phase.RW, Phase.ADOPTING) for s in state.sessions):
         return LockState.RW
     if state.committed:
         return (
@@ -167,13 +205,15 @@ def lock_state(state: GmsState) -> LockState:
             if any(s.phase is Phase.RO for s in state.sessions)
             else LockState.COMMITTED
         )
+    if state.orphan is not None:
+        return LockState.ORPHANED
     return LockState.EMPTY
 
 
 def decide(state: GmsState, mode: Mode) -> Decision:
     decision = GRANT_RULES[(lock_state(state), mode)]
     if decision is Decision.GRANT_RO and state.waiting_writers:
-        return Decision.WAIT
+        return Decision.REFUSE if mode is Mode.ADOPT else Decision.WAIT
     return decision
 
 
@@ -181,7 +221,11 @@ def report(state: GmsState) -> m.StateReport:
     return m.StateReport(
         state=lock_state(state),
         committed=state.committed,
-        sessions={Granted.RW: state.count(Phase.RW), Granted.RO: state.count(Phase.RO)},
+        sessions={
+            Granted.RW: state.count(Phase.RW),
+            Granted.RO: state.count(Phase.RO),
+            Granted.ADOPT: state.count(Phase.ADOPTING),
+        },
         waiting=state.count(Phase.WAITING),
         waiting_writers=state.waiting_writers,
         allocations=len(state.allocations),
@@ -230,6 +274,11 @@ class Expire:
 
 
 @dataclass(frozen=True, slots=True)
+class AdoptionOver:
+    """The adoption window's timer fired (a server-level event: no session)."""
+
+
+@dataclass(frozen=True, slots=True)
 class CreateFailed:
     """The backend could not create an allocation the core had recorded."""
 
@@ -238,7 +287,7 @@ class CreateFailed:
     reason: str
 
 
-Event = Connected | Disconnected | Received[m.Request] | Expire | CreateFailed
+Event = Connected | Disconnected | Received[m.Request] | Expire | CreateFailed | AdoptionOver
 
 # --- actions ------------------------------------------------------------------
 
@@ -265,6 +314,22 @@ class CreateMemory:
 
 
 @dataclass(frozen=True, slots=True)
+class AdoptMemory:
+    """Take the fd that came with the request as the allocation's memory, then
+    reply ``Allocated``; on failure feed ``CreateFailed``."""
+
+    sid: int
+    allocation: AllocationRecord
+
+
+@dataclass(frozen=True, slots=True)
+class ArmAdoptionTimer:
+    """Feed ``AdoptionOver`` at ``deadline``."""
+
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
 class SendExport:
     """Export the allocation as an fd and send it with an ``Exported`` reply."""
 
@@ -288,14 +353,25 @@ class ArmTimer:
 class Transition:
     """A state change worth a log line and a metric."""
 
-    event: str  # connect disconnect wait grant expire abort commit replace allocate
+    # connect disconnect wait grant expire abort commit replace allocate
+    # adopt adopt_aborted orphan_expired
+    event: str
     sid: int
     mode: str | None = None
     waited_s: float | None = None
     detail: str | None = None
 
 
-Action = Reply | CreateMemory | SendExport | ReleaseMemory | ArmTimer | Transition
+Action = (
+    Reply
+    | CreateMemory
+    | AdoptMemory
+    | SendExport
+    | ReleaseMemory
+    | ArmTimer
+    | ArmAdoptionTimer
+    | Transition
+)
 Result = tuple[GmsState, list[Action]]
 
 # --- handlers -----------------------------------------------------------------
@@ -315,15 +391,21 @@ def _cleared(state: GmsState) -> GmsState:
     return replace(state, allocations=(), metadata=(), committed=False, layout_hash=None)
 
 
+_GRANTED_BY = {
+    Decision.GRANT_RW: (Granted.RW, Phase.RW),
+    Decision.GRANT_RO: (Granted.RO, Phase.RO),
+    Decision.GRANT_ADOPT: (Granted.ADOPT, Phase.ADOPTING),
+}
+
+
 def _grant(state: GmsState, s: Session, decision: Decision, now: float) -> Result:
     actions: list[Action] = []
-    granted = Granted.RW if decision is Decision.GRANT_RW else Granted.RO
-    if granted is Granted.RW and (state.committed or state.allocations):
+    granted, phase = _GRANTED_BY[decision]
+    if granted is not Granted.RO and (state.committed or state.allocations):
         # A writer over a committed layout starts a new one.
         actions.append(ReleaseMemory(tuple(a.id for a in state.allocations)))
         actions.append(Transition("replace", s.sid, detail=state.layout_hash))
         state = _cleared(state)
-    phase = Phase.RW if granted is Granted.RW else Phase.RO
     state = _set(state, replace(s, phase=phase, deadline=None))
     actions.append(Transition("grant", s.sid, mode=granted.value, waited_s=max(0.0, now - s.since)))
     actions.append(
@@ -352,7 +434,7 @@ def _reevaluate(state: GmsState, now: float) -> Result:
                 continue
             assert s.mode is not None
             decision = decide(state, s.mode)
-            if decision is not Decision.WAIT:
+            if decision not in (Decision.WAIT, Decision.REFUSE):
                 state, more = _grant(state, s, decision, now)
                 actions.extend(more)
                 progress = True
@@ -378,12 +460,15 @@ def _disconnect(state: GmsState, ev: Disconnected, now: float) -> Result:
     s = _live(state, ev.sid)
     actions: list[Action] = [Transition("disconnect", ev.sid, detail=s.phase.value)]
     state = _drop(state, ev.sid)
-    if s.phase is Phase.RW:
-        # The writer left before committing: abort, nothing stays behind.
+    if s.phase in (Phase.RW, Phase.ADOPTING):
+        # The writer left before committing: abort, nothing stays behind. An
+        # adopter that leaves takes the orphaned layout's last hope with it
+        # (its mappings were the memory): forget it, the others load anew.
         ids = tuple(a.id for a in state.allocations)
         actions.append(ReleaseMemory(ids))
-        actions.append(Transition("abort", ev.sid, detail=f"released={len(ids)}"))
-        state = _cleared(state)
+        event = "abort" if s.phase is Phase.RW else "adopt_aborted"
+        actions.append(Transition(event, ev.sid, detail=f"released={len(ids)}"))
+        state = replace(_cleared(state), orphan=None)
     state, more = _reevaluate(state, now)
     return state, actions + more
 
@@ -393,13 +478,15 @@ def _hello(state: GmsState, ev: Received[m.Hello], now: float) -> Result:
     mode = ev.request.mode
     epoch = ev.request.epoch
     if epoch is not None:
-        if epoch < state.newest_epoch and mode in (Mode.RW, Mode.RW_OR_RO):
+        if epoch < state.newest_epoch and mode is not Mode.RO:
             raise Refused(
                 ErrorCode.STALE_EPOCH,
                 f"epoch {epoch} is older than {state.newest_epoch}: another engine holds "
                 "the pod's lock now, so this one may not write",
             )
         state = replace(state, newest_epoch=max(state.newest_epoch, epoch))
+    if mode is Mode.ADOPT:
+        return _hello_adopt(state, s, ev.request, now)
     decision = decide(state, mode)
     if decision is not Decision.WAIT:
         return _grant(state, replace(s, mode=mode, since=now), decision, now)
@@ -411,6 +498,28 @@ def _hello(state: GmsState, ev: Received[m.Hello], now: float) -> Result:
         Transition("wait", ev.sid, mode=mode.value, detail=lock_state(state).value),
         ArmTimer(ev.sid, deadline),
     ]
+
+
+def _hello_adopt(state: GmsState, s: Session, hello: m.Hello, now: float) -> Result:
+    """ADOPT is granted at once or refused, never waits: the adopter serves from
+    its mappings meanwhile, and a refusal tells it to give up."""
+    decision = decide(state, Mode.ADOPT)
+    wanted = hello.layout_hash
+    if decision is Decision.REFUSE:
+        raise Refused(
+            ErrorCode.STALE_LAYOUT,
+            f"cannot adopt {str(wanted)[:16]}: a new layout is being written ({lock_state(state)})",
+        )
+    have = state.layout_hash if decision is Decision.GRANT_RO else None
+    if decision is Decision.GRANT_ADOPT and state.orphan is not None:
+        have = state.orphan.layout_hash
+    if have is not None and have != wanted:
+        raise Refused(
+            ErrorCode.STALE_LAYOUT,
+            f"cannot adopt {str(wanted)[:16]}: this GMS has {have[:16]}",
+        )
+    session = replace(s, mode=Mode.ADOPT, since=now, layout_hash=wanted)
+    return _grant(state, session, decision, now)
 
 
 def _expire(state: GmsState, ev: Expire, now: float) -> Result:
@@ -439,6 +548,13 @@ def _allocate(state: GmsState, ev: Received[m.Allocate], now: float) -> Result:
     record = AllocationRecord(state.next_id, size, ev.request.size, ev.request.tag)
     state = replace(state, allocations=(*state.allocations, record), next_id=state.next_id + 1)
     return state, [CreateMemory(ev.sid, record)]
+
+
+def _adopt_allocation(state: GmsState, ev: Received[m.AdoptAllocation], now: float) -> Result:
+    size = align_up(ev.request.size, state.info.granularity)
+    record = AllocationRecord(state.next_id, size, ev.request.size, ev.request.tag)
+    state = replace(state, allocations=(*state.allocations, record), next_id=state.next_id + 1)
+    return state, [AdoptMemory(ev.sid, record)]
 
 
 def _create_failed(state: GmsState, ev: CreateFailed, now: float) -> Result:
@@ -516,6 +632,41 @@ def _commit(state: GmsState, ev: Received[m.Commit], now: float) -> Result:
     return state, actions + more
 
 
+def _commit_adopted(state: GmsState, ev: Received[m.Commit], now: float) -> Result:
+    """The re-sent layout must be the one the adopter announced: then every
+    engine that sleeps over it remaps it unchanged."""
+    s = _live(state, ev.sid)
+    digest = layout_hash(state.allocations, state.metadata)
+    if digest != s.layout_hash:
+        raise Refused(
+            ErrorCode.STALE_LAYOUT,
+            f"re-sent layout {digest[:16]} is not the announced {str(s.layout_hash)[:16]}",
+        )
+    state = replace(state, committed=True, layout_hash=digest, orphan=None)
+    state = _set(state, replace(s, phase=Phase.RO, mode=Mode.RO, layout_hash=None))
+    actions: list[Action] = [
+        Transition(
+            "adopt", ev.sid, detail=f"hash={digest[:16]} allocations={len(state.allocations)}"
+        ),
+        Reply(ev.sid, m.Committed(layout_hash=digest)),
+    ]
+    state, more = _reevaluate(state, now)
+    return state, actions + more
+
+
+def _adoption_over(state: GmsState, ev: AdoptionOver, now: float) -> Result:
+    """The window closed: forget the orphan (early timers re-arm)."""
+    orphan = state.orphan
+    if orphan is None:
+        return state, []  # adopted meanwhile: a stale timer
+    if now < orphan.deadline:
+        return state, [ArmAdoptionTimer(orphan.deadline)]
+    state = replace(state, orphan=None)
+    actions: list[Action] = [Transition("orphan_expired", 0, detail=orphan.layout_hash[:16])]
+    state, more = _reevaluate(state, now)
+    return state, actions + more
+
+
 def _get_layout_hash(state: GmsState, ev: Received[m.GetLayoutHash], now: float) -> Result:
     return state, [
         Reply(ev.sid, m.LayoutHash(committed=state.committed, layout_hash=state.layout_hash))
@@ -529,7 +680,7 @@ def _get_state(state: GmsState, ev: Received[m.GetState], now: float) -> Result:
 Kind = type
 P = Phase
 
-_LIVE = (P.PENDING, P.WAITING, P.RW, P.RO)
+_LIVE = (P.PENDING, P.WAITING, P.RW, P.ADOPTING, P.RO)
 _GRANTED = (P.RW, P.RO)
 
 
@@ -545,17 +696,24 @@ def _stays(
 # events the kind is the request's message class.
 TRANSITIONS: dict[tuple[Phase, Kind], Entry[GmsState, Action, Phase]] = {
     (P.NONE, Connected): Entry(_connect, frozenset({P.PENDING})),
+    (P.NONE, AdoptionOver): _stays(_adoption_over, P.NONE),  # no session: the server's
     **{(p, Disconnected): Entry(_disconnect, frozenset({P.NONE})) for p in _LIVE},
     # A wait that expires goes back to PENDING; any other expiry is a stale timer.
     (P.WAITING, Expire): Entry(_expire, frozenset({P.WAITING, P.PENDING})),
-    **{(p, Expire): _stays(_expire, p) for p in (P.PENDING, P.RW, P.RO)},
-    (P.PENDING, m.Hello): Entry(_hello, frozenset({P.WAITING, P.RW, P.RO})),
+    **{(p, Expire): _stays(_expire, p) for p in (P.PENDING, P.RW, P.ADOPTING, P.RO)},
+    (P.PENDING, m.Hello): Entry(_hello, frozenset({P.WAITING, P.RW, P.ADOPTING, P.RO})),
     (P.PENDING, m.GetState): _stays(_get_state, P.PENDING),
     (P.PENDING, m.GetLayoutHash): _stays(_get_layout_hash, P.PENDING),
     (P.RW, m.Allocate): _stays(_allocate, P.RW),
     (P.RW, CreateFailed): _stays(_create_failed, P.RW),
     (P.RW, m.PutMetadata): _stays(_put_metadata, P.RW),
     (P.RW, m.Commit): Entry(_commit, frozenset({P.RO})),  # the writer keeps reading
+    (P.ADOPTING, m.AdoptAllocation): _stays(_adopt_allocation, P.ADOPTING),
+    (P.ADOPTING, CreateFailed): _stays(_create_failed, P.ADOPTING),
+    (P.ADOPTING, m.PutMetadata): _stays(_put_metadata, P.ADOPTING),
+    (P.ADOPTING, m.Commit): Entry(_commit_adopted, frozenset({P.RO})),
+    (P.ADOPTING, m.GetLayoutHash): _stays(_get_layout_hash, P.ADOPTING),
+    (P.ADOPTING, m.GetState): _stays(_get_state, P.ADOPTING),
     **{(p, m.Export): _stays(_export, p) for p in _GRANTED},
     **{(p, m.ExportMany): _stays(_export_many, p) for p in _GRANTED},
     **{(p, m.ListAllocations): _stays(_list_allocations, p) for p in _GRANTED},
@@ -571,6 +729,8 @@ def kind_of(event: Event) -> Kind:
 
 
 def _session_phase(state: GmsState, event: Event) -> Phase:
+    if isinstance(event, AdoptionOver):
+        return Phase.NONE  # the server's own event: no session's
     return state.phase(event.sid)
 
 

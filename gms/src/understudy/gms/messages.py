@@ -7,6 +7,12 @@ as one fd (SCM_RIGHTS) in the same ``sendmsg`` as its ``exported`` reply.
 
 One request, one reply, in order, per connection. A ``hello`` is answered
 only when the lock is granted or its timeout expires.
+
+Re-adoption (after GMS restarted): an engine that still maps a committed
+layout says ``hello`` with mode ``ADOPT`` and that layout's hash, then sends
+each allocation back as ``adopt_allocation`` carrying its fd, the metadata,
+and ``commit``. This is the one request a client sends an fd with; the server
+takes none with any other request.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ class Mode(enum.StrEnum):
     RW = "RW"
     RO = "RO"
     RW_OR_RO = "RW_OR_RO"
+    # Re-export a layout this client still maps (GMS restarted under it).
+    ADOPT = "ADOPT"
 
 
 class Granted(enum.StrEnum):
@@ -51,6 +59,7 @@ class Granted(enum.StrEnum):
 
     RW = "RW"
     RO = "RO"
+    ADOPT = "ADOPT"  # re-exporting its layout; RO once committed
 
 
 class LockState(enum.StrEnum):
@@ -60,6 +69,9 @@ class LockState(enum.StrEnum):
     RW = "RW"  # a writer holds the lock
     COMMITTED = "COMMITTED"  # committed, no sessions
     RO = "RO"  # committed, one or more readers
+    # GMS restarted after a commit: the layout lives on in an engine's
+    # mappings, and is waited for (re-adoption) within a window.
+    ORPHANED = "ORPHANED"
 
 
 class ErrorCode(enum.StrEnum):
@@ -69,6 +81,7 @@ class ErrorCode(enum.StrEnum):
     INVALID = "invalid"  # a well-formed request with a bad argument
     NO_MEMORY = "no_memory"  # the backend could not create the allocation
     STALE_EPOCH = "stale_epoch"  # a writer whose lock epoch is older than one GMS has seen
+    STALE_LAYOUT = "stale_layout"  # an adopter's layout is not the one GMS has or awaits
     PROTOCOL = "protocol"  # undecodable input; the server closes the connection
 
 
@@ -93,11 +106,28 @@ class Hello(_Msg):
     # let an engine write whose epoch is older than the newest it has seen (a
     # fencing token; engines that hold no lock yet send none).
     epoch: Annotated[int, pydantic.Field(ge=0, le=2**53 - 1)] | None = None
+    # ADOPT only: the hash of the layout the client maps and will re-export.
+    layout_hash: Annotated[str, pydantic.StringConstraints(pattern=r"^[0-9a-f]{64}$")] | None = None
+
+    @pydantic.model_validator(mode="after")
+    def _adopt_names_its_layout(self) -> Hello:
+        if (self.mode is Mode.ADOPT) != (self.layout_hash is not None):
+            raise ValueError("layout_hash goes with mode ADOPT, and only with it")
+        return self
 
 
 class Allocate(_Msg):
     type: Literal["allocate"] = "allocate"
     size: Annotated[int, pydantic.Field(gt=0, le=1 << 48)]
+    tag: Tag = "weights"
+
+
+class AdoptAllocation(_Msg):
+    """One allocation of the adopted layout, in the layout's order, carrying
+    the memory itself: exactly one fd (SCM_RIGHTS) in the same sendmsg."""
+
+    type: Literal["adopt_allocation"] = "adopt_allocation"
+    size: Annotated[int, pydantic.Field(gt=0, le=1 << 48)]  # as first requested
     tag: Tag = "weights"
 
 
@@ -148,6 +178,7 @@ class GetState(_Msg):
 Request = Annotated[
     Hello
     | Allocate
+    | AdoptAllocation
     | Export
     | ExportMany
     | ListAllocations

@@ -1,9 +1,21 @@
 """The GMS server: an asyncio shell around ``fsm`` for one (device, tag).
 
-One loop per connection: read with a plain ``recv`` — so the
-kernel discards any SCM_RIGHTS a client sends; the server never accepts fds —
-feed the codec, step the core, carry out the actions. EOF or a reset becomes
-``Disconnected``, which is how a writer's death aborts its allocations.
+One loop per connection: read (``recvmsg``), feed the codec, step the core,
+carry out the actions. EOF or a reset becomes ``Disconnected``, which is how
+a writer's death aborts its allocations.
+
+Fds from clients: the server takes exactly one kind, the memory an engine
+sends back with ``adopt_allocation`` after this server restarted under it
+(re-adoption, ``fsm``): one fd, riding on that request's first byte, wrapped
+at once and handed to the backend, which checks what it is. Any other fd a
+client sends is closed the moment it is received, and a request that needs
+one and came without is refused.
+
+The committed layout's record (``<socket>.layout``: its hash) is kept beside
+the socket, in the pod's run directory, which outlives this process: a
+server that restarts over it waits, within ``adopt_window_s``, for the engine
+that still maps that layout to give it back, instead of letting anyone load
+the checkpoint anew.
 
 Errors: bytes that do not decode (garbage, a length over the cap, an unknown
 message) get a ``protocol`` error reply and the connection is closed. A
@@ -28,12 +40,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import os
 import signal
 import socket
+import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Any, assert_never
 
@@ -43,9 +58,16 @@ from understudy.gms.backends import ServerBackend, make_server_backend
 from understudy.gms.config import ServerConfig
 from understudy.gms.health import DeviceMonitor
 from understudy.gms.layout import AllocationRecord
-from understudy.wire.framing import encode
+from understudy.wire.framing import RemoteFrameError, encode
+from understudy.wire.messages import MessageCodec
 from understudy.wire.obs import log_event, start_metrics_server
-from understudy.wire.uds import bind_unix, peer_credentials, sock_send_frame
+from understudy.wire.uds import (
+    OwnedFd,
+    bind_unix,
+    peer_credentials,
+    sock_recv_with_fd,
+    sock_send_frame,
+)
 
 log = logging.getLogger("understudy.gms.server")
 
@@ -62,6 +84,40 @@ class _Conn:
     outbox: asyncio.Queue[Outgoing] = field(default_factory=asyncio.Queue)
     timer: asyncio.TimerHandle | None = None
     closing: bool = False
+    fd: OwnedFd | None = None  # came with the frame being received
+    adopting: OwnedFd | None = None  # the memory of the adopt_allocation being fed
+
+
+def record_path(socket_path: Path) -> Path:
+    """Where a server keeps its committed layout's record."""
+    return socket_path.with_suffix(".layout")
+
+
+def read_record(path: Path) -> str | None:
+    """The layout hash a previous server committed, if its record is sound."""
+    try:
+        doc = json.loads(path.read_text())
+        digest = doc["layout_hash"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log_event(log, "layout_record_unreadable", logging.WARNING, path=path, error=exc)
+        return None
+    if not isinstance(digest, str) or len(digest) != 64:
+        log_event(log, "layout_record_unreadable", logging.WARNING, path=path, error="no hash")
+        return None
+    return digest
+
+
+def write_record(path: Path, digest: str | None) -> None:
+    """Record ``digest`` (atomically), or remove the record (None)."""
+    if digest is None:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({"layout_hash": digest, "written_at": time.time()}))
+    os.replace(tmp, path)
 
 
 class GmsServer:
@@ -90,11 +146,35 @@ class GmsServer:
         self._gpu: m.DeviceReport | None = None
         self._gpu_at = float("-inf")
         self._health_task: asyncio.Task[None] | None = None
+        self._record = record_path(config.socket)
+        self._recorded: str | None = None
+        self._adoption_timer: asyncio.TimerHandle | None = None
         self._update_metrics()
 
     # --- lifecycle ---------------------------------------------------------
 
+    def _await_orphan(self) -> None:
+        """A committed layout recorded by the server before this one: wait for
+        its engine to give it back, within the adoption window."""
+        digest = read_record(self._record)
+        if digest is None:
+            return
+        deadline = asyncio.get_running_loop().time() + self.config.adopt_window_s
+        info = self.machine.state.info
+        self.machine = fsm.Machine(fsm.initial_state(info, fsm.Orphan(digest, deadline)))
+        self._recorded = digest
+        self._arm_adoption(deadline)
+        log_event(
+            log,
+            "orphaned",
+            layout=digest[:16],
+            window_s=self.config.adopt_window_s,
+            device=self.config.device,
+        )
+        self._update_metrics()
+
     async def start(self) -> None:
+        self._await_orphan()
         self._listener = bind_unix(self.config.socket)
         self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
         log_event(
@@ -114,6 +194,8 @@ class GmsServer:
             self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
 
     async def close(self) -> None:
+        if self._adoption_timer is not None:
+            self._adoption_timer.cancel()
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -185,33 +267,72 @@ class GmsServer:
             self._spawn(self._reader(conn))
 
     async def _reader(self, conn: _Conn) -> None:
-        loop = asyncio.get_running_loop()
         codec = m.request_codec()
         try:
             while not conn.closing:
                 try:
-                    # Plain recv: ancillary data (fds) a client sends is dropped
-                    # by the kernel and never installed in this process.
-                    data = await loop.sock_recv(conn.sock, _RECV_SIZE)
+                    data, fd = await sock_recv_with_fd(conn.sock, _RECV_SIZE)
+                    requests = self._decode(conn, codec, data, fd)
+                except (m.RemoteGmsError, RemoteFrameError) as exc:
+                    log_event(log, "protocol_error", logging.WARNING, sid=conn.sid, error=exc)
+                    self._send(conn, m.ErrorReply(code=m.ErrorCode.PROTOCOL, message=str(exc)))
+                    break
                 except (ConnectionError, OSError):
                     break
                 if not data:
                     break
-                try:
-                    requests = codec.feed(data)
-                except m.RemoteGmsError as exc:
-                    log_event(log, "protocol_error", logging.WARNING, sid=conn.sid, error=exc)
-                    self._send(conn, m.ErrorReply(code=m.ErrorCode.PROTOCOL, message=str(exc)))
-                    break
-                for request in requests:
-                    self._feed(fsm.Received(conn.sid, request))
+                for request, owned in requests:
+                    self._receive(conn, request, owned)
         finally:
+            for owned in (conn.fd, conn.adopting):
+                if owned is not None:
+                    owned.close()
             conn.closing = True
             if self._conns.pop(conn.sid, None) is not None:
                 if conn.timer is not None:
                     conn.timer.cancel()
                 self._feed(fsm.Disconnected(conn.sid))
             conn.outbox.put_nowait(None)
+
+    def _decode(
+        self,
+        conn: _Conn,
+        codec: MessageCodec[m.Request],
+        data: bytes,
+        fd: OwnedFd | None,
+    ) -> list[tuple[m.Request, OwnedFd | None]]:
+        """The requests completed by ``data``, each with the fd that came with
+        its first byte. An fd rides on a frame's first byte, so it can only
+        arrive when no frame is half-read."""
+        if fd is not None:
+            if codec.buffered or conn.fd is not None:
+                fd.close()
+                raise m.RemoteGmsError("an fd sent in the middle of a frame")
+            conn.fd = fd
+        out: list[tuple[m.Request, OwnedFd | None]] = []
+        for request in codec.feed(data):
+            owned, conn.fd = conn.fd, None
+            out.append((request, owned))
+        return out
+
+    def _receive(self, conn: _Conn, request: m.Request, owned: OwnedFd | None) -> None:
+        """Feed one request; an fd goes with ``adopt_allocation`` only."""
+        if not isinstance(request, m.AdoptAllocation):
+            if owned is not None:
+                owned.close()  # never kept: a server takes no fd it did not ask for
+            self._feed(fsm.Received(conn.sid, request))
+            return
+        if owned is None:
+            message = "adopt_allocation carries the allocation's memory: one fd, none came"
+            self._send(conn, m.ErrorReply(code=m.ErrorCode.INVALID, message=message))
+            return
+        conn.adopting = owned
+        try:
+            self._feed(fsm.Received(conn.sid, request))
+        finally:
+            if conn.adopting is not None:  # refused: the core asked nothing of it
+                conn.adopting.close()
+                conn.adopting = None
 
     async def _writer(self, conn: _Conn) -> None:
         """Send what the core queued, in order, until the reader's ``None``.
@@ -258,14 +379,16 @@ class GmsServer:
     def _feed(self, event: fsm.Event) -> None:
         now = asyncio.get_running_loop().time()
         before = self.machine.state
+        sid = None if isinstance(event, fsm.AdoptionOver) else event.sid
         try:
             actions = self.machine.feed(event, now)
         except fsm.Refused as exc:
-            actions = [fsm.Reply(event.sid, m.ErrorReply(code=exc.code, message=str(exc)))]
-            log_event(log, "refused", sid=event.sid, code=exc.code.value, reason=exc)
+            assert sid is not None  # only a peer's request is refused
+            actions = [fsm.Reply(sid, m.ErrorReply(code=exc.code, message=str(exc)))]
+            log_event(log, "refused", sid=sid, code=exc.code.value, reason=exc)
         except fsm.InvalidTransition as exc:  # a bug here: drop that connection
-            log_event(log, "invalid_transition", logging.ERROR, sid=event.sid, error=exc)
-            conn = self._conns.get(event.sid)
+            log_event(log, "invalid_transition", logging.ERROR, sid=sid, error=exc)
+            conn = self._conns.get(sid) if sid is not None else None
             if conn is not None:
                 conn.closing = True
                 with contextlib.suppress(OSError):
@@ -274,25 +397,50 @@ class GmsServer:
         self._execute(actions)
         if self.machine.state is not before:  # reads (export, list, get) change nothing
             self._update_metrics()
+            self._keep_record()
+
+    def _keep_record(self) -> None:
+        """The record follows the layout that must survive this process: the
+        committed one, or the orphan still awaited."""
+        st = self.machine.state
+        digest = st.layout_hash if st.committed else (st.orphan.layout_hash if st.orphan else None)
+        if digest == self._recorded:
+            return
+        try:
+            write_record(self._record, digest)
+        except OSError as exc:  # a full volume: the next restart cannot re-adopt
+            log_event(log, "layout_record_failed", logging.ERROR, path=self._record, error=exc)
+            return
+        self._recorded = digest
 
     def _execute(self, actions: list[fsm.Action]) -> None:
         for action in actions:
-            match action:
-                case fsm.Reply(sid, message):
-                    self._reply(sid, message)
-                case fsm.CreateMemory(sid, record):
-                    self._create(sid, record)
-                case fsm.SendExport(sid, record, writable):
-                    self._send_export(sid, record, writable)
-                case fsm.ReleaseMemory(ids):
-                    for alloc_id in ids:
-                        self.backend.release(alloc_id)
-                case fsm.ArmTimer(sid, deadline):
-                    self._arm(sid, deadline)
-                case fsm.Transition():
-                    self._observe(action)
-                case _:
-                    assert_never(action)
+            self._do(action)
+
+    def _do(self, action: fsm.Action) -> None:
+        match action:
+            case fsm.Reply(sid, message):
+                self._reply(sid, message)
+            case fsm.CreateMemory(sid, record):
+                self._create(sid, record)
+            case fsm.AdoptMemory(sid, record):
+                self._adopt(sid, record)
+            case fsm.ArmAdoptionTimer(deadline):
+                self._arm_adoption(deadline)
+            case fsm.SendExport(sid, record, writable):
+                self._send_export(sid, record, writable)
+            case fsm.ReleaseMemory(ids):
+                self._release(ids)
+            case fsm.ArmTimer(sid, deadline):
+                self._arm(sid, deadline)
+            case fsm.Transition():
+                self._observe(action)
+            case _:
+                assert_never(action)
+
+    def _release(self, ids: tuple[int, ...]) -> None:
+        for alloc_id in ids:
+            self.backend.release(alloc_id)
 
     def _reply(self, sid: int, message: m.Reply) -> None:
         conn = self._conns.get(sid)
@@ -314,6 +462,29 @@ class GmsServer:
         conn = self._conns.get(sid)
         if conn is not None:
             self._send(conn, m.Allocated(allocation=fsm.allocation_info(record)))
+
+    def _adopt(self, sid: int, record: AllocationRecord) -> None:
+        """Take the memory that came with the request as the allocation."""
+        conn = self._conns.get(sid)
+        owned = conn.adopting if conn is not None else None
+        if conn is None or owned is None:
+            self._feed(fsm.CreateFailed(sid, record.id, "the allocation's fd is gone"))
+            return
+        conn.adopting = None
+        try:
+            self.backend.adopt(record.id, record.size, owned.detach())
+        except Exception as exc:
+            reason = f"{self.backend.name} could not adopt {record.size} bytes: {exc}"
+            self._feed(fsm.CreateFailed(sid, record.id, reason))
+            return
+        log_event(log, "adopted", logging.DEBUG, sid=sid, id=record.id, size=record.size)
+        self._send(conn, m.Allocated(allocation=fsm.allocation_info(record)))
+
+    def _arm_adoption(self, deadline: float) -> None:
+        if self._adoption_timer is not None:
+            self._adoption_timer.cancel()
+        loop = asyncio.get_running_loop()
+        self._adoption_timer = loop.call_at(deadline, self._feed, fsm.AdoptionOver())
 
     def _send_export(self, sid: int, record: AllocationRecord, writable: bool) -> None:
         conn = self._conns.get(sid)

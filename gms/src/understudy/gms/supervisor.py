@@ -6,8 +6,11 @@ reason, the others are stopped (SIGTERM, then SIGKILL after a grace period)
 and the supervisor exits non-zero, so kubelet restarts the GMS container as a
 whole: a GMS that lost one device's state must not keep serving the others.
 SIGTERM and SIGINT are forwarded to the children; a shutdown asked for that
-way exits 0 once they are gone. Children ask the kernel for SIGTERM should
-the supervisor die (``PR_SET_PDEATHSIG``), so none outlives it.
+way exits 0 once they are gone. Once every device's server answers, the
+supervisor tells its respawner it started (``respawn.notify_ready``), so a
+later death of the GMS container's process is restarted at once. Children
+ask the kernel for SIGTERM should the supervisor die (``PR_SET_PDEATHSIG``),
+so none outlives it.
 
 Metrics: children write to a shared ``PROMETHEUS_MULTIPROC_DIR`` and the
 supervisor serves them on ``--metrics-port`` (see ``metrics``).
@@ -27,6 +30,8 @@ import time
 from types import FrameType
 
 from understudy.gms.config import SupervisorConfig, socket_path
+from understudy.gms.messages import GmsError
+from understudy.wire import respawn
 from understudy.wire.obs import log_event
 from understudy.wire.uds import prepare_socket_dir
 
@@ -49,6 +54,8 @@ def child_command(config: SupervisorConfig, device: int) -> list[str]:
         config.backend,
         "--parent-pid",
         str(os.getpid()),
+        "--adopt-window",
+        f"{config.adopt_window_s:g}",
     ]
     if config.granularity is not None:
         cmd += ["--granularity", str(config.granularity)]
@@ -78,6 +85,27 @@ def _start_children(
         proc = subprocess.Popen(child_command(config, device), env=env)
         children[proc.pid] = device
         log_event(log, "child_started", device=device, pid=proc.pid)
+
+
+def _all_answer(config: SupervisorConfig, children: dict[int, int], timeout: float = 60.0) -> bool:
+    """Every device's server answers (False if a child died or time ran out:
+    the wait for the first exit that follows says which)."""
+    from understudy.gms.client import query_state
+
+    deadline = time.monotonic() + timeout
+    for device in config.devices:
+        path = socket_path(config.socket_dir, device, config.tag)
+        while True:
+            try:
+                query_state(path, 0.5)
+                break
+            except (GmsError, OSError):
+                # A child that ended is only looked at (WNOWAIT): _first_exit reaps it.
+                ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                if ended is not None or time.monotonic() > deadline:
+                    return False
+                time.sleep(0.05)
+    return True
 
 
 def _first_exit(children: dict[int, int], stopping: bool) -> int:
@@ -121,6 +149,8 @@ def run(config: SupervisorConfig) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         _start_children(config, env, children)
+        if _all_answer(config, children):
+            respawn.notify_ready()
         if mp_dir is not None and config.metrics_port is not None:
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = mp_dir
             from understudy.gms import metrics

@@ -212,8 +212,14 @@ def gms_container(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]:
         "image": cfg.image,
         "imagePullPolicy": cfg.image_pull_policy,
         "restartPolicy": "Always",
+        # Under the respawner too: a GMS that dies is back at once, without
+        # kubelet's back-off, and the Active engine gives it the weights back
+        # (docs/pod.md, GMS re-adoption).
         "command": ["understudy"],
         "args": [
+            "respawn",
+            "--",
+            "understudy",
             "gms",
             "serve",
             "--socket-dir",
@@ -362,8 +368,23 @@ def engine_container(inst: GpuInstance, cfg: RenderConfig, i: int) -> dict[str, 
         "name": name,
         "image": inst.spec.engine.image or cfg.image,
         "imagePullPolicy": cfg.image_pull_policy,
+        # The respawner restarts a dead engine in place at once, without
+        # kubelet's CrashLoopBackOff, from a spare that has done its imports;
+        # an engine that cannot start is backed off and then handed to
+        # kubelet. It holds the status port, so the probes never find it
+        # closed while the engine restarts (docs/pod.md, re-arm on a stock
+        # kubelet).
         "command": ["understudy"],
-        "args": ["engine", "run"],
+        "args": [
+            "respawn",
+            "--spare",
+            "--listen",
+            f"status=0.0.0.0:{port}",
+            "--",
+            "understudy",
+            "engine",
+            "run",
+        ],
         "env": engine_env(inst, name, i),
         # No serving port: the front owns it; an engine listens on a Unix socket
         # in the pod's run directory, and only while Active.
@@ -378,11 +399,15 @@ def engine_container(inst: GpuInstance, cfg: RenderConfig, i: int) -> dict[str, 
         # probe is the backstop (a hung standby, a front that is down): a hung
         # engine keeps its lock connection open until its process ends. A 1 s
         # grace instead of the pod's 30 s: a stopped process never acts on SIGTERM.
+        # Five failures, not three: the probe's kill is a container restart,
+        # which meets kubelet's back-off (10 s, 20 s, ...), and it must not win
+        # the race with the front's, which costs a restart in place; on a busy
+        # node the front took up to 1.5 s, and a probe times out per second.
         "livenessProbe": {
             **http("/live"),
             "periodSeconds": 1,
             "timeoutSeconds": 1,
-            "failureThreshold": 3,
+            "failureThreshold": 5,
             "terminationGracePeriodSeconds": 1,
         },
         "readinessProbe": {

@@ -293,9 +293,15 @@ def _sidecar_drill(args: argparse.Namespace, target: Any, observer: Any) -> int:
     if args.sidecar == "front":
         return _front_drill(args, target, observer)
     try:
+        load_start = os.getloadavg()
         result = drill_mod.sidecar_drill(
-            target, args.sidecar, timeout=args.timeout, clients=args.sidecar_clients
+            target,
+            args.sidecar,
+            timeout=args.timeout,
+            clients=args.sidecar_clients,
+            kills=args.sidecar_kills,
         )
+        result["load_average"] = {"start": load_start, "end": os.getloadavg()}
     finally:
         _stop(observer)
     if observer is not None:
@@ -518,6 +524,12 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         type=int,
         default=1,
         help="--sidecar: concurrent request streams while the sidecar dies",
+    )
+    dr.add_argument(
+        "--sidecar-kills",
+        type=int,
+        default=1,
+        help="--sidecar: kill it this many times, each once the pod is settled again",
     )
     dr.add_argument("--timeout", type=float, default=60.0, help="per-round limit")
     dr.add_argument("--clients", type=int, default=16, help="concurrent request streams")

@@ -108,7 +108,8 @@ class LocalTarget:
     def kill_sidecar(self, which: str) -> None:
         from understudy.tools.local import read_state
 
-        os.kill(read_state(self.directory)["containers"][which]["pid"], signal.SIGKILL)
+        pid = read_state(self.directory)["containers"][which]["pid"]
+        os.kill(container_process(pid), signal.SIGKILL)
 
     def front_status_urls(self) -> list[str]:
         from understudy.tools.local import read_state
@@ -127,6 +128,28 @@ class LocalTarget:
 
     def serving_listeners(self) -> set[int] | None:
         return unix_listeners(self.run_dir / "serve")
+
+
+def container_process(pid: int) -> int:
+    """The process a container runs: ``pid`` itself, or, when that is the
+    container's respawner (``understudy respawn -- …``), its child. A death of
+    the process is the fault to drill; the respawner's is the container's."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return pid
+    if b"respawn" not in cmdline:
+        return pid
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            return int(entry.name)
+    return pid
 
 
 # /proc/net/unix: "Num RefCount Protocol Flags Type St Inode Path"; a
@@ -308,6 +331,9 @@ class Watcher(threading.Thread):
         self.split_brain: list[dict[str, Any]] = []
         self.epoch_regressions: list[dict[str, Any]] = []
         self.timeline: list[tuple[float, int]] = []
+        # engine id -> (container name, when it was first seen in Standby): the
+        # re-arm is read from here, not from when the drill got round to looking
+        self.standby_seen: dict[str, tuple[str, float]] = {}
         self.max_epoch = -1
         self.lock = threading.Lock()
 
@@ -336,6 +362,9 @@ class Watcher(threading.Thread):
                     {"name": e.get("name"), "epoch": epoch, "max_seen": self.max_epoch}
                 )
             self.max_epoch = max(self.max_epoch, epoch)
+        for e in engines:
+            if e.get("state") == "Standby" and e.get("engine_id"):
+                self.standby_seen.setdefault(e["engine_id"], (e.get("name") or "", now))
         standbys = sum(1 for e in engines if e.get("state") == "Standby")
         if not self.timeline or self.timeline[-1][1] != standbys:
             self.timeline.append((now, standbys))
@@ -524,7 +553,9 @@ def _measure(ses: _Session, plan: _Plan, rnd: Round, t_kill: float, wall_kill: f
             lambda es: figures.rearmed(es, rnd.killed, rnd.killed_engine_id), plan.timeout
         )
         if back:
-            rnd.rearm_s = time.monotonic() - t_kill
+            with ses.watcher.lock:
+                seen = dict(ses.watcher.standby_seen)
+            rnd.rearm_s = figures.rearm_s(seen, rnd.killed, rnd.killed_engine_id, t_kill)
 
 
 def _round(ses: _Session, plan: _Plan, i: int, log: Callable[[str], None]) -> bool:
@@ -674,47 +705,92 @@ def to_json(report: Report, *, series: bool = False) -> dict[str, Any]:
 SIDECAR_COMMANDS = {"lockserver": "lockserver serve", "gms": "gms serve"}
 
 
-def sidecar_drill(
-    target: Any, which: str, *, timeout: float = 120.0, settle: float = 5.0, clients: int = 1
+def _sidecar_kill(
+    target: Any, which: str, watcher: Watcher, timeout: float, settle: float
 ) -> dict[str, Any]:
-    """Kill a sidecar (``lockserver`` or ``gms``) once under the request stream.
+    """One kill of the sidecar; watch through ``settle`` (past the lock
+    server's reconnect window): when the pod stopped being armed, and when it
+    was armed again; what became of the engines."""
+    engines_before = watcher.snapshot()
+    before = figures.settled(engines_before)
+    t_kill = time.monotonic()
+    target.kill_sidecar(which)
+    unarmed_at: float | None = None
+    rearmed_at: float | None = None
+    while time.monotonic() - t_kill < settle or (unarmed_at and not rearmed_at):
+        if time.monotonic() - t_kill > timeout:
+            break
+        now, ok_now = time.monotonic(), figures.settled(watcher.snapshot()) is not None
+        if not ok_now and unarmed_at is None:
+            unarmed_at = now
+        elif ok_now and unarmed_at is not None and rearmed_at is None:
+            rearmed_at = now
+        time.sleep(0.01)
+    # Then until the weights are given back (or the limit), so that the engines'
+    # figures are read from the finished outcome.
+    watcher.until(figures.whole, max(0.0, timeout - (time.monotonic() - t_kill)))
+    engines_after = watcher.snapshot()
+    after = figures.settled(engines_after)
+    changed = figures.engine_changes(engines_before, engines_after)
+    return {
+        "t_kill": t_kill,
+        "failover": before is None
+        or after is None
+        or (after.get("engine_id"), after.get("epoch"))
+        != (before.get("engine_id"), before.get("epoch")),
+        "active_before": {k: before.get(k) for k in ("name", "engine_id", "epoch")}
+        if before
+        else None,
+        "active_after": {k: after.get(k) for k in ("name", "engine_id", "epoch")}
+        if after
+        else None,
+        "recovered_s": (
+            0.0 if unarmed_at is None else (rearmed_at - t_kill if rearmed_at is not None else None)
+        ),
+        # GMS: re-adoption means no engine restarts and nothing reloads
+        "engine_restarts": changed.restarts,
+        "checkpoint_reads": changed.reloads,
+        "readoptions": changed.readoptions,
+    }
 
-    Expected outcomes: the lock server's death causes no failover
-    (the holder resumes its grant, same engine, same epoch); GMS's death ends
-    the engines that hold sessions, and the pod serves again after they
-    re-initialise. Reports what happened rather than judging it.
+
+def sidecar_drill(
+    target: Any,
+    which: str,
+    *,
+    timeout: float = 120.0,
+    settle: float = 5.0,
+    clients: int = 1,
+    kills: int = 1,
+) -> dict[str, Any]:
+    """Kill a sidecar (``lockserver`` or ``gms``) ``kills`` times under the
+    request stream, each time once the pod is settled again.
+
+    Expected outcomes: the lock server's death causes no failover (the holder
+    resumes its grant, same engine, same epoch); GMS's death neither: the
+    Active engine serves on from its mappings and gives them back to the
+    restarted GMS (no engine restarts, nothing is read from the checkpoint).
+    Reports what happened rather than judging it; the top-level figures are
+    over every kill (the first kill's fields as they were, for one kill).
     """
     watcher = Watcher(target)
     watcher.start()
-    before = watcher.until(figures.settled, timeout)
-    if before is None:
+    first = watcher.until(figures.settled, timeout)
+    if first is None:
         watcher.stop.set()
         raise RuntimeError(f"pod not armed within {timeout}s")
-    kinds = kinds_for(before.get("adapter", "reference"))
+    kinds = kinds_for(first.get("adapter", "reference"))
     pool = [Client(target.serve_url, kinds, i) for i in range(clients)]
     for c in pool:
         c.start()
+    rounds: list[dict[str, Any]] = []
     try:
         time.sleep(0.5)
-        t_kill = time.monotonic()
-        target.kill_sidecar(which)
-        # Watch through `settle` (past the lock server's reconnect window):
-        # when the pod stopped being armed, and when it was armed again.
-        unarmed_at: float | None = None
-        rearmed_at: float | None = None
-        while time.monotonic() - t_kill < settle or (unarmed_at and not rearmed_at):
-            if time.monotonic() - t_kill > timeout:
+        for _ in range(kills):
+            if watcher.until(figures.whole, timeout) is None:
                 break
-            now, ok_now = time.monotonic(), figures.settled(watcher.snapshot()) is not None
-            if not ok_now and unarmed_at is None:
-                unarmed_at = now
-            elif ok_now and unarmed_at is not None and rearmed_at is None:
-                rearmed_at = now
-            time.sleep(0.01)
-        after = figures.settled(watcher.snapshot())
-        recovered = (
-            0.0 if unarmed_at is None else (rearmed_at - t_kill if rearmed_at is not None else None)
-        )
+            time.sleep(0.5)  # steady traffic before the kill
+            rounds.append(_sidecar_kill(target, which, watcher, timeout, settle))
         time.sleep(0.5)
     finally:
         for c in pool:
@@ -724,23 +800,33 @@ def sidecar_drill(
         watcher.stop.set()
         watcher.join(5)
     samples = [s for c in pool for s in c.samples]
-    ok = [s for s in samples if s.ok]
-    after_kill = [s for s in samples if s.start >= t_kill]
-    gap = figures.longest_gap(samples, t_kill)
-    digests = {s.digest for s in ok}
+    t_first = rounds[0]["t_kill"] if rounds else time.monotonic()
+    after_kill = [s for s in samples if s.start >= t_first]
+    gaps = figures.gaps_between_kills(samples, [r["t_kill"] for r in rounds])
+    for r, gap in zip(rounds, gaps, strict=True):
+        r["longest_gap_s"] = gap
+        r["kill_at_s"] = r.pop("t_kill") - t_first
+    last = rounds[-1] if rounds else {}
     return {
         "sidecar": which,
-        "failover": after is None
-        or (after.get("engine_id"), after.get("epoch"))
-        != (before.get("engine_id"), before.get("epoch")),
-        "active_before": {k: before.get(k) for k in ("name", "engine_id", "epoch")},
-        "active_after": {k: after.get(k) for k in ("name", "engine_id", "epoch")}
-        if after
-        else None,
-        "recovered_s": recovered,
-        "longest_gap_s": gap,
+        "kills": len(rounds),
+        "failover": any(r["failover"] for r in rounds),
+        "active_before": rounds[0]["active_before"] if rounds else None,
+        "active_after": last.get("active_after"),
+        "recovered_s": max((r["recovered_s"] for r in rounds), default=None, key=_none_last),
+        "longest_gap_s": max((g for g in gaps if g is not None), default=None),
+        "gap_s": stats([g for g in gaps if g is not None]),
         "requests_after_kill": len(after_kill),
         "failed_after_kill": sum(1 for s in after_kill if not s.ok),
-        "distinct_answers": len(digests),
+        "distinct_answers": len({s.digest for s in samples if s.ok}),
         "split_brain": len(watcher.split_brain),
+        "engine_restarts": sum(r["engine_restarts"] for r in rounds),
+        "checkpoint_reads": sum(r["checkpoint_reads"] for r in rounds),
+        "readoptions": sum(r["readoptions"] for r in rounds),
+        "rounds": rounds,
     }
+
+
+def _none_last(value: float | None) -> float:
+    """Order recovery times with "never recovered" above every number."""
+    return float("inf") if value is None else value

@@ -4,8 +4,9 @@
 (ClusterIP), reads every engine's ``/state`` at its pod IP and status port,
 and kills the Active engine's process from the node (the drill runs as root
 on the node hosting the pod: container processes are found in ``/proc`` by
-their ``POD_NAME`` and ``UNDERSTUDY_ENGINE_NAME``; a container's PID 1 cannot
-be SIGKILLed from inside its own PID namespace). An observer records, every
+their ``POD_NAME`` and ``UNDERSTUDY_ENGINE_NAME``, and the engine among them
+by its pid in the pod, which its ``/state`` reports; a container's PID 1
+cannot be SIGKILLed from inside its own PID namespace). An observer records, every
 50 ms, whether each pod is a ready endpoint of the Service, the pods' Ready
 condition and the containers' restart counts.
 """
@@ -47,8 +48,21 @@ def _commands(pod: str) -> list[tuple[int, str]]:
     return out
 
 
-def host_pid(pod: str, namespace: str, container: str) -> int | None:
-    """The node-level pid of the engine process of ``container`` in ``pod``."""
+def ns_pid(pid: str) -> int | None:
+    """The pid of node process ``pid`` inside its innermost PID namespace (the
+    pod's: what the engine reports as its own pid in ``/state``)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+    return None
+
+
+def host_pid(pod: str, namespace: str, container: str, pid_in_pod: int | None = None) -> int | None:
+    """The node-level pid of the engine process of ``container`` in ``pod``:
+    the one whose pid in the pod is ``pid_in_pod`` (the engine runs under its
+    container's respawner, which carries the same environment), else the
+    container's top process."""
     candidates: dict[int, int] = {}  # pid -> ppid
     for pid in filter(str.isdigit, os.listdir("/proc")):
         with contextlib.suppress(OSError):
@@ -61,6 +75,11 @@ def host_pid(pod: str, namespace: str, container: str) -> int | None:
                 with open(f"/proc/{pid}/stat") as f:
                     ppid = int(f.read().rsplit(")", 1)[1].split()[1])
                 candidates[int(pid)] = ppid
+    if pid_in_pod is not None:
+        for p in candidates:
+            with contextlib.suppress(OSError):
+                if ns_pid(str(p)) == pid_in_pod:
+                    return p
     tops = [p for p, pp in candidates.items() if pp not in candidates]
     return tops[0] if len(tops) == 1 else None
 
@@ -110,7 +129,7 @@ class KubeTarget:
         return out
 
     def kill(self, engine: dict[str, Any], sig: int) -> None:
-        pid = host_pid(engine["pod"], self.namespace, engine["name"])
+        pid = host_pid(engine["pod"], self.namespace, engine["name"], engine.get("pid"))
         if pid is None:
             raise RuntimeError(
                 f"no unique process for {engine['pod']}/{engine['name']} on "
@@ -119,16 +138,23 @@ class KubeTarget:
         os.kill(pid, sig)
 
     def kill_container(self, pod: str, container_cmd: str, sig: int) -> int:
-        """Kill a sidecar's top process, found by its command line."""
+        """Kill a sidecar's process, found by its command line: the one that runs
+        it, not the container's respawner (whose command line names it too)."""
+        found: dict[int, int] = {}  # pid -> ppid
         for pid in filter(str.isdigit, os.listdir("/proc")):
             with contextlib.suppress(OSError):
                 env = _environ(pid)
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
                 if container_cmd in cmd and env.get("HOSTNAME") == pod:
-                    os.kill(int(pid), sig)
-                    return int(pid)
-        raise RuntimeError(f"no process running {container_cmd!r} in pod {pod}")
+                    with open(f"/proc/{pid}/stat") as f:
+                        found[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        if not found:
+            raise RuntimeError(f"no process running {container_cmd!r} in pod {pod}")
+        inner = [p for p, pp in found.items() if pp in found] or list(found)
+        target = min(inner)
+        os.kill(target, sig)
+        return target
 
     def kill_sidecar(self, which: str) -> None:
         from understudy.tools.drill import SIDECAR_COMMANDS

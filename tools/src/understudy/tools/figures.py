@@ -89,6 +89,14 @@ def settled(engines: Sequence[Engine]) -> Engine | None:
     return None
 
 
+def whole(engines: Sequence[Engine]) -> Engine | None:
+    """Settled, and no engine still giving its weights back to a restarted GMS:
+    the state a sidecar drill kills from again."""
+    if any(e.get("readopting") for e in engines):
+        return None
+    return settled(engines)
+
+
 def successor(engines: Iterable[Engine], above_epoch: int) -> Engine | None:
     """The engine Active under a newer epoch than the killed one's, if any."""
     for e in _in(engines, "Active"):
@@ -104,6 +112,19 @@ def rearmed(engines: Iterable[Engine], name: str, engine_id: str) -> bool:
     return any(
         e.get("name") == name and e.get("engine_id") != engine_id for e in _in(engines, "Standby")
     )
+
+
+def rearm_s(
+    standby_seen: Mapping[str, tuple[str, float]], name: str, engine_id: str, t_kill: float
+) -> float | None:
+    """Kill → the killed container's next engine first seen in Standby, from the
+    watcher's ``engine id -> (name, first seen in Standby)``."""
+    times = [
+        at - t_kill
+        for eid, (n, at) in standby_seen.items()
+        if n == name and eid != engine_id and at >= t_kill
+    ]
+    return min(times, default=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +173,41 @@ def longest_gap(samples: Sequence[Sample], t_kill: float) -> float | None:
     t_end = max(s.end for s in samples)
     ends = [t_kill, *sorted(s.end for s in samples if s.ok and s.end >= t_kill), t_end]
     return max((b - a for a, b in itertools.pairwise(ends)), default=None)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineChanges:
+    """What became of the engines across a fault, container by container."""
+
+    restarts: int  # containers whose engine is another process than before
+    reloads: int  # of those, engines that loaded the weights from the checkpoint
+    readoptions: int  # times the engines gave their weights back to a restarted GMS
+
+
+def engine_changes(before: Iterable[Engine], after: Iterable[Engine]) -> EngineChanges:
+    """Compare two snapshots of every engine's ``/state`` (one per container)."""
+    old = {e.get("name"): e for e in before}
+    restarts = reloads = readoptions = 0
+    for e in after:
+        was = old.get(e.get("name"))
+        if was is None:
+            continue
+        if e.get("engine_id") != was.get("engine_id"):
+            restarts += 1
+            reloads += bool((e.get("weights") or {}).get("loaded"))
+        else:
+            readoptions += (e.get("readoptions") or 0) - (was.get("readoptions") or 0)
+    return EngineChanges(restarts, reloads, readoptions)
+
+
+def gaps_between_kills(samples: Sequence[Sample], kills: Sequence[float]) -> list[float | None]:
+    """The longest stretch without a successful answer after each kill, up to
+    the next kill (or the last request's end)."""
+    out: list[float | None] = []
+    for t_kill, t_next in itertools.zip_longest(kills, kills[1:]):
+        window = [s for s in samples if t_next is None or s.end <= t_next]
+        out.append(longest_gap(window, t_kill))
+    return out
 
 
 # --- armed or not, over time -------------------------------------------------------

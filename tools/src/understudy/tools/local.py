@@ -11,10 +11,13 @@ configurable. The supervisor plays kubelet:
 - a container that exits is restarted with kubelet's CrashLoopBackOff (at
   once, then 10 s doubling to 5 min between starts, forgotten after 10 min
   of running; ``--max-backoff`` lowers the cap as kubelet's
-  ``maxContainerRestartPeriod`` does), and a restarted engine rejoins as the
-  new standby by importing the committed weights;
+  ``maxContainerRestartPeriod`` does). An engine container runs, as in the
+  pod, ``understudy respawn --spare -- … engine run``, which restarts a dead
+  engine in place at once (docs/pod.md), so an engine's death is not a
+  container exit; the restarted engine rejoins as the new standby by
+  importing the committed weights;
 - engine probes as the pod declares them: ``/startup`` every second until it
-  passes, then ``/live`` every second, three failures in a row → SIGTERM,
+  passes, then ``/live`` every second, five failures in a row → SIGTERM,
   then SIGKILL after a one-second grace (the liveness probe's
   ``terminationGracePeriodSeconds``) — that is how a hung (SIGSTOPped)
   engine gets replaced.
@@ -75,7 +78,7 @@ class LocalConfig:
     remap_timeout_s: float = 30.0
     max_backoff_s: float = 300.0
     probe_period_s: float = 1.0
-    liveness_failures: int = 3
+    liveness_failures: int = 5  # as the pod's engine liveness probe
     liveness_grace_s: float = 1.0
 
 
@@ -167,6 +170,11 @@ def containers(cfg: LocalConfig) -> list[Container]:
         Container(
             "gms",
             _understudy(
+                "respawn",
+                "--",
+                sys.executable,
+                "-m",
+                "understudy.cli",
                 "gms",
                 "serve",
                 "--socket-dir",
@@ -215,7 +223,17 @@ def containers(cfg: LocalConfig) -> list[Container]:
         out.append(
             Container(
                 name,
-                [cfg.engine_python or sys.executable, "-m", "understudy.cli", "engine", "run"],
+                # As in the pod: the respawner restarts the engine in place.
+                [
+                    *_understudy(
+                        "respawn",
+                        "--spare",
+                        "--listen",
+                        f"status=0.0.0.0:{cfg.status_port + index}",
+                        "--",
+                    ),
+                    *(cfg.engine_python or sys.executable, "-m", "understudy.cli", "engine", "run"),
+                ],
                 engine_env(cfg, role, name, index),
                 cfg.status_port + index,
             )
@@ -478,7 +496,11 @@ def last_error_line(path: Path | None) -> str | None:
             tail = f.read().decode(errors="replace")
     except OSError:
         return None
-    lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
+    # The container's init (the respawner) logs its own restarts and exit
+    # last; what the process itself said last is the line worth reporting.
+    lines = [
+        ln.strip() for ln in tail.splitlines() if ln.strip() and " understudy.respawn " not in ln
+    ]
     return lines[-1][:400] if lines else None
 
 

@@ -50,6 +50,8 @@ POINTS: Final[Mapping[str, str]] = {
     "start is backed off",
     "engine.wake": "engine main loop, before the weights are remapped: a wake that "
     "hangs ends at the wake timeout",
+    "gms.readopt": "Active engine, before it gives its weights back to a restarted GMS: "
+    "a re-adoption that fails ends the engine, and the pod falls back to a reload",
 }
 
 _ACTION = re.compile(r"^(raise|hang|sleep\((\d+(?:\.\d+)?)\)|exit\((\d+)\))$")

@@ -25,7 +25,14 @@ The thin shell around the pure policy:
 - every child that ends is reaped at once, and so is any orphan: the
   respawner is a child subreaper (``PR_SET_CHILD_SUBREAPER``), which a
   container's init must be when the pod does not share one PID namespace;
-- when the child ends, the rest of its process group is SIGKILLed.
+- when the child ends, the rest of its process group is SIGKILLed;
+- ``--listen NAME=HOST:PORT`` (socket activation, as systemd's): the
+  respawner binds the port once and every child inherits the listening
+  socket (``UNDERSTUDY_LISTEN_FDS``: ``NAME=FD,…``; :func:`inherited_socket`).
+  The port never closes while a child restarts: a connection waits in the
+  kernel's backlog for the next child instead of being refused. That is what
+  keeps kubelet's probes of the status port passing through a restart in
+  place; only connections the dead child had accepted are reset.
 
 One loop, no threads: ``select`` on the signal wake-up pipe and the child's
 notify pipe, with the back-off deadline as the timeout.
@@ -41,9 +48,11 @@ import logging
 import os
 import select
 import signal
+import socket
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import assert_never
 
 from understudy.wire import restart
@@ -53,6 +62,8 @@ log = logging.getLogger("understudy.respawn")
 
 NOTIFY_FD = "UNDERSTUDY_NOTIFY_FD"
 RESTARTS = "UNDERSTUDY_RESTARTS"
+GO_FD = "UNDERSTUDY_SPARE_GO_FD"
+LISTEN_FDS = "UNDERSTUDY_LISTEN_FDS"
 READY = b"READY=1\n"
 
 _STOP = (signal.SIGTERM, signal.SIGINT)
@@ -81,12 +92,69 @@ def notify_ready() -> bool:
     return True
 
 
+def inherited_socket(name: str) -> socket.socket | None:
+    """The listening socket the respawner passed as ``name`` (``--listen``), if
+    any. The fd stays this process's (and its children's, until exec)."""
+    for item in filter(None, os.environ.get(LISTEN_FDS, "").split(",")):
+        key, _, fd = item.partition("=")
+        if key == name and fd.isdigit():
+            try:
+                return socket.socket(fileno=int(fd))
+            except OSError:
+                return None
+    return None
+
+
+def listen(spec: str) -> tuple[str, socket.socket]:
+    """``NAME=HOST:PORT`` -> (name, a TCP socket listening there)."""
+    name, sep, address = spec.partition("=")
+    host, _, port = address.rpartition(":")
+    if not sep or not name or not port.isdigit():
+        raise ValueError(f"--listen wants NAME=HOST:PORT, got {spec!r}")
+    sock = socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]") or "0.0.0.0", int(port)))
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return name, sock
+
+
 def restarts() -> int:
     """How many processes the respawner started before this one (0 without one)."""
     try:
         return int(os.environ.get(RESTARTS, "0"))
     except ValueError:
         return 0
+
+
+def is_spare() -> bool:
+    """Whether this process was started as a spare (and has not had its turn)."""
+    return GO_FD in os.environ
+
+
+def wait_turn() -> None:
+    """In a spare, once prepared: block until the respawner says go, then
+    return (the process is the child from now on). A no-op in any other
+    process. A spare whose respawner is gone exits."""
+    fd = os.environ.pop(GO_FD, None)
+    if fd is None:
+        return
+    line = b""
+    with contextlib.suppress(OSError):
+        while not line.endswith(b"\n"):
+            chunk = os.read(int(fd), 64)
+            if not chunk:
+                break
+            line += chunk
+    with contextlib.suppress(OSError):
+        os.close(int(fd))
+    word, _, number = line.decode(errors="replace").strip().partition(" ")
+    if word != "GO":
+        os._exit(0)  # the respawner ended: a spare has nothing to finish
+    os.environ[RESTARTS] = number if number.isdigit() else "0"
 
 
 # ------------------------------------------------------------------ the shell --
@@ -104,35 +172,62 @@ def exit_code(status: int) -> int:
     return code if code >= 0 else 128 - code
 
 
+@dataclass(slots=True)
+class _Proc:
+    """A process the respawner started: the child, or the spare."""
+
+    pid: int
+    notify: int | None  # read end of its notify pipe (READY)
+    go: int | None = None  # write end of a spare's go pipe
+    code: int | None = None  # its exit code, once reaped
+
+    def close(self) -> None:
+        for fd in (self.notify, self.go):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.notify = self.go = None
+
+
 class Respawner:
-    def __init__(self, argv: Sequence[str], policy: restart.Policy) -> None:
+    def __init__(
+        self,
+        argv: Sequence[str],
+        policy: restart.Policy,
+        listeners: Sequence[tuple[str, socket.socket]] = (),
+    ) -> None:
         if not argv:
             raise ValueError("respawn needs a command")
         self.argv = list(argv)
         self.policy = policy
-        self.child: int | None = None
-        self._notify: int | None = None  # read end of the child's notify pipe
-        self._exited: int | None = None  # the child's exit code, once reaped
+        self.listeners = list(listeners)  # bound once, inherited by every child
+        self.child: _Proc | None = None
+        self.spare: _Proc | None = None
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.state: restart.RestartState | None = None
 
     # --- children -------------------------------------------------------------
 
-    def _start(self, number: int) -> None:
-        r, w = os.pipe2(os.O_CLOEXEC)
-        env = {**os.environ, NOTIFY_FD: str(w), RESTARTS: str(number)}
+    def _spawn(self, extra: dict[str, str], keep: list[int]) -> int:
+        """fork + exec the command with ``extra`` in its environment and ``keep``
+        inherited; in a process group of its own, dying with the respawner."""
+        env = {**os.environ, **extra}
+        if self.listeners:
+            env[LISTEN_FDS] = ",".join(f"{n}={s.fileno()}" for n, s in self.listeners)
+            keep = [*keep, *(s.fileno() for _, s in self.listeners)]
         parent = os.getpid()
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
-        if pid == 0:  # the child: only async-signal-safe-ish steps, then exec
+        if pid == 0:  # the child: a few plain steps, then exec
             try:
                 signal.set_wakeup_fd(-1)
                 os.setpgid(0, 0)
                 _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
                 if os.getppid() != parent:  # the respawner died before prctl
                     os._exit(1)
-                os.set_inheritable(w, True)
+                for fd in keep:
+                    os.set_inheritable(fd, True)
                 os.execvpe(self.argv[0], self.argv, env)
             except BaseException as exc:  # exec failed: a start failure
                 with contextlib.suppress(Exception):
@@ -141,17 +236,47 @@ class Respawner:
                 os._exit(127)
         with contextlib.suppress(OSError):
             os.setpgid(pid, pid)  # also here: no race with a signal to the group
+        return pid
+
+    def _start(self, number: int) -> None:
+        r, w = os.pipe2(os.O_CLOEXEC)
+        pid = self._spawn({NOTIFY_FD: str(w), RESTARTS: str(number)}, [w])
         os.close(w)
-        self.child, self._notify, self._exited = pid, r, None
+        self.child = _Proc(pid, r)
         log_event(log, "child_started", pid=pid, restarts=number, command=self.argv[0])
+
+    def _start_spare(self) -> None:
+        r, w = os.pipe2(os.O_CLOEXEC)
+        go_r, go_w = os.pipe2(os.O_CLOEXEC)
+        pid = self._spawn({NOTIFY_FD: str(w), GO_FD: str(go_r)}, [w, go_r])
+        os.close(w)
+        os.close(go_r)
+        self.spare = _Proc(pid, r, go_w)
+        log_event(log, "spare_started", pid=pid)
+
+    def _go(self, number: int) -> None:
+        """The spare becomes the child."""
+        spare, self.spare = self.spare, None
+        assert spare is not None and spare.go is not None
+        with contextlib.suppress(OSError):  # it died meanwhile: reaped as the child
+            os.write(spare.go, f"GO {number}\n".encode())
+        os.close(spare.go)
+        spare.go = None
+        self.child = spare
+        log_event(log, "spare_promoted", pid=spare.pid, restarts=number)
+
+    def _stop_spare(self) -> None:
+        if self.spare is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.spare.pid, signal.SIGKILL)
 
     def _signal_child(self, sig: int) -> None:
         if self.child is not None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.child, sig)
+                os.kill(self.child.pid, sig)
 
     def _reap(self) -> None:
-        """Collect every ended child; the tracked one's end becomes ``_exited``."""
+        """Collect every ended process; the child's and the spare's codes are kept."""
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -159,26 +284,28 @@ class Respawner:
                 return
             if pid == 0:
                 return
-            if pid != self.child:
+            ours = [p for p in (self.child, self.spare) if p is not None and p.pid == pid]
+            if not ours:
                 log_event(log, "reaped", logging.DEBUG, pid=pid, code=exit_code(status))
                 continue
-            self._exited = exit_code(status)
-            # What the dead child left behind in its group dies with it, as a
+            ours[0].code = exit_code(status)
+            # What the dead process left behind in its group dies with it, as a
             # container's processes do when its main process ends.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
 
-    def _read_notify(self) -> bool:
-        """Whether the child said READY (the pipe is closed after that, or at EOF)."""
-        if self._notify is None:
+    def _said_ready(self) -> bool:
+        """Whether the child said READY (its pipe is closed after that, or at EOF)."""
+        child = self.child
+        if child is None or child.notify is None:
             return False
         try:
-            data = os.read(self._notify, 4096)
+            data = os.read(child.notify, 4096)
         except BlockingIOError:
             return False
         if not data or READY.strip() in data:
-            os.close(self._notify)
-            self._notify = None
+            os.close(child.notify)
+            child.notify = None
         return READY.strip() in data
 
     # --- the loop -------------------------------------------------------------
@@ -187,7 +314,7 @@ class Respawner:
         assert self.state is not None
         try:
             self.state, actions = restart.step(self.state, event, now)
-        except restart.InvalidTransition as exc:  # never end PID 1 on our own bug
+        except restart.InvalidTransition as exc:  # never end an init on our own bug
             log_event(log, "invalid_transition", logging.ERROR, error=exc)
             return None
         return self._do(actions)
@@ -198,6 +325,12 @@ class Respawner:
             match action:
                 case restart.Start(restarts=number):
                     self._start(number)
+                case restart.StartSpare():
+                    self._start_spare()
+                case restart.Go(restarts=number):
+                    self._go(number)
+                case restart.StopSpare():
+                    self._stop_spare()
                 case restart.Signal(signal=sig):
                     self._signal_child(sig)
                 case restart.ArmTimer():
@@ -207,7 +340,8 @@ class Respawner:
                     log_event(log, "exit", level, code=c, reason=reason)
                     code = c
                 case restart.Note(event=event, fields=fields):
-                    log_event(log, event, **dict(fields), child=self.child)
+                    pid = self.child.pid if self.child is not None else None
+                    log_event(log, event, **dict(fields), child=pid)
                 case _:
                     assert_never(action)
         return code
@@ -223,7 +357,7 @@ class Respawner:
         events: list[restart.Event] = []
         # The notify pipe before the child's end: a child that said READY and
         # then died had started, whatever order the two were noticed in.
-        if self._notify is not None and self._read_notify():
+        if self._said_ready():
             events.append(restart.Ready())
         for sig in self._signals():
             if sig in _STOP:
@@ -231,12 +365,14 @@ class Respawner:
             elif sig in _PASS_ON:
                 self._signal_child(sig)
         self._reap()
-        if self._exited is not None and self.child is not None:
-            events.append(restart.Exited(self._exited))
+        if self.spare is not None and self.spare.code is not None:
+            events.append(restart.SpareExited(self.spare.code))
+            self.spare.close()
+            self.spare = None
+        if self.child is not None and self.child.code is not None:
+            events.append(restart.Exited(self.child.code))
+            self.child.close()
             self.child = None
-            if self._notify is not None:
-                os.close(self._notify)
-                self._notify = None
         deadline = self.state.deadline if self.state else None
         if deadline is not None and now >= deadline:
             events.append(restart.BackoffOver())
@@ -253,13 +389,15 @@ class Respawner:
         while code is None:
             deadline = self.state.deadline
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            fds = [self._wake_r] + ([self._notify] if self._notify is not None else [])
+            notify = self.child.notify if self.child is not None else None
+            fds = [self._wake_r] + ([notify] if notify is not None else [])
             select.select(fds, [], [], timeout)
             now = time.monotonic()
             for event in self._events(now):
                 code = self._feed(event, now)
                 if code is not None:
                     break
+        self._stop_spare()
         return code
 
 
@@ -267,7 +405,7 @@ class Respawner:
 
 
 def _policy(args: argparse.Namespace) -> restart.Policy:
-    return restart.Policy(args.backoff_initial, args.backoff_max, args.give_up_after)
+    return restart.Policy(args.backoff_initial, args.backoff_max, args.give_up_after, args.spare)
 
 
 def cmd_respawn(args: argparse.Namespace) -> int:
@@ -278,7 +416,12 @@ def cmd_respawn(args: argparse.Namespace) -> int:
         print("understudy respawn: no command (respawn [OPTIONS] -- CMD ...)", file=sys.stderr)
         return 2
     setup_logging()
-    return Respawner(argv, _policy(args)).run()
+    try:
+        listeners = [listen(spec) for spec in args.listen]
+    except (OSError, ValueError) as exc:
+        print(f"understudy respawn: --listen: {exc}", file=sys.stderr)
+        return 2
+    return Respawner(argv, _policy(args), listeners).run()
 
 
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -300,6 +443,20 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         type=int,
         default=d.give_up_after,
         help="start failures in a row after which respawn exits with the command's code",
+    )
+    p.add_argument(
+        "--spare",
+        action="store_true",
+        help="keep the next process started ahead of time, waiting for its turn "
+        "(wait_turn()), so a restart skips the command's slow preparation",
+    )
+    p.add_argument(
+        "--listen",
+        action="append",
+        default=[],
+        metavar="NAME=HOST:PORT",
+        help="bind this TCP port once and pass the listening socket to every child "
+        "(UNDERSTUDY_LISTEN_FDS): it stays open while the command restarts",
     )
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARG ...]")
     p.set_defaults(func=cmd_respawn)

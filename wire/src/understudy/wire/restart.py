@@ -10,11 +10,22 @@ A child that said it started (``Ready``: an engine that reached Standby, a
 front that listens) and then died is restarted at once: it proved it can
 start, its death was a fault of the running process (a crash, a kill, a lost
 lock), and the pod is unarmed until it is back. A child that died before it
-said so failed to *start*: that is a configuration or environment problem a
-restart rarely cures, so it is backed off (``Policy``: 1 s, then 2 s, …), and
-after ``give_up_after`` failures in a row the respawner exits with the
-child's code, which hands the container to kubelet: its CrashLoopBackOff is
-what a user's tooling watches for a container that cannot start.
+said so failed to *start*. If no child of this respawner ever started, the
+container cannot start at all (a bad model path, a broken config): the
+respawner exits with the child's code at once, and the container is
+kubelet's, whose CrashLoopBackOff is what a user's tooling watches for that.
+If one did, the failure is more likely passing (the pod's state changed
+under it): it is backed off (``Policy``: 1 s, then 2 s, …), and after
+``give_up_after`` failures in a row the respawner exits all the same.
+
+With ``Policy.spare``, the next process is started ahead of time: once the
+child has started, a *spare* runs the slow, harmless part of a start (an
+engine's imports: seconds of CPU, a minute for vLLM), then waits for its
+turn without touching anything shared (no port, no lock, no GMS session).
+When the child dies the spare is told to go on (``Go``), so the restart
+costs only the part of a start that needs the pod, and a new spare is
+started once the promoted one has started in turn. A spare that dies is not
+replaced until the next child has started.
 
 ``TRANSITIONS`` is the one table (``understudy.wire.machine``). Time is a
 parameter: ``BackoffOver`` is fed by the shell at the deadline of ``ArmTimer``.
@@ -45,6 +56,7 @@ class Policy:
     initial_s: float = 1.0
     max_s: float = 8.0
     give_up_after: int = 3  # start failures in a row; then exit, kubelet takes over
+    spare: bool = False  # keep the next process started ahead of time
 
     def delay(self, failures: int) -> float:
         """The wait before the next start after ``failures`` failures in a row."""
@@ -60,6 +72,8 @@ class RestartState:
     failures: int = 0  # start failures in a row
     deadline: float | None = None  # BACKOFF: when the next start is due
     last_code: int | None = None
+    spare: bool = False  # a spare process is running (waiting for its turn)
+    ever_ready: bool = False  # some child of this respawner said it started
 
     @property
     def restarts(self) -> int:
@@ -82,6 +96,13 @@ class Exited:
 
 
 @dataclass(frozen=True, slots=True)
+class SpareExited:
+    """The spare ended before its turn (or was stopped)."""
+
+    code: int
+
+
+@dataclass(frozen=True, slots=True)
 class BackoffOver:
     """The back-off's deadline passed."""
 
@@ -93,7 +114,7 @@ class Stop:
     signal: int
 
 
-Event = Ready | Exited | BackoffOver | Stop
+Event = Ready | Exited | SpareExited | BackoffOver | Stop
 
 # --------------------------------------------------------------- actions --
 
@@ -103,6 +124,23 @@ class Start:
     """Start the child; ``restarts`` is how many came before it."""
 
     restarts: int
+
+
+@dataclass(frozen=True, slots=True)
+class StartSpare:
+    """Start a spare: it prepares, then waits for ``Go``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Go:
+    """The spare becomes the child; ``restarts`` is how many came before it."""
+
+    restarts: int
+
+
+@dataclass(frozen=True, slots=True)
+class StopSpare:
+    """End the spare (it holds nothing shared: SIGKILL is enough)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +171,7 @@ class Note:
     fields: tuple[tuple[str, Any], ...] = ()
 
 
-Action = Start | Signal | ArmTimer | Exit | Note
+Action = Start | StartSpare | Go | StopSpare | Signal | ArmTimer | Exit | Note
 Result = tuple[RestartState, list[Action]]
 
 
@@ -154,23 +192,39 @@ def _moved(s: RestartState, phase: Phase, now: float, **changes: Any) -> Restart
 
 
 def _ready(s: RestartState, e: Ready, now: float) -> Result:
-    new = _moved(s, Phase.RUNNING, now, failures=0)
-    return new, [Note("child_ready", (("after_s", round(now - s.since, 3)),))]
+    new = _moved(s, Phase.RUNNING, now, failures=0, ever_ready=True)
+    actions: list[Action] = [Note("child_ready", (("after_s", round(now - s.since, 3)),))]
+    if s.policy.spare and not s.spare:
+        new = replace(new, spare=True)
+        actions.append(StartSpare())
+    return new, actions
 
 
 def _died(s: RestartState, e: Exited, now: float) -> Result:
-    """It had started: restart at once."""
-    new = _moved(s, Phase.STARTING, now, starts=s.starts + 1, last_code=e.code)
-    note = Note("restart", (("code", e.code), ("ran_s", round(now - s.since, 3))))
-    return new, [note, Start(new.restarts)]
+    """It had started: restart at once (the spare goes on, if there is one)."""
+    go = Go(s.restarts + 1) if s.spare else Start(s.restarts + 1)
+    new = _moved(s, Phase.STARTING, now, starts=s.starts + 1, last_code=e.code, spare=False)
+    fields = (("code", e.code), ("ran_s", round(now - s.since, 3)), ("spare", s.spare))
+    return new, [Note("restart", fields), go]
+
+
+def _spare_gone(s: RestartState, e: SpareExited, now: float) -> Result:
+    """Not replaced now: a spare that cannot prepare must not loop; the next
+    child's start starts the next spare."""
+    note = Note("spare_exited", (("code", e.code),))
+    return replace(s, spare=False), ([] if s.phase is Phase.STOPPING else [note])
 
 
 def _failed_to_start(s: RestartState, e: Exited, now: float) -> Result:
     failures = s.failures + 1
-    if failures >= s.policy.give_up_after:
-        why = f"failed to start {failures} times in a row, last code {e.code}"
-        new = _moved(s, Phase.DONE, now, failures=failures, last_code=e.code)
-        return new, [Exit(e.code or 1, why)]
+    if failures >= s.policy.give_up_after or not s.ever_ready:
+        why = (
+            f"failed to start {failures} times in a row, last code {e.code}"
+            if s.ever_ready
+            else f"the first process never started (code {e.code}): the container's to restart"
+        )
+        new = _moved(s, Phase.DONE, now, failures=failures, last_code=e.code, spare=False)
+        return new, [*([StopSpare()] if s.spare else []), Exit(e.code or 1, why)]
     delay = s.policy.delay(failures)
     new = _moved(s, Phase.BACKOFF, now, failures=failures, deadline=now + delay, last_code=e.code)
     note = Note("backoff", (("code", e.code), ("failures", failures), ("delay_s", delay)))
@@ -178,12 +232,14 @@ def _failed_to_start(s: RestartState, e: Exited, now: float) -> Result:
 
 
 def _backoff_over(s: RestartState, e: BackoffOver, now: float) -> Result:
-    new = _moved(s, Phase.STARTING, now, starts=s.starts + 1, deadline=None)
-    return new, [Start(new.restarts)]
+    go = Go(s.restarts + 1) if s.spare else Start(s.restarts + 1)
+    new = _moved(s, Phase.STARTING, now, starts=s.starts + 1, deadline=None, spare=False)
+    return new, [go]
 
 
 def _stop(s: RestartState, e: Stop, now: float) -> Result:
-    return _moved(s, Phase.STOPPING, now), [Signal(e.signal)]
+    stop_spare: list[Action] = [StopSpare()] if s.spare else []
+    return _moved(s, Phase.STOPPING, now), [*stop_spare, Signal(e.signal)]
 
 
 def _stop_again(s: RestartState, e: Stop, now: float) -> Result:
@@ -191,7 +247,9 @@ def _stop_again(s: RestartState, e: Stop, now: float) -> Result:
 
 
 def _stop_idle(s: RestartState, e: Stop, now: float) -> Result:
-    return _moved(s, Phase.DONE, now, deadline=None), [Exit(0, "stopped while backing off")]
+    stop_spare: list[Action] = [StopSpare()] if s.spare else []
+    new = _moved(s, Phase.DONE, now, deadline=None, spare=False)
+    return new, [*stop_spare, Exit(0, "stopped while backing off")]
 
 
 def _stopped(s: RestartState, e: Exited, now: float) -> Result:
@@ -218,6 +276,7 @@ TRANSITIONS: dict[tuple[Phase, type], Entry[RestartState, Action, Phase]] = {
     (P.STOPPING, Exited): Entry(_stopped, frozenset({P.DONE})),
     (P.STOPPING, Stop): Entry(_stop_again, frozenset({P.STOPPING})),
     (P.STOPPING, Ready): Entry(_ignore, frozenset({P.STOPPING})),
+    **{(p, SpareExited): Entry(_spare_gone, frozenset({p})) for p in Phase if p is not P.DONE},
 }
 
 

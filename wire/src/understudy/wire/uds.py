@@ -248,3 +248,35 @@ async def sock_send_frame(sock: socket.socket, frame: bytes, fd: int | None = No
                 loop.remove_writer(sock.fileno())
     if sent < len(frame):
         await loop.sock_sendall(sock, frame[sent:])
+
+
+async def sock_recv_with_fd(sock: socket.socket, size: int) -> tuple[bytes, OwnedFd | None]:
+    """asyncio ``recvmsg`` for a non-blocking socket: up to ``size`` bytes and
+    the one fd (SCM_RIGHTS) that rode on them, wrapped at once. More than one
+    fd, or truncated ancillary data (MSG_CTRUNC), is the peer's error. For the
+    one server request that carries an fd; a caller that does not want an fd
+    closes the one it gets."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            data, anc, flags, _ = sock.recvmsg(size, socket.CMSG_SPACE(array.array("i").itemsize))
+            break
+        except (BlockingIOError, InterruptedError):
+            ready: asyncio.Future[None] = loop.create_future()
+
+            def wake(ready: asyncio.Future[None] = ready) -> None:
+                if not ready.done():
+                    ready.set_result(None)
+
+            loop.add_reader(sock.fileno(), wake)
+            try:
+                await ready
+            finally:
+                loop.remove_reader(sock.fileno())
+    fds = _fds_from(anc)
+    if flags & socket.MSG_CTRUNC or len(fds) > 1:
+        _close_all(fds)
+        raise RemoteFrameError("more than one fd sent with a frame")
+    return data, (OwnedFd(fds[0]) if fds else None)

@@ -29,6 +29,11 @@ class ServerBackend(Protocol):
     def export(self, alloc_id: int, writable: bool) -> int:
         """A new fd for the allocation; the caller closes it once sent."""
 
+    def adopt(self, alloc_id: int, size: int, fd: int) -> None:
+        """Take ``fd`` (an export a client kept, sent back after a restart of
+        this server) as allocation ``alloc_id`` of ``size`` bytes. The fd is
+        the backend's from now on, also when this raises."""
+
     def release(self, alloc_id: int) -> None:
         """Drop the server's reference (memory is freed when no one maps it)."""
 
@@ -48,6 +53,10 @@ class ClientMapper(Protocol):
 
     def protect_readonly(self, address: int, size: int) -> None:
         """Make a mapping read-only (after commit)."""
+
+    def export(self, address: int) -> int:
+        """A new fd for the memory mapped at ``address``, which a restarted
+        server can adopt (re-adoption); the caller closes it once sent."""
 
     def unmap(self, address: int, size: int) -> None:
         """Drop the mapping and its reference to the memory; keep the reservation."""

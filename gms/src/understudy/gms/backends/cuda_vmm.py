@@ -34,6 +34,7 @@ driver call; both classes turn that into ``BackendUnavailable`` with one line.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from understudy.gms.backends.base import BackendUnavailable
@@ -172,6 +173,18 @@ class CudaVmmBackend:
         _check(drv, result, "cuMemExportToShareableHandle")
         return int(fd)
 
+    def adopt(self, alloc_id: int, size: int, fd: int) -> None:
+        """Import a client's re-exported handle (the same physical memory)."""
+        drv = self._drv
+        try:
+            result, handle = drv.cuMemImportFromShareableHandle(
+                fd, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            )
+        finally:
+            os.close(fd)
+        _check(drv, result, "cuMemImportFromShareableHandle")
+        self._handles[alloc_id] = handle
+
     def release(self, alloc_id: int) -> None:
         handle = self._handles.pop(alloc_id, None)
         if handle is not None:
@@ -241,6 +254,19 @@ class CudaVmmMapper:
 
     def protect_readonly(self, address: int, size: int) -> None:
         self._access(address, size, writable=False)
+
+    def export(self, address: int) -> int:
+        """The imported handle, exported again: a restarted server adopts it.
+        Unverified on a GPU: the driver double allows it, as the CUDA driver
+        documents for a handle created with a POSIX-fd handle type."""
+        drv = self._drv
+        result, fd = drv.cuMemExportToShareableHandle(
+            self._handles[address],
+            drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            0,
+        )
+        _check(drv, result, "cuMemExportToShareableHandle")
+        return int(fd)
 
     def unmap(self, address: int, size: int) -> None:
         drv = self._drv

@@ -104,6 +104,23 @@ class MemfdBackend:
             ro = self._ro_fds[alloc_id] = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
         return os.dup(ro)
 
+    def adopt(self, alloc_id: int, size: int, fd: int) -> None:
+        """An engine's kept memfd. Checked: a memfd of at least ``size`` bytes
+        (never an arbitrary file a peer sends). Kept as this allocation's only
+        description: an adopted layout is committed, so it is exported read-only."""
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if not target.startswith("/memfd:"):
+                raise ValueError(f"not a memfd: {target}")
+            have = os.fstat(fd).st_size
+            if have < size:
+                raise ValueError(f"memfd of {have} bytes for an allocation of {size}")
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fds[alloc_id] = fd
+        self._ro_fds[alloc_id] = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+
     def release(self, alloc_id: int) -> None:
         for fds in (self._fds, self._ro_fds):
             fd = fds.pop(alloc_id, None)
@@ -116,9 +133,13 @@ class MemfdBackend:
 
 
 class HostMapper:
-    """Client side: reservations and fixed shared mappings."""
+    """Client side: reservations and fixed shared mappings. Each mapping keeps
+    its memfd open too, so the memory can be sent back to a restarted server."""
 
     name = "host"
+
+    def __init__(self) -> None:
+        self._kept: dict[int, int] = {}  # address -> the memfd mapped there
 
     def reserve(self, size: int, granularity: int) -> int:
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE
@@ -130,6 +151,16 @@ class HostMapper:
         # would allocate every page before the writer needs it.
         populate = 0 if writable else MAP_POPULATE
         _do_mmap(address, size, prot, mmap.MAP_SHARED | MAP_FIXED | populate, fd)
+        self._close_kept(address)
+        self._kept[address] = os.dup(fd)
+
+    def export(self, address: int) -> int:
+        return os.dup(self._kept[address])
+
+    def _close_kept(self, address: int) -> None:
+        fd = self._kept.pop(address, None)
+        if fd is not None:
+            os.close(fd)
 
     def protect_readonly(self, address: int, size: int) -> None:
         if _mprotect(address, size, mmap.PROT_READ) != 0:
@@ -138,6 +169,7 @@ class HostMapper:
     def unmap(self, address: int, size: int) -> None:
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED
         _do_mmap(address, size, PROT_NONE, flags, -1)
+        self._close_kept(address)
 
     def free(self, address: int, size: int) -> None:
         if _munmap(address, size) != 0:
