@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -82,7 +83,74 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     return int(fields[11]) / tick, int(fields[12]) / tick
 
 
-def main() -> int:  # noqa: PLR0915
+@dataclass(frozen=True)
+class Side:
+    """One way to reach the engine: a connection factory and its headers."""
+
+    connect: Callable[[], http.client.HTTPConnection]
+    headers: dict[str, str]
+
+
+def measure_case(
+    direct: Side, front: Side, path: str, body: bytes, front_pid: int, args: argparse.Namespace
+) -> tuple[dict[str, float], dict[str, float], dict[str, object]]:
+    """Interleaved rounds of one request shape: direct, then through the front."""
+    run(direct.connect, path, body, direct.headers, 200)  # warm both
+    run(front.connect, path, body, front.headers, 200)
+    d_all: list[float] = []
+    f_all: list[float] = []
+    added: list[float] = []
+    user = system = 0.0
+    tput_d: list[float] = []
+    tput_f: list[float] = []
+    for _ in range(args.rounds):
+        d = run(direct.connect, path, body, direct.headers, args.requests)
+        u0, s0 = cpu_seconds(front_pid)
+        f = run(front.connect, path, body, front.headers, args.requests)
+        u1, s1 = cpu_seconds(front_pid)
+        user, system = user + u1 - u0, system + s1 - s0
+        added.append(statistics.median(f) - statistics.median(d))
+        d_all += d
+        f_all += f
+        tput_d.append(
+            throughput(direct.connect, path, body, direct.headers, args.requests, args.concurrency)
+        )
+        tput_f.append(
+            throughput(front.connect, path, body, front.headers, args.requests, args.concurrency)
+        )
+    d_sum, f_sum = summary(d_all), summary(f_all)
+    served = args.rounds * args.requests
+    result: dict[str, object] = {
+        "direct_s": d_sum,
+        "front_s": f_sum,
+        "added_p50_ms": statistics.median(added) * 1000,
+        "added_p50_ms_rounds": [a * 1000 for a in added],
+        "added_p50_ms_pooled": (f_sum["p50"] - d_sum["p50"]) * 1000,
+        "added_p99_ms_pooled": (f_sum["p99"] - d_sum["p99"]) * 1000,
+        "front_cpu_us_per_request": {"user": user / served * 1e6, "system": system / served * 1e6},
+        "throughput_direct_rps": statistics.fmean(tput_d),
+        "throughput_front_rps": statistics.fmean(tput_f),
+        "throughput_ratio": statistics.fmean(tput_f) / statistics.fmean(tput_d),
+    }
+    return d_sum, f_sum, result
+
+
+def print_added(results: dict[str, dict[str, object]], concurrency: int) -> None:
+    for name, r in results.items():
+        rounds = r["added_p50_ms_rounds"]
+        cpu = r["front_cpu_us_per_request"]
+        assert isinstance(rounds, list) and isinstance(cpu, dict)
+        print(
+            f"{name:18} front adds p50 {r['added_p50_ms']:.3f} ms (median round; rounds "
+            f"{min(rounds):.3f}-{max(rounds):.3f}; pooled {r['added_p50_ms_pooled']:.3f}), "
+            f"p99 {r['added_p99_ms_pooled']:.3f} ms pooled; front CPU {cpu['user']:.0f} us "
+            f"user + {cpu['system']:.0f} us system per request; throughput "
+            f"x{concurrency}: direct {r['throughput_direct_rps']:.0f}/s, front "
+            f"{r['throughput_front_rps']:.0f}/s (ratio {r['throughput_ratio']:.2f})"
+        )
+
+
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=1000, help="per round and side")
     ap.add_argument("--rounds", type=int, default=5)
@@ -93,16 +161,8 @@ def main() -> int:  # noqa: PLR0915
     try:
         active = pod.wait_armed(120)
         sock = active["serving_socket"]
-        front_pid = pod.pid("front")
         epoch = {"X-Understudy-Epoch": str(active["epoch"])}
         json_h = {"Content-Type": "application/json"}
-
-        def direct() -> http.client.HTTPConnection:
-            return UnixHTTPConnection(sock)
-
-        def front() -> http.client.HTTPConnection:
-            return http.client.HTTPConnection("127.0.0.1", pod.serve_port, timeout=30)
-
         cases = {
             "GET /health": ("/health", b"", {}),
             "POST /v1/checksum": ("/v1/checksum", b"{}", json_h),
@@ -110,66 +170,20 @@ def main() -> int:  # noqa: PLR0915
         rows: dict[str, dict[str, float]] = {}
         results: dict[str, dict[str, object]] = {}
         for name, (path, body, headers) in cases.items():
-            with_epoch = {**headers, **epoch}
-            run(direct, path, body, with_epoch, 200)  # warm both
-            run(front, path, body, headers, 200)
-            d_all: list[float] = []
-            f_all: list[float] = []
-            added: list[float] = []
-            user = system = 0.0
-            tput_d: list[float] = []
-            tput_f: list[float] = []
-            for _ in range(args.rounds):
-                d = run(direct, path, body, with_epoch, args.requests)
-                u0, s0 = cpu_seconds(front_pid)
-                f = run(front, path, body, headers, args.requests)
-                u1, s1 = cpu_seconds(front_pid)
-                user, system = user + u1 - u0, system + s1 - s0
-                added.append(statistics.median(f) - statistics.median(d))
-                d_all += d
-                f_all += f
-                tput_d.append(
-                    throughput(direct, path, body, with_epoch, args.requests, args.concurrency)
-                )
-                tput_f.append(
-                    throughput(front, path, body, headers, args.requests, args.concurrency)
-                )
-            rows[f"{name} direct"] = summary(d_all)
-            rows[f"{name} front"] = summary(f_all)
-            served = args.rounds * args.requests
-            d_sum, f_sum = rows[f"{name} direct"], rows[f"{name} front"]
-            results[name] = {
-                "direct_s": d_sum,
-                "front_s": f_sum,
-                "added_p50_ms": statistics.median(added) * 1000,
-                "added_p50_ms_rounds": [a * 1000 for a in added],
-                "added_p50_ms_pooled": (f_sum["p50"] - d_sum["p50"]) * 1000,
-                "added_p99_ms_pooled": (f_sum["p99"] - d_sum["p99"]) * 1000,
-                "front_cpu_us_per_request": {
-                    "user": user / served * 1e6,
-                    "system": system / served * 1e6,
-                },
-                "throughput_direct_rps": statistics.fmean(tput_d),
-                "throughput_front_rps": statistics.fmean(tput_f),
-                "throughput_ratio": statistics.fmean(tput_f) / statistics.fmean(tput_d),
-            }
+            direct = Side(lambda: UnixHTTPConnection(sock), {**headers, **epoch})
+            front = Side(
+                lambda: http.client.HTTPConnection("127.0.0.1", pod.serve_port, timeout=30),
+                headers,
+            )
+            d_sum, f_sum, results[name] = measure_case(
+                direct, front, path, body, pod.pid("front"), args
+            )
+            rows[f"{name} direct"], rows[f"{name} front"] = d_sum, f_sum
         print_table(
             f"sequential latency, one keep-alive connection, {args.rounds} interleaved rounds", rows
         )
         print()
-        for name, r in results.items():
-            rounds = r["added_p50_ms_rounds"]
-            cpu = r["front_cpu_us_per_request"]
-            assert isinstance(rounds, list) and isinstance(cpu, dict)
-            print(
-                f"{name:18} front adds p50 {r['added_p50_ms']:.3f} ms (median round; rounds "
-                f"{min(rounds):.3f}-{max(rounds):.3f}; pooled {r['added_p50_ms_pooled']:.3f}), "
-                f"p99 {r['added_p99_ms_pooled']:.3f} ms pooled; front CPU {cpu['user']:.0f} us "
-                f"user + {cpu['system']:.0f} us system per request; throughput "
-                f"x{args.concurrency}: direct {r['throughput_direct_rps']:.0f}/s, front "
-                f"{r['throughput_front_rps']:.0f}/s (ratio {r['throughput_ratio']:.2f})"
-            )
-        metrics = http_json(pod.front_port, "/state")[1]
+        print_added(results, args.concurrency)
         write_results(
             "front_overhead",
             {
@@ -177,7 +191,7 @@ def main() -> int:  # noqa: PLR0915
                 "rounds": args.rounds,
                 "concurrency": args.concurrency,
                 "cases": results,
-                "front_state": metrics,
+                "front_state": http_json(pod.front_port, "/state")[1],
             },
             args.json,
         )

@@ -5,7 +5,7 @@ For every (N, B): a writer allocates N allocations of B/N bytes and fills
 them by reading a B-byte file into them (``readinto`` on each mapping; that
 read is the baseline, "load the weights from a file", timed). Then it
 commits; a reader imports everything and is timed through ``unmap`` +
-``remap`` rounds (the wake path of Decision 6).
+``remap`` rounds (the wake path: docs/architecture.md, "A wake never waits forever").
 
 Pages: memfd pages exist only once written, so the writer's file read faults
 every page in — the weights are resident, as on a GPU. ``remap`` does *not*

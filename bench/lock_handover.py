@@ -182,7 +182,8 @@ def main() -> int:
     print(
         "\nThe last row is the server's own path; the difference to the first row is the"
         "\nkernel tearing down the killed process (its memory before its files: the fence"
-        "\nDecision 7 relies on) and waking three processes on this machine's cores."
+        "\nthat hands the devices on only after the holder is gone) and waking three"
+        "\nprocesses on this machine's cores."
     )
     ratio_p50 = theirs["p50"] / ours["p50"]
     ratio_p99 = theirs["p99"] / ours["p99"]

@@ -22,6 +22,7 @@ from understudy.front import fsm as front
 from understudy.gms import fsm as gms
 from understudy.lockserver import fsm as lock
 from understudy.operator import lifecycle
+from understudy.wire import restart
 from understudy.wire.machine import mermaid
 
 OUT = Path(__file__).with_name("state-machines.md")
@@ -61,10 +62,23 @@ def sections() -> list[Section]:
             mermaid(engine.TRANSITIONS, initial=engine.State.INIT, final=[engine.State.DEAD]),
         ),
         Section(
+            "Respawner",
+            "wire/src/understudy/wire/restart.py",
+            "A container's init (`understudy respawn`): a child that said it started and "
+            "died is started again at once; one that died before that is backed off, and "
+            "after a few failures in a row the respawner exits, which hands the container "
+            "to kubelet.",
+            mermaid(
+                restart.TRANSITIONS, initial=restart.Phase.STARTING, final=[restart.Phase.DONE]
+            ),
+        ),
+        Section(
             "Front door routing",
             "front/src/understudy/front/fsm.py",
             "Where the pod's front door sends requests: the engine that holds the lock, "
-            "under the newest epoch seen. While WAITING, requests are held.",
+            "under the newest epoch seen. While WAITING, requests are held. An event is "
+            "judged against the state first (`kind`); an edge names the event and, in "
+            "brackets, what it meant.",
             mermaid(front.TRANSITIONS, initial=front.Phase.WAITING),
         ),
         Section(

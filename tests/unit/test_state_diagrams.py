@@ -14,10 +14,10 @@ from understudy.front import fsm as front
 from understudy.gms import fsm as gms
 from understudy.lockserver import fsm as lock
 from understudy.operator import lifecycle
-from understudy.wire import machine
+from understudy.wire import machine, restart
 
 ROOT = Path(__file__).resolve().parents[2]
-CORES = [lock, gms, engine, front, lifecycle]
+CORES = [lock, gms, engine, front, lifecycle, restart]
 
 
 def _generator() -> ModuleType:

@@ -405,7 +405,7 @@ class Fuzzer:
                     fd.close()
         return got
 
-    def judge(self, conn: Conn, reply: m.Reply, fd: int | None) -> None:  # noqa: C901
+    def judge(self, conn: Conn, reply: m.Reply, fd: int | None) -> None:
         self.stats[reply.type + (f" {reply.code}" if isinstance(reply, m.ErrorReply) else "")] += 1
         ensure(
             (fd is not None) == isinstance(reply, m.Exported),
@@ -413,27 +413,10 @@ class Fuzzer:
         )
         match reply:
             case m.Exported(allocation=a):
-                ensure(
-                    os.fstat(fd).st_size == a.size,
-                    f"{conn.name}: fd of {os.fstat(fd).st_size} bytes for {a}",
-                )  # type: ignore[arg-type]
-                mode = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE  # type: ignore[arg-type]
-                ensure(
-                    conn.granted is not None,
-                    f"{conn.name}: an export before any grant",
-                )
-                if conn.granted is m.Granted.RO or conn.committed:
-                    ensure(mode == os.O_RDONLY, f"{conn.name}: a writable fd in an RO session: {a}")
-                self._learn(a.id)
+                assert fd is not None
+                self._judge_export(conn, a, fd)
             case m.HelloOk(granted=granted):
-                ensure(conn.hellos > 0, f"{conn.name}: granted {granted} without a hello")
-                ensure(conn.granted is None, f"{conn.name}: granted {granted} after {conn.granted}")
-                conn.hellos -= 1
-                # Recorded first: the two-writers check reads on, this connection too.
-                conn.granted = granted
-                if granted is m.Granted.RW:
-                    ensure(not self.legit_reader, f"{conn.name}: RW granted over a reader")
-                    self._one_writer(conn)
+                self._judge_grant(conn, granted)
             case m.Allocated(allocation=a):
                 ensure(conn.writes, f"{conn.name}: allocated outside an RW session: {a}")
                 ensure(a.size % GRANULARITY == 0 and a.size >= a.requested, f"bad alignment {a}")
@@ -447,6 +430,25 @@ class Fuzzer:
             case m.Allocations(allocations=infos):
                 for a in infos:
                     self._learn(a.id)
+
+    def _judge_export(self, conn: Conn, a: m.AllocationInfo, fd: int) -> None:
+        size = os.fstat(fd).st_size
+        ensure(size == a.size, f"{conn.name}: fd of {size} bytes for {a}")
+        mode = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+        ensure(conn.granted is not None, f"{conn.name}: an export before any grant")
+        if conn.granted is m.Granted.RO or conn.committed:
+            ensure(mode == os.O_RDONLY, f"{conn.name}: a writable fd in an RO session: {a}")
+        self._learn(a.id)
+
+    def _judge_grant(self, conn: Conn, granted: m.Granted) -> None:
+        ensure(conn.hellos > 0, f"{conn.name}: granted {granted} without a hello")
+        ensure(conn.granted is None, f"{conn.name}: granted {granted} after {conn.granted}")
+        conn.hellos -= 1
+        # Recorded first: the two-writers check reads on, this connection too.
+        conn.granted = granted
+        if granted is m.Granted.RW:
+            ensure(not self.legit_reader, f"{conn.name}: RW granted over a reader")
+            self._one_writer(conn)
 
     def _learn(self, alloc_id: int) -> None:
         if alloc_id not in self.ids:

@@ -76,99 +76,123 @@ class Agent:
     def cuda(self) -> bool:
         return self.client is not None and self.client.backend == "cuda"
 
-    def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:  # noqa: C901, PLR0912, PLR0915
-        op = cmd["op"]
-        if op == "connect":
-            self.client = GmsClient.connect(
-                cmd["path"],
-                Mode(cmd["mode"]),
-                cmd["timeout"],
-                on_lost=lambda exc: emit({"event": "lost", "error": str(exc)}),
-            )
-            return {"granted": self.c().granted_mode, "layout_hash": self.c().layout_hash}
-        if op == "allocate":
-            a = self.c().allocate(cmd["size"], cmd.get("tag", "weights"))
-            return {"id": a.id, "address": a.address, "size": a.size}
-        if op == "fill":
-            a = self.c().allocations[cmd["index"]]
-            if self.cuda:
-                devmem.fill(self.c(), a, cmd["seed"])
-            else:
-                fill(a.array("uint64"), cmd["seed"])
-            return {}
-        if op == "put_metadata":
-            self.c().put_metadata(cmd["key"], cmd["value"])
-            return {}
-        if op == "commit":
-            return {"layout_hash": self.c().commit()}
-        if op == "import":
-            allocs = self.c().import_all()
-            return {
-                "allocations": [{"id": a.id, "address": a.address, "size": a.size} for a in allocs],
-                "metadata": self.c().metadata(),
-            }
-        if op == "verify":
-            a = self.c().allocations[cmd["index"]]
-            if self.cuda:
-                return {"equal": devmem.verify(self.c(), a, cmd["seed"])}
-            return {"equal": verify(a.array("uint64"), cmd["seed"])}
-        if op == "keep_view" and self.cuda:
-            # A device pointer kept from before sleep, as an engine keeps tensors.
-            self.kept_ptrs.append((cmd["index"], self.c().allocations[cmd["index"]].address))
+    def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        op = getattr(self, f"op_{cmd['op']}", None)
+        if op is None:
+            raise ValueError(f"unknown op {cmd['op']}")
+        result: dict[str, Any] = op(cmd)
+        return result
+
+    # --- one method per op ---------------------------------------------------
+
+    def op_connect(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        self.client = GmsClient.connect(
+            cmd["path"],
+            Mode(cmd["mode"]),
+            cmd["timeout"],
+            on_lost=lambda exc: emit({"event": "lost", "error": str(exc)}),
+        )
+        return {"granted": self.c().granted_mode, "layout_hash": self.c().layout_hash}
+
+    def op_allocate(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        a = self.c().allocate(cmd["size"], cmd.get("tag", "weights"))
+        return {"id": a.id, "address": a.address, "size": a.size}
+
+    def op_fill(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        a = self.c().allocations[cmd["index"]]
+        if self.cuda:
+            devmem.fill(self.c(), a, cmd["seed"])
+        else:
+            fill(a.array("uint64"), cmd["seed"])
+        return {}
+
+    def op_put_metadata(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        self.c().put_metadata(cmd["key"], cmd["value"])
+        return {}
+
+    def op_commit(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        return {"layout_hash": self.c().commit()}
+
+    def op_import(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        allocs = self.c().import_all()
+        return {
+            "allocations": [{"id": a.id, "address": a.address, "size": a.size} for a in allocs],
+            "metadata": self.c().metadata(),
+        }
+
+    def op_verify(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        a = self.c().allocations[cmd["index"]]
+        if self.cuda:
+            return {"equal": devmem.verify(self.c(), a, cmd["seed"])}
+        return {"equal": verify(a.array("uint64"), cmd["seed"])}
+
+    def op_keep_view(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Keep what an engine keeps from before sleep: its tensors."""
+        a = self.c().allocations[cmd["index"]]
+        if self.cuda:  # a device pointer
+            self.kept_ptrs.append((cmd["index"], a.address))
             return {"kept": len(self.kept_ptrs) - 1}
-        if op == "verify_kept" and self.cuda:
+        # a numpy array built from the raw address
+        raw = (ctypes.c_uint64 * (a.size // 8)).from_address(a.address)
+        self.kept.append(np.ctypeslib.as_array(raw))
+        return {"kept": len(self.kept) - 1}
+
+    def op_verify_kept(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        if self.cuda:
             index, ptr = self.kept_ptrs[cmd["kept"]]
             a = self.c().allocations[index]
             return {"equal": devmem.verify(self.c(), a, cmd["seed"], address=ptr)}
-        if op == "keep_view":
-            # A numpy array built from the raw address, as an engine keeps tensors.
-            a = self.c().allocations[cmd["index"]]
-            raw = (ctypes.c_uint64 * (a.size // 8)).from_address(a.address)
-            self.kept.append(np.ctypeslib.as_array(raw))
-            return {"kept": len(self.kept) - 1}
-        if op == "verify_kept":
-            return {"equal": verify(self.kept[cmd["kept"]], cmd["seed"])}
-        if op == "write" and self.cuda:
-            a = self.c().allocations[cmd["index"]]
+        return {"equal": verify(self.kept[cmd["kept"]], cmd["seed"])}
+
+    def op_write(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        a = self.c().allocations[cmd["index"]]
+        if self.cuda:
             devmem.write(self.c(), a.address, b"x")  # DeviceCopyError if read-only
             return {"wrote": True}
-        if op == "device_health":
-            healthy, reason = self.c().device_health()
-            return {"healthy": healthy, "reason": reason}
-        if op == "cuda_context":
-            # What an engine has before it connects: a current context on the device.
-            from understudy.gms.backends.cuda_vmm import CudaVmmMapper
+        raw = (ctypes.c_char * a.size).from_address(a.address)
+        raw[0] = b"x"  # faults (SIGSEGV) if the mapping is read-only
+        return {"wrote": True}
 
-            CudaVmmMapper(cmd["device"])
-            return {}
-        if op == "mem_info":
-            free, total = devmem.mem_info()
-            return {"free": free, "total": total}
-        if op == "write":
-            a = self.c().allocations[cmd["index"]]
-            raw = (ctypes.c_char * a.size).from_address(a.address)
-            raw[0] = b"x"  # faults (SIGSEGV) if the mapping is read-only
-            return {"wrote": True}
-        if op == "addresses":
-            return {"addresses": [a.address for a in self.c().allocations]}
-        if op == "unmap":
-            self.c().unmap()
-            return {}
-        if op == "remap":
-            t0 = time.monotonic()
-            try:
-                self.c().remap(cmd["timeout"])
-            finally:
-                self.last_elapsed = time.monotonic() - t0
-            return {"elapsed": self.last_elapsed}
-        if op == "state":
-            return self.c().state().model_dump(mode="json")
-        if op == "smaps":
-            return smaps()
-        if op == "close":
-            self.c().close()
-            return {}
-        raise ValueError(f"unknown op {op}")
+    def op_device_health(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        healthy, reason = self.c().device_health()
+        return {"healthy": healthy, "reason": reason}
+
+    def op_cuda_context(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """What an engine has before it connects: a current context on the device."""
+        from understudy.gms.backends.cuda_vmm import CudaVmmMapper
+
+        CudaVmmMapper(cmd["device"])
+        return {}
+
+    def op_mem_info(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        free, total = devmem.mem_info()
+        return {"free": free, "total": total}
+
+    def op_addresses(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        return {"addresses": [a.address for a in self.c().allocations]}
+
+    def op_unmap(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        self.c().unmap()
+        return {}
+
+    def op_remap(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        t0 = time.monotonic()
+        try:
+            self.c().remap(cmd["timeout"])
+        finally:
+            self.last_elapsed = time.monotonic() - t0
+        return {"elapsed": self.last_elapsed}
+
+    def op_state(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        report: dict[str, Any] = self.c().state().model_dump(mode="json")
+        return report
+
+    def op_smaps(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        return dict(smaps())
+
+    def op_close(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        self.c().close()
+        return {}
 
 
 def main() -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+from typing import get_args
 
 import pytest
 from hypothesis import given, settings
@@ -21,7 +23,7 @@ from understudy.engine_shim.fsm import (
 )
 from understudy.engine_shim.probes import Probe, verdict
 
-B = Budgets(startup_s=100.0, wake_s=5.0)
+B = Budgets(startup_s=100.0, wake_s=5.0, drain_s=25.0)
 EVENTS = [
     fsm.InitDone(),
     fsm.InitTimeout(),
@@ -31,33 +33,99 @@ EVENTS = [
     fsm.WakeTimeout(),
     fsm.LockLost("lost"),
     fsm.GmsLost("gone"),
+    fsm.EpochReissued(8),
+    fsm.Terminate(),
+    fsm.Drained(unfinished=2),
     fsm.Fatal("boom"),
 ]
 
+S = State
+_DIES = {fsm.LockLost, fsm.GmsLost, fsm.Fatal}
+# Where every legal pair lands, written out from the engine's rules (docs/pod.md),
+# not read from the table under test. Every other pair must be refused.
+LANDS: dict[tuple[State, type], State] = {
+    (S.INIT, fsm.InitDone): S.STANDBY,
+    (S.INIT, fsm.InitTimeout): S.DEAD,
+    (S.INIT, fsm.GmsLost): S.DEAD,
+    (S.INIT, fsm.Fatal): S.DEAD,
+    (S.INIT, fsm.Terminate): S.DEAD,
+    (S.STANDBY, fsm.LockGranted): S.WAKING,
+    (S.STANDBY, fsm.Fatal): S.DEAD,
+    (S.STANDBY, fsm.Terminate): S.DEAD,
+    (S.WAKING, fsm.WakeDone): S.WAKING,  # serving is bound next; Active only then
+    (S.WAKING, fsm.ServingReady): S.ACTIVE,
+    (S.WAKING, fsm.WakeTimeout): S.DEAD,
+    (S.WAKING, fsm.EpochReissued): S.WAKING,
+    (S.WAKING, fsm.Terminate): S.DEAD,  # nothing served yet: nothing to drain
+    **{(S.WAKING, kind): S.DEAD for kind in _DIES},
+    (S.ACTIVE, fsm.EpochReissued): S.ACTIVE,
+    (S.ACTIVE, fsm.Terminate): S.DRAINING,
+    **{(S.ACTIVE, kind): S.DEAD for kind in _DIES},
+    (S.DRAINING, fsm.EpochReissued): S.DRAINING,
+    (S.DRAINING, fsm.Drained): S.DEAD,
+    **{(S.DRAINING, kind): S.DEAD for kind in _DIES},
+}
+# The exit code of every pair that lands in Dead.
+EXIT_CODES: dict[type, ExitCode] = {
+    fsm.InitTimeout: ExitCode.INIT_TIMEOUT,
+    fsm.WakeTimeout: ExitCode.WAKE_TIMEOUT,
+    fsm.LockLost: ExitCode.LOCK_LOST,
+    fsm.GmsLost: ExitCode.GMS_LOST,
+    fsm.Fatal: ExitCode.FATAL,
+    fsm.Terminate: ExitCode.DONE,
+    fsm.Drained: ExitCode.DONE,
+}
+
 
 def in_state(state: State) -> fsm.EngineState:
-    return fsm.EngineState(state, since=10.0, started=0.0, budgets=B)
+    return fsm.EngineState(state, since=10.0, started=0.0, budgets=B, epoch=7)
 
 
-@pytest.mark.parametrize(("state", "event"), list(itertools.product(State, EVENTS)))
-def test_every_state_event_pair(state, event):
-    """Legal pairs land in the entry's target; illegal ones raise and change nothing."""
+def test_the_event_list_covers_every_event_kind() -> None:
+    assert {type(e) for e in EVENTS} == set(get_args(fsm.Event))
+    assert {k for _, k in fsm.TRANSITIONS} <= {type(e) for e in EVENTS}
+
+
+def test_the_table_takes_exactly_the_expected_pairs() -> None:
+    assert set(fsm.TRANSITIONS) == set(LANDS)
+
+
+@pytest.mark.parametrize("state", list(State), ids=lambda s: s.value)
+@pytest.mark.parametrize("event", EVENTS, ids=lambda e: type(e).__name__)
+def test_every_state_event_pair(state: State, event: fsm.Event) -> None:
+    """Legal pairs land where the rules say, with their actions; the others raise."""
     s = in_state(state)
-    entry = fsm.TRANSITIONS.get((state, type(event)))
-    if entry is None:
+    expected = LANDS.get((state, type(event)))
+    if expected is None:
         with pytest.raises(fsm.InvalidTransition) as info:
             step(s, event, 20.0)
         assert (info.value.phase, info.value.kind) == (state, type(event))
-        assert s == fsm.EngineState(state, since=10.0, started=0.0, budgets=B)
         return
     new, actions = step(s, event, 20.0)
-    (target,) = entry.targets
-    assert new.state is target
-    assert new.since == (10.0 if target is state else 20.0)
+    assert new.state is expected
+    assert new.since == (10.0 if expected is state else 20.0)
     assert new.last_event == type(event).__name__
-    if target is State.DEAD:
-        (exit_,) = actions
-        assert isinstance(exit_, Exit) and exit_.code != 0 and exit_.state is state
+    assert new.epoch == (event.epoch if hasattr(event, "epoch") else 7)
+    if expected is State.DEAD:
+        assert actions == [Exit(EXIT_CODES[type(event)], actions[0].reason, state)]
+        assert actions[0].reason
+    else:
+        assert actions == _ACTIONS_ON_THE_WAY.get((state, type(event)), [])
+
+
+# The actions of the pairs that do not end the engine (at now=20, budgets B).
+_ACTIONS_ON_THE_WAY: dict[tuple[State, type], list[fsm.Action]] = {
+    (S.INIT, fsm.InitDone): [Acquire()],
+    (S.STANDBY, fsm.LockGranted): [Wake(deadline=25.0)],
+    (S.WAKING, fsm.WakeDone): [BindServing()],
+    (S.ACTIVE, fsm.Terminate): [fsm.Drain(deadline=45.0)],
+}
+
+
+def test_a_state_is_frozen_so_a_refused_step_cannot_have_changed_it() -> None:
+    s = in_state(State.STANDBY)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.state = State.ACTIVE  # type: ignore[misc]
 
 
 def test_happy_path_and_actions():
@@ -72,19 +140,29 @@ def test_happy_path_and_actions():
     assert s.state is State.ACTIVE and a == [] and s.since == 2.6
 
 
-def test_exit_codes_name_the_cause():
-    assert step(in_state(State.ACTIVE), fsm.LockLost("x"), 0)[1][0].code is ExitCode.LOCK_LOST
-    assert step(in_state(State.ACTIVE), fsm.GmsLost("x"), 0)[1][0].code is ExitCode.GMS_LOST
-    assert step(in_state(State.WAKING), fsm.WakeTimeout(), 0)[1][0].code is ExitCode.WAKE_TIMEOUT
-    assert step(in_state(State.INIT), fsm.InitTimeout(), 0)[1][0].code is ExitCode.INIT_TIMEOUT
-    assert step(in_state(State.WAKING), fsm.Fatal("x"), 0)[1][0].code is ExitCode.FATAL
+@pytest.mark.parametrize("state", list(State), ids=lambda s: s.value)
+def test_deadlines_and_what_their_expiry_does(state: State) -> None:
+    """Init's budget runs from the process start, Waking's and Draining's from
+    entering the state; each expiry is an event its state takes, and it ends
+    the engine. The other states wait for ever (an idle standby is fine)."""
+    s = in_state(state)
+    expected = {S.INIT: 100.0, S.WAKING: 15.0, S.DRAINING: 35.0}.get(state)
+    assert fsm.deadline(s) == expected
+    if expected is None:
+        with pytest.raises(KeyError):
+            fsm.expired(s, 0)
+        return
+    event = fsm.expired(s, 3)
+    new, actions = step(s, event, expected)
+    assert new.state is State.DEAD
+    assert [a.code for a in actions if isinstance(a, Exit)] == [EXIT_CODES[type(event)]]
+    if state is State.DRAINING:
+        assert event == fsm.Drained(unfinished=3)
+        assert "3 unfinished" in actions[0].reason
 
 
-def test_deadlines():
+def test_init_deadline_runs_from_the_process_start() -> None:
     assert fsm.deadline(fsm.initial(3.0, B)) == 103.0
-    assert fsm.deadline(in_state(State.WAKING)) == 15.0
-    for st_ in (State.STANDBY, State.ACTIVE, State.DEAD):
-        assert fsm.deadline(in_state(st_)) is None
 
 
 @settings(max_examples=300, deadline=None)
@@ -92,7 +170,7 @@ def test_deadlines():
 def test_no_way_back_and_active_only_via_serving_ready(events):
     """Invariants over any sequence: states only move forward; Active is entered
     only by ServingReady after a LockGranted; Dead is final."""
-    order = [State.INIT, State.STANDBY, State.WAKING, State.ACTIVE, State.DEAD]
+    order = [S.INIT, S.STANDBY, S.WAKING, S.ACTIVE, S.DRAINING, S.DEAD]
     s = fsm.initial(0.0, B)
     granted = False
     for t, e in enumerate(events):
@@ -111,33 +189,45 @@ def test_no_way_back_and_active_only_via_serving_ready(events):
 
 # ---------------------------------------------------------------- probes --
 
-
-@pytest.mark.parametrize(
-    ("probe", "state", "t", "healthy", "status"),
-    [
-        (Probe.STARTUP, State.INIT, 1, False, 503),
-        (Probe.STARTUP, State.STANDBY, 1, False, 200),
-        (Probe.STARTUP, State.ACTIVE, 1, True, 200),
-        (Probe.LIVE, State.INIT, 1, False, 503),
-        (Probe.LIVE, State.STANDBY, 10_000, False, 200),  # idle for ever is alive
-        (Probe.LIVE, State.WAKING, 4.9, False, 200),
-        (Probe.LIVE, State.WAKING, 5.1, False, 503),  # hung wake gets killed
-        (Probe.LIVE, State.ACTIVE, 1, True, 200),
-        (Probe.LIVE, State.ACTIVE, 1, False, 503),
-        (Probe.LIVE, State.DEAD, 1, True, 503),
-        (Probe.READY, State.INIT, 1, False, 503),
-        (Probe.READY, State.STANDBY, 1, False, 200),
-        (Probe.READY, State.WAKING, 1, False, 503),
-        (Probe.READY, State.ACTIVE, 1, True, 200),
-        (Probe.READY, State.ACTIVE, 1, False, 503),
-    ],
-)
-def test_probe_verdicts(probe, state, t, healthy, status):
-    v = verdict(probe, state, t, healthy, B, "why")
-    assert v.status == status and v.reason
+# Every (probe, state): the status with a healthy serving endpoint and with an
+# unhealthy one, one second into the state (docs/pod.md, the probes).
+PROBE_STATUS: dict[tuple[Probe, State], tuple[int, int]] = {
+    (Probe.STARTUP, S.INIT): (503, 503),
+    (Probe.STARTUP, S.STANDBY): (200, 200),
+    (Probe.STARTUP, S.WAKING): (200, 200),
+    (Probe.STARTUP, S.ACTIVE): (200, 200),
+    (Probe.STARTUP, S.DRAINING): (200, 200),
+    (Probe.STARTUP, S.DEAD): (503, 503),
+    (Probe.LIVE, S.INIT): (503, 503),
+    (Probe.LIVE, S.STANDBY): (200, 200),
+    (Probe.LIVE, S.WAKING): (200, 200),  # within the wake timeout
+    (Probe.LIVE, S.ACTIVE): (200, 503),
+    (Probe.LIVE, S.DRAINING): (200, 200),  # finishing its requests
+    (Probe.LIVE, S.DEAD): (503, 503),
+    (Probe.READY, S.INIT): (503, 503),
+    (Probe.READY, S.STANDBY): (200, 200),
+    (Probe.READY, S.WAKING): (503, 503),
+    (Probe.READY, S.ACTIVE): (200, 503),
+    (Probe.READY, S.DRAINING): (503, 503),
+    (Probe.READY, S.DEAD): (503, 503),
+}
 
 
-def test_every_probe_state_pair_has_a_verdict():
-    for probe, state in itertools.product(Probe, State):
-        for healthy in (True, False):
-            assert verdict(probe, state, 0.0, healthy, B).status in (200, 503)
+def test_every_probe_and_state_has_an_expected_verdict() -> None:
+    assert set(PROBE_STATUS) == set(itertools.product(Probe, State))
+
+
+@pytest.mark.parametrize(("probe", "state"), list(PROBE_STATUS), ids=str)
+def test_probe_verdicts(probe: Probe, state: State) -> None:
+    healthy, unhealthy = PROBE_STATUS[(probe, state)]
+    for serving, status in ((True, healthy), (False, unhealthy)):
+        v = verdict(probe, state, 1.0, serving, B, "why")
+        assert v.status == status and v.reason
+        if status == 503 and state is S.ACTIVE:
+            assert "why" in v.reason  # the serving endpoint's own reason
+
+
+def test_a_hung_wake_fails_liveness_after_the_wake_timeout() -> None:
+    assert verdict(Probe.LIVE, S.WAKING, 4.9, False, B).ok
+    assert not verdict(Probe.LIVE, S.WAKING, 5.1, False, B).ok
+    assert verdict(Probe.LIVE, S.STANDBY, 10_000, False, B).ok  # idle for ever is alive

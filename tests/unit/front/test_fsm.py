@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import typing
 from dataclasses import replace
 
 import pytest
@@ -23,6 +24,7 @@ from understudy.front.fsm import (
     step,
     verdict,
 )
+from understudy.wire import machine
 
 A, B = "engine-primary/aa", "engine-shadow-1/bb"
 
@@ -89,16 +91,96 @@ def test_hung_report_about_another_engine_changes_nothing() -> None:
     assert step(s0, Hung(A, 3.0), 1.0) == (s0, [])
 
 
-@pytest.mark.parametrize("phase", list(Phase))
-@pytest.mark.parametrize(
-    "event", [HolderSeen(A, 1), HolderSeen(None, 1), Hung(A, 2.0), Served(A)], ids=repr
-)
-def test_every_pair_is_in_the_table_and_lands_in_a_declared_phase(
-    phase: Phase, event: fsm.Event
-) -> None:
-    s = routed(A, 1) if phase is Phase.ROUTING else FrontState()
-    new, _ = step(s, event, 1.0)
-    assert new.phase in fsm.TRANSITIONS[(phase, type(event))].targets
+# ------------------------------------------------------------ every pair --
+
+Kind = fsm.Kind
+
+
+def state_in(phase: Phase) -> FrontState:
+    """Routing A at epoch 3 with a gap open (a handover not yet answered), or
+    waiting after A was condemned, with epoch 3 seen."""
+    if phase is Phase.ROUTING:
+        return FrontState(Phase.ROUTING, Route(A, 3), newest_epoch=3, lost_at=0.5)
+    return FrontState(Phase.WAITING, None, newest_epoch=3, lost_at=0.5, condemned=A)
+
+
+# For every kind, an event that is judged so in ``phase`` (None: no event can
+# be, since nothing is routed while waiting).
+EVENTS: dict[Kind, dict[Phase, fsm.Event | None]] = {
+    Kind.OLDER: {Phase.WAITING: HolderSeen(B, 2), Phase.ROUTING: HolderSeen(B, 2)},
+    Kind.VACANT: {Phase.WAITING: HolderSeen(A, 4), Phase.ROUTING: HolderSeen(None, 3)},
+    Kind.GRANTED: {Phase.WAITING: HolderSeen(B, 4), Phase.ROUTING: HolderSeen(B, 4)},
+    Kind.CURRENT: {Phase.WAITING: None, Phase.ROUTING: HolderSeen(A, 3)},
+    Kind.HUNG: {Phase.WAITING: None, Phase.ROUTING: Hung(A, 2.0)},
+    Kind.HUNG_ELSEWHERE: {Phase.WAITING: Hung(A, 2.0), Phase.ROUTING: Hung(B, 2.0)},
+    Kind.SERVED: {Phase.WAITING: None, Phase.ROUTING: Served(A)},
+    Kind.SERVED_ELSEWHERE: {Phase.WAITING: Served(A), Phase.ROUTING: Served(B)},
+}
+
+# Where each legal pair lands, and what it does: written out, not read from
+# the table under test.
+LANDS: dict[tuple[Phase, Kind], tuple[Phase, list[fsm.Action]]] = {
+    (Phase.WAITING, Kind.OLDER): (Phase.WAITING, [fsm.IgnoredStale(B, 2, 3)]),
+    (Phase.ROUTING, Kind.OLDER): (Phase.ROUTING, [fsm.IgnoredStale(B, 2, 3)]),
+    (Phase.WAITING, Kind.VACANT): (Phase.WAITING, []),
+    (Phase.ROUTING, Kind.VACANT): (Phase.WAITING, [fsm.Unroute("released")]),
+    (Phase.WAITING, Kind.GRANTED): (Phase.ROUTING, [fsm.RouteTo(Route(B, 4), handover=True)]),
+    (Phase.ROUTING, Kind.GRANTED): (Phase.ROUTING, [fsm.RouteTo(Route(B, 4), handover=True)]),
+    (Phase.ROUTING, Kind.CURRENT): (Phase.ROUTING, []),
+    (Phase.ROUTING, Kind.HUNG): (
+        Phase.WAITING,
+        [fsm.Unroute("hung"), fsm.Kill(A, "no heartbeat for 2.00s")],
+    ),
+    (Phase.WAITING, Kind.HUNG_ELSEWHERE): (Phase.WAITING, []),
+    (Phase.ROUTING, Kind.HUNG_ELSEWHERE): (Phase.ROUTING, []),
+    (Phase.ROUTING, Kind.SERVED): (Phase.ROUTING, [fsm.GapEnded(0.5)]),
+    (Phase.WAITING, Kind.SERVED_ELSEWHERE): (Phase.WAITING, []),
+    (Phase.ROUTING, Kind.SERVED_ELSEWHERE): (Phase.ROUTING, []),
+}
+
+
+def test_the_event_list_covers_every_kind_and_phase() -> None:
+    assert set(EVENTS) == set(Kind)
+    assert all(set(by_phase) == set(Phase) for by_phase in EVENTS.values())
+    made = {type(e) for by_phase in EVENTS.values() for e in by_phase.values() if e}
+    assert made == set(typing.get_args(fsm.Event))
+
+
+@pytest.mark.parametrize("phase", list(Phase), ids=lambda p: p.value)
+@pytest.mark.parametrize("k", list(Kind), ids=lambda k: k.name)
+def test_every_phase_kind_pair(phase: Phase, k: Kind) -> None:
+    """Each event is judged as its kind; a legal pair lands where LANDS says,
+    with its actions; a pair without an entry is one no event can make."""
+    event = EVENTS[k][phase]
+    assert ((phase, k) in fsm.TRANSITIONS) is (event is not None)
+    assert ((phase, k) in LANDS) is (event is not None)
+    if event is None:
+        # Nothing is routed while waiting: every such event is judged "elsewhere".
+        for candidate in (Hung(A, 2.0), Hung(B, 2.0), Served(A), HolderSeen(A, 3)):
+            assert (phase, fsm.kind(state_in(phase), candidate)) in fsm.TRANSITIONS
+        return
+    s = state_in(phase)
+    assert fsm.kind(s, event) is k
+    new, actions = step(s, event, 1.0)
+    assert (new.phase, actions) == LANDS[(phase, k)]
+    assert (new.route is None) is (new.phase is Phase.WAITING)
+
+
+def test_a_pair_without_an_entry_raises_and_returns_nothing() -> None:
+    """The table is the contract: a judged kind the phase has no entry for is
+    refused (here forced, since ``kind`` never makes one)."""
+    s = state_in(Phase.WAITING)
+    with pytest.raises(fsm.InvalidTransition) as info:
+        machine.run_step(
+            fsm.TRANSITIONS,
+            lambda st, e: st.phase,
+            s,
+            Served(A),
+            1.0,
+            kind_of=lambda _: Kind.SERVED,
+            error=fsm.InvalidTransition,
+        )
+    assert (info.value.phase, info.value.kind) == (Phase.WAITING, Kind.SERVED)
 
 
 def test_ready_while_routing_or_within_the_hold() -> None:

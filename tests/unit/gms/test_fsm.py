@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from typing import get_args, get_origin
 
 import pytest
 
@@ -94,18 +96,48 @@ EVENTS: dict[type, Callable[[], fsm.Event]] = {
     m.GetState: lambda: req(S, m.GetState()),
 }
 
-# Where session S lands for every legal pair (the table drives the test).
+P = Phase
+# What a granted session may read (both RW and RO), and what only the writer may do.
+READS = (m.Export, m.ExportMany, m.ListAllocations, m.GetMetadata, m.ListMetadata)
+QUERIES = (m.GetLayoutHash, m.GetState)
+WRITES = (m.Allocate, fsm.CreateFailed, m.PutMetadata)
+
+# Where session S lands for every legal pair, written out from the protocol's
+# rules (docs/state-machines.md), not read from the table under test. Every
+# other pair is refused.
 LANDS: dict[tuple[Phase, type], Phase] = {
-    (Phase.NONE, fsm.Connected): Phase.PENDING,
-    (Phase.PENDING, m.Hello): Phase.RW,  # nothing committed: RW_OR_RO takes RW
-    (Phase.RW, m.Commit): Phase.RO,  # commit ends RW; the connection reads on
-    **{(p, fsm.Disconnected): Phase.NONE for p in fsm._LIVE},
+    (P.NONE, fsm.Connected): P.PENDING,
+    (P.PENDING, m.Hello): P.RW,  # nothing committed: RW_OR_RO takes RW
+    **{(P.PENDING, k): P.PENDING for k in QUERIES},
+    **{(p, fsm.Disconnected): P.NONE for p in (P.PENDING, P.WAITING, P.RW, P.RO)},
+    # A timer that finds no wait is stale; a wait's own fires at its deadline only.
+    **{(p, fsm.Expire): p for p in (P.PENDING, P.WAITING, P.RW, P.RO)},
+    **{(P.RW, k): P.RW for k in (*READS, *QUERIES, *WRITES)},
+    (P.RW, m.Commit): P.RO,  # commit ends RW; the connection reads on
+    **{(P.RO, k): P.RO for k in (*READS, *QUERIES)},
 }
 
 
+def event_kinds() -> set[type]:
+    """Every kind ``step`` can be fed, from the event union itself: a request's
+    kind is its message class."""
+    kinds: set[type] = set()
+    for k in get_args(fsm.Event):
+        if get_origin(k) is fsm.Received:
+            (requests,) = get_args(k)  # Annotated[Hello | Allocate | ..., discriminator]
+            kinds |= set(get_args(get_args(requests)[0]))
+        else:
+            kinds.add(k)
+    return kinds
+
+
 def test_event_builders_cover_every_kind() -> None:
-    assert set(EVENTS) == set(fsm.EVENT_KINDS) | set(fsm.REQUEST_KINDS) | {fsm.Connected}
+    assert set(EVENTS) == event_kinds()
     assert {k for _, k in fsm.TRANSITIONS} <= set(EVENTS)
+
+
+def test_the_table_takes_exactly_the_expected_pairs() -> None:
+    assert set(fsm.TRANSITIONS) == set(LANDS)
 
 
 @pytest.mark.parametrize("phase", list(Phase), ids=lambda p: p.value)
@@ -114,17 +146,36 @@ def test_every_phase_event_pair(phase: Phase, kind: type) -> None:
     state = state_in(phase)
     assert state.phase(S) is phase
     event = EVENTS[kind]()
-    if (phase, kind) in fsm.TRANSITIONS:
+    if (phase, kind) in LANDS:
         new, _ = fsm.step(state, event, 0.0)
-        assert new.phase(S) is LANDS.get((phase, kind), phase)
-        assert new.phase(S) in fsm.TRANSITIONS[(phase, kind)].targets
+        assert new.phase(S) is LANDS[(phase, kind)]
         return
     expected = fsm.Refused if isinstance(event, fsm.Received) else fsm.InvalidTransition
     with pytest.raises(expected) as info:
         fsm.step(state, event, 0.0)
     if isinstance(info.value, fsm.Refused):
         assert info.value.code is ErrorCode.REFUSED
-    assert state == state_in(phase)  # nothing changed
+    else:
+        assert (info.value.phase, info.value.kind) == (phase, kind)
+
+
+def test_each_entry_declares_the_phases_it_reaches() -> None:
+    """No entry declares a phase it cannot lead to (a table that says "any"
+    draws edges the machine never takes), and none leaves one out. The extra
+    landings are shown by test_grant_rules and test_wait_expires_at_its_deadline_only."""
+    reached: dict[tuple[Phase, type], set[Phase]] = {}
+    for (phase, kind), target in LANDS.items():
+        reached.setdefault((phase, kind), set()).add(target)
+    # Hello lands by the grant rules; an expiry at the deadline ends the wait.
+    reached[(P.PENDING, m.Hello)] |= {P.WAITING, P.RO}
+    reached[(P.WAITING, fsm.Expire)].add(P.PENDING)
+    for key, entry in fsm.TRANSITIONS.items():
+        assert entry.targets == reached[key], key
+
+
+def test_a_state_is_frozen_so_a_refused_step_cannot_have_changed_it() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        state_in(Phase.RW).committed = True  # type: ignore[misc]
 
 
 def test_a_shell_bug_is_a_local_error_and_a_shared_invalid_transition() -> None:
@@ -334,11 +385,9 @@ def test_a_writer_with_a_stale_epoch_is_refused_and_nothing_changes() -> None:
         state, g.Received(1, msgs.Hello(mode=msgs.Mode.RO, timeout_s=1, epoch=7)), 0.0
     )
     assert state.newest_epoch == 7
-    before = state
     with pytest.raises(g.Refused) as info:
         g.step(state, g.Received(2, msgs.Hello(mode=msgs.Mode.RW, timeout_s=1, epoch=5)), 0.0)
     assert info.value.code is msgs.ErrorCode.STALE_EPOCH
-    assert state == before
     # A current epoch, or none at all (an engine still loading), may write.
     ok, _ = g.step(
         state, g.Received(2, msgs.Hello(mode=msgs.Mode.RW_OR_RO, timeout_s=1, epoch=7)), 0.0

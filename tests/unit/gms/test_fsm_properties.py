@@ -24,11 +24,9 @@ class GmsLock(RuleBasedStateMachine):
         self.committed_hashes: list[str] = []
 
     def feed(self, event: fsm.Event) -> list[fsm.Action] | None:
-        before = self.state
         try:
             self.state, actions = fsm.step(self.state, event, self.now)
         except (fsm.Refused, fsm.InvalidTransition):
-            assert self.state is before
             return None
         for a in actions:
             if isinstance(a, fsm.CreateMemory):

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from understudy.tools.drill import Kind, stats
+from understudy.tools.drill import Kind
+from understudy.tools.figures import stats
 from understudy.tools.report import CHARTS, by_signal, phases, write_report
 from understudy.tools.series import Sample, Tally, request_series
 
@@ -101,10 +102,10 @@ def test_every_chart_is_a_real_png_and_the_page_shows_it(tmp_path: Path) -> None
     # self-contained: nothing but the PNGs next to it is loaded
     assert not re.search(r"(src|href)=\"(https?:|//)", page)
     assert "FAIL" in page  # a round without failover and a failed request
-    # the drill's nearest-rank p50 of 45, 50, .. 70 ms
-    assert "<td>client-observed gap</td><td>6</td><td>60.0</td>" in page
+    # the nearest-rank p50 of 45, 50, .. 70 ms: the 3rd of 6 (ceil(0.5 * 6))
+    assert "<td>client-observed gap</td><td>6</td><td>55.0</td>" in page
     assert "no new Active engine" in page and "HTTP 503" in page
-    assert "<td>SIGKILL: client-observed gap</td><td>6</td><td>60.0</td>" in page
+    assert "<td>SIGKILL: client-observed gap</td><td>6</td><td>55.0</td>" in page
 
 
 def test_mixed_signals_get_their_own_percentiles() -> None:

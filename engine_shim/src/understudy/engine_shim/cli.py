@@ -31,7 +31,7 @@ def _reexec_for_vllm(args: argparse.Namespace) -> None:
     python = python_env.vllm_python(args.engine_python)
     if python == sys.executable:
         return
-    env = {**os.environ, **python_env.engine_env(python)}
+    env = {**os.environ, python_env.REEXEC_MARK: "1"}
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(python, [python, "-m", "understudy.cli", "engine", "run"], env)
@@ -116,8 +116,8 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     )
     run.add_argument(
         "--engine-python",
-        help="vllm adapter: the python with vLLM (default: $UNDERSTUDY_VLLM_PYTHON; in a "
-        "checkout, hack/vllm/venv's; else this one)",
+        help="vllm adapter: the python with vLLM (default: $UNDERSTUDY_VLLM_PYTHON, else "
+        "this one; `understudy local up` passes a checkout's hack/vllm/venv)",
     )
     run.set_defaults(func=cmd_engine_run)
     model = sub.add_parser("model", help="the engines' built-in models")

@@ -7,7 +7,7 @@ import json
 import os
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from understudy.wire.serving import heartbeat_path, serving_socket
@@ -42,7 +42,6 @@ class EngineConfig:
     remap_timeout_s: float = 30.0
     lock_reconnect_s: float = 15.0
     drain_s: float = 25.0
-    extra: Mapping[str, str] = field(default_factory=dict)
 
     def gms_socket(self, device: int, tag: str = "weights") -> Path:
         return self.gms_socket_dir / f"gms_{device}_{tag}.sock"
@@ -134,5 +133,4 @@ def from_env(env: Mapping[str, str] | None = None) -> EngineConfig:
         remap_timeout_s=_float(env, "UNDERSTUDY_REMAP_TIMEOUT_S", 30.0),
         lock_reconnect_s=_float(env, "UNDERSTUDY_LOCK_RECONNECT_S", 15.0),
         drain_s=_float(env, "UNDERSTUDY_DRAIN_S", 25.0),
-        extra={k: v for k, v in env.items() if k.startswith("UNDERSTUDY_FAULT_")},
     )

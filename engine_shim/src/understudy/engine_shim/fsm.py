@@ -24,6 +24,7 @@ releases the lock.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from understudy.wire import machine
@@ -203,15 +204,38 @@ def initial(now: float, budgets: Budgets) -> EngineState:
     return EngineState(State.INIT, since=now, started=now, budgets=budgets)
 
 
+@dataclass(frozen=True, slots=True)
+class Deadline:
+    """A state's time limit: when it runs out, and the event the shell then feeds.
+
+    ``at`` reads the budget from the state; ``expired`` builds the timeout
+    event from what the shell knows at that moment (the requests still in
+    flight, which only ``Drained`` reports)."""
+
+    at: Callable[[EngineState], float]
+    expired: Callable[[int], InitTimeout | WakeTimeout | Drained]
+
+
+# The states with a time limit (a lookup, as the transition table is one).
+# Init's budget runs from the process start, the others' from entering the state.
+DEADLINES: dict[State, Deadline] = {
+    State.INIT: Deadline(lambda s: s.started + s.budgets.startup_s, lambda inflight: InitTimeout()),
+    State.WAKING: Deadline(lambda s: s.since + s.budgets.wake_s, lambda inflight: WakeTimeout()),
+    State.DRAINING: Deadline(
+        lambda s: s.since + s.budgets.drain_s, lambda inflight: Drained(unfinished=inflight)
+    ),
+}
+
+
 def deadline(s: EngineState) -> float | None:
-    """When the shell must feed a timeout event, if the state has a deadline."""
-    if s.state is State.INIT:
-        return s.started + s.budgets.startup_s
-    if s.state is State.WAKING:
-        return s.since + s.budgets.wake_s
-    if s.state is State.DRAINING:
-        return s.since + s.budgets.drain_s
-    return None
+    """When the shell must feed ``expired(s, …)``, if the state has a deadline."""
+    limit = DEADLINES.get(s.state)
+    return None if limit is None else limit.at(s)
+
+
+def expired(s: EngineState, inflight: int) -> Event:
+    """The timeout event of the state's deadline (KeyError if it has none)."""
+    return DEADLINES[s.state].expired(inflight)
 
 
 # -------------------------------------------------------------- handlers --

@@ -29,7 +29,7 @@ import prometheus_client as prom
 from aiohttp import web
 
 from understudy.engine_shim.probes import Probe, Verdict
-from understudy.wire.serving import HeartbeatWriter
+from understudy.wire.heartbeat import HeartbeatWriter
 
 Health = Callable[[], tuple[bool, str]]
 EPOCH_HEADER = "X-Understudy-Epoch"
@@ -113,7 +113,62 @@ class HttpHost:
 
         self.loop.call_soon_threadsafe(beat)
 
-    def bind_serving(  # noqa: C901
+    def _refusal(self, claimed: str | None, epoch: int) -> web.Response | None:
+        """409 for a request this engine must not take: it drains, or it was
+        meant for another epoch's engine. None: take it."""
+        if not self.draining and (claimed is None or claimed == str(epoch)):
+            return None
+        why = "draining" if self.draining else f"epoch {claimed} is not this engine's"
+        refused = web.Response(status=409, text=why + "\n", headers={NOT_ACTIVE_HEADER: why})
+        # No keep-alive to an engine on its way out: the front's next try opens
+        # a new connection, which finds the next engine.
+        refused.force_close()
+        return refused
+
+    async def _counted(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Run ``handler`` as one in-flight request, which a drain waits for."""
+        self.inflight += 1
+        assert self._idle is not None
+        self._idle.clear()
+        try:
+            response = await handler(request)
+            if self.is_draining():  # it may have begun while this request ran
+                response.force_close()
+            # Send it all before counting it done: a drain that ends the
+            # process must not cut an answer that was still being written.
+            if not response.prepared:
+                await response.prepare(request)
+            await response.write_eof()
+            return response
+        except ConnectionResetError:
+            if request.transport is not None and not request.transport.is_closing():
+                raise  # not the client's: an error of ours
+            # The client hung up, say before its body arrived: nobody to
+            # answer, nothing wrong here (aiohttp would log an error and a
+            # traceback).
+            return web.Response(status=400, text="the client hung up\n")
+        finally:
+            self.inflight -= 1
+            if not self.inflight:
+                self._idle.set()
+
+    async def _serve_unix(self, path: Path, routes: list[web.RouteDef], middleware: Any) -> None:
+        self._idle = asyncio.Event()
+        self._idle.set()
+        app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[middleware])
+        app.add_routes(routes)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        try:
+            await web.UnixSite(runner, str(path)).start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._serving, self._serving_path = runner, path
+
+    def bind_serving(
         self, path: Path, routes: list[web.RouteDef], health: Health, epoch: Callable[[], int]
     ) -> None:
         """Listen on the serving socket; raises OSError if it cannot."""
@@ -126,59 +181,13 @@ class HttpHost:
         async def fence(
             request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
         ) -> web.StreamResponse:
-            claimed = request.headers.get(EPOCH_HEADER)
-            if self.draining or (claimed is not None and claimed != str(epoch())):
-                why = "draining" if self.draining else f"epoch {claimed} is not this engine's"
-                refused = web.Response(
-                    status=409, text=why + "\n", headers={NOT_ACTIVE_HEADER: why}
-                )
-                # No keep-alive to an engine on its way out: the front's next
-                # try opens a new connection, which finds the next engine.
-                refused.force_close()
-                return refused
-            self.inflight += 1
-            assert self._idle is not None
-            self._idle.clear()
-            try:
-                response = await handler(request)
-                if self.is_draining():  # it may have begun while this request ran
-                    response.force_close()
-                # Send it all before counting it done: a drain that ends the
-                # process must not cut an answer that was still being written.
-                if not response.prepared:
-                    await response.prepare(request)
-                await response.write_eof()
-                return response
-            except ConnectionResetError:
-                if request.transport is not None and not request.transport.is_closing():
-                    raise  # not the client's: an error of ours
-                # The client hung up, say before its body arrived: nobody to
-                # answer, nothing wrong here (aiohttp would log an error and a
-                # traceback).
-                return web.Response(status=400, text="the client hung up\n")
-            finally:
-                self.inflight -= 1
-                if not self.inflight:
-                    self._idle.set()
-
-        async def serve() -> None:
-            self._idle = asyncio.Event()
-            self._idle.set()
-            app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[fence])
-            app.add_routes([*routes, web.get("/health", health_view)])
-            runner = web.AppRunner(app, access_log=None, handle_signals=False)
-            await runner.setup()
-            try:
-                await web.UnixSite(runner, str(path)).start()
-            except BaseException:
-                await runner.cleanup()
-                raise
-            self._serving, self._serving_path = runner, path
+            refused = self._refusal(request.headers.get(EPOCH_HEADER), epoch())
+            return refused if refused is not None else await self._counted(request, handler)
 
         path.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             path.unlink()  # a socket of this very engine id: never another engine's
-        self._call(serve())
+        self._call(self._serve_unix(path, [*routes, web.get("/health", health_view)], fence))
         path.chmod(0o660)
 
     def is_draining(self) -> bool:

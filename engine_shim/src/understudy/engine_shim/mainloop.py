@@ -30,7 +30,7 @@ from understudy.engine_shim.probes import Probe, Verdict, verdict
 from understudy.engine_shim.weights import Weights
 from understudy.gms.client import GmsError
 from understudy.lockserver import client as lock_client
-from understudy.wire import heap
+from understudy.wire import failpoints, heap
 from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.engine_shim")
@@ -182,14 +182,7 @@ class Shim:
             with self._mutex:
                 if self.s.state is not armed_for:
                     return  # moved on in time
-            event: fsm.Event
-            match armed_for:
-                case State.INIT:
-                    event = fsm.InitTimeout()
-                case State.WAKING:
-                    event = fsm.WakeTimeout()
-                case _:
-                    event = fsm.Drained(unfinished=self.host.inflight)
+                event = fsm.expired(self.s, self.host.inflight)
             self.feed(event)
 
         self._timer = threading.Timer(max(0.0, when - time.monotonic()), fire)
@@ -283,7 +276,7 @@ class Shim:
         self._arm_deadline()
         t0 = time.monotonic()
         try:
-            _fault(cfg, "INIT")
+            failpoints.hit("engine.init")
             self.weights.init(self.engine, deadline=self.s.started + cfg.startup_budget_s)
             self.engine.sleep()
             self.weights.sleep()
@@ -331,7 +324,7 @@ class Shim:
             case fsm.Wake():
                 t0 = time.monotonic()
                 try:
-                    _fault(cfg, "WAKE")
+                    failpoints.hit("engine.wake")
                     self.weights.wake(cfg.remap_timeout_s, self.s.epoch)
                     self.engine.wake()
                 except Exception as exc:  # a failed remap is fatal: restart and re-init
@@ -386,13 +379,3 @@ class Shim:
                 pending += self._do(pending.pop(0))
 
         threading.Thread(target=run, name="terminate", daemon=True).start()
-
-
-def _fault(cfg: EngineConfig, where: str) -> None:
-    """Test hooks (UNDERSTUDY_FAULT_INIT=raise, UNDERSTUDY_FAULT_WAKE=hang): the
-    real code path with a failure injected, for the process-level tests."""
-    what = cfg.extra.get(f"UNDERSTUDY_FAULT_{where}")
-    if what == "raise":
-        raise RuntimeError(f"fault injected in {where.lower()} (UNDERSTUDY_FAULT_{where}=raise)")
-    if what == "hang":
-        threading.Event().wait()

@@ -6,8 +6,8 @@ adds a usage chunk), ``GET /v1/models``. Shapes, usage counting and
 ``finish_reason`` follow vLLM's OpenAI server; errors are shaped like
 OpenAI's (``{"error": {"message", "type", "param", "code"}}``).
 
-The continuation contract with the pod's front door (its side:
-``understudy.front.continuation``): a request may carry ``understudy:
+The continuation contract with the pod's front door (``understudy.wire.serving``;
+its side: ``understudy.front.continuation``): a request may carry ``understudy:
 {request_id, created, resume: {token_ids, started}}``. ``request_id`` and
 ``created`` fix the response's ``id`` and ``created``; ``resume`` says which
 tokens an earlier engine already streamed to the client, and whether the
@@ -36,6 +36,7 @@ from understudy.engine_shim.generation import (
     Step,
     finish_of,
 )
+from understudy.wire.serving import FIELD, TOKENS_PREFIX
 
 NOT_ACTIVE_HEADER = "X-Understudy-Not-Active"
 
@@ -147,7 +148,8 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def parse(gen: Generator, body: Any, chat: bool) -> Request:  # noqa: C901
+def _body(gen: Generator, body: Any) -> dict[str, Any]:
+    """The body as an object for this model, with no option this engine lacks."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -156,48 +158,75 @@ def parse(gen: Generator, body: Any, chat: bool) -> Request:  # noqa: C901
     for key, default in _UNSUPPORTED.items():
         if body.get(key, default) not in (default, None):
             raise ApiError(400, f"'{key}' is not supported by this engine", key)
-    prompt_ids = gen.encode_chat(_messages(body)) if chat else _prompt_ids(gen, body)
-    room = gen.max_model_len - len(prompt_ids)
+    return body
+
+
+def _max_tokens(gen: Generator, body: dict[str, Any], chat: bool, prompt: int) -> tuple[int, str]:
+    """The completion's token budget (what the context leaves, unless asked
+    for less) and the key it came from, for error messages."""
+    room = gen.max_model_len - prompt
     if room < 1:
         raise ApiError(
             400,
             f"This model's maximum context length is {gen.max_model_len} tokens; "
-            f"the prompt has {len(prompt_ids)}.",
+            f"the prompt has {prompt}.",
             "messages" if chat else "prompt",
         )
     key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
     max_tokens = _int(body, key, 1, 1 << 20)
     if max_tokens is None:
-        max_tokens = room
-    elif max_tokens > room:
+        return room, key
+    if max_tokens > room:
         raise ApiError(
             400,
             f"This model's maximum context length is {gen.max_model_len} tokens. However, you "
-            f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the "
+            f"requested {prompt + max_tokens} tokens ({prompt} in the "
             f"prompt, {max_tokens} for the completion).",
             key,
         )
+    return max_tokens, key
+
+
+def _object(body: dict[str, Any], key: str) -> dict[str, Any]:
+    value = body.get(key) or {}
+    if not isinstance(value, dict):
+        raise ApiError(400, f"'{key}' must be an object", key)
+    return value
+
+
+def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(stream, include_usage)."""
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be a boolean", "stream")
+    return stream, bool(_object(body, "stream_options").get("include_usage", False))
+
+
+def _resume(ours: dict[str, Any], max_tokens: int, key: str) -> tuple[tuple[int, ...], bool]:
+    """The continuation: the token ids an earlier engine streamed, and whether
+    the stream's opening event went out."""
+    resume = ours.get("resume") or {}
+    ids = resume.get("token_ids", [])
+    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+        raise ApiError(400, f"'{FIELD}.resume.token_ids' must be token ids", FIELD)
+    if len(ids) > max_tokens:
+        raise ApiError(400, f"more resumed tokens than the {key} of {max_tokens}", FIELD)
+    return tuple(ids), bool(resume.get("started", bool(ids)))
+
+
+def parse(gen: Generator, body: Any, chat: bool) -> Request:
+    body = _body(gen, body)
+    prompt_ids = gen.encode_chat(_messages(body)) if chat else _prompt_ids(gen, body)
+    max_tokens, key = _max_tokens(gen, body, chat, len(prompt_ids))
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=_float(body, "temperature", 0.0, 2.0, 1.0),
         top_p=_float(body, "top_p", 1e-6, 1.0, 1.0),
         seed=_int(body, "seed", -(1 << 63), (1 << 63) - 1),
     )
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, "'stream' must be a boolean", "stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise ApiError(400, "'stream_options' must be an object", "stream_options")
-    ours = body.get("understudy") or {}
-    if not isinstance(ours, dict):
-        raise ApiError(400, "'understudy' must be an object", "understudy")
-    resume = ours.get("resume") or {}
-    ids = resume.get("token_ids", [])
-    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-        raise ApiError(400, "'understudy.resume.token_ids' must be token ids", "understudy")
-    if len(ids) > max_tokens:
-        raise ApiError(400, f"more resumed tokens than the {key} of {max_tokens}", "understudy")
+    stream, include_usage = _stream(body)
+    ours = _object(body, FIELD)
+    resume, started = _resume(ours, max_tokens, key)
     prefix = "chatcmpl" if chat else "cmpl"
     request_id = ours.get("request_id")
     created = ours.get("created")
@@ -206,11 +235,11 @@ def parse(gen: Generator, body: Any, chat: bool) -> Request:  # noqa: C901
         prompt_ids=prompt_ids,
         params=params,
         stream=stream,
-        include_usage=bool(options.get("include_usage", False)),
+        include_usage=include_usage,
         request_id=request_id if isinstance(request_id, str) else f"{prefix}-{uuid.uuid4().hex}",
         created=created if isinstance(created, int) else int(time.time()),
-        resume=tuple(ids),
-        started=bool(resume.get("started", bool(ids))),
+        resume=resume,
+        started=started,
     )
 
 
@@ -244,7 +273,7 @@ def _chunk(req: Request, gen: Generator, choice: dict[str, Any] | None, **extra:
 
 
 def _event(token_ids: Sequence[int], data: bytes) -> bytes:
-    return b": tokens=" + ",".join(map(str, token_ids)).encode() + b"\ndata: " + data + b"\n\n"
+    return TOKENS_PREFIX + ",".join(map(str, token_ids)).encode() + b"\ndata: " + data + b"\n\n"
 
 
 def _choice(req: Request, text: str | None, finish: str | None, first: bool) -> dict[str, Any]:

@@ -16,6 +16,7 @@ Three endpoints on the engine's status port (docs/pod.md):
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from understudy.engine_shim.fsm import Budgets, State
@@ -40,7 +41,68 @@ class Verdict:
 OK, FAIL = 200, 503
 
 
-def verdict(  # noqa: C901
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """What a verdict is judged on, besides the probe and the state."""
+
+    time_in_state: float
+    serving_healthy: bool
+    budgets: Budgets
+    serving_detail: str = ""
+
+
+Rule = Callable[[Seen], Verdict]
+
+
+def _always(status: int, reason: str) -> Rule:
+    return lambda seen: Verdict(status, reason)
+
+
+def _initialising(status: int) -> Rule:
+    return lambda seen: Verdict(status, f"initialising for {seen.time_in_state:.1f}s")
+
+
+def _live_while_waking(seen: Seen) -> Verdict:
+    """A wake that outlasts its timeout is hung: fail, so the container is replaced."""
+    t, limit = seen.time_in_state, seen.budgets.wake_s
+    if t > limit:
+        return Verdict(FAIL, f"waking for {t:.1f}s > {limit:g}s")
+    return Verdict(OK, f"waking for {t:.1f}s")
+
+
+def _serving(seen: Seen) -> Verdict:
+    if seen.serving_healthy:
+        return Verdict(OK, "active, serving")
+    return Verdict(FAIL, f"active, serving endpoint unhealthy: {seen.serving_detail}")
+
+
+def _draining(seen: Seen) -> Verdict:
+    return Verdict(OK, f"draining for {seen.time_in_state:.1f}s")
+
+
+def _started(state: State) -> Rule:
+    return _always(OK, f"started ({state.value})")
+
+
+# (probe, state) -> rule: the one place the verdicts are decided (module docstring).
+VERDICTS: dict[tuple[Probe, State], Rule] = {
+    (Probe.STARTUP, State.INIT): _initialising(FAIL),
+    **{(Probe.STARTUP, s): _started(s) for s in State if s not in (State.INIT, State.DEAD)},
+    (Probe.LIVE, State.INIT): _initialising(FAIL),
+    (Probe.LIVE, State.STANDBY): _always(OK, "standby"),
+    (Probe.LIVE, State.WAKING): _live_while_waking,
+    (Probe.LIVE, State.ACTIVE): _serving,
+    (Probe.LIVE, State.DRAINING): _draining,
+    (Probe.READY, State.INIT): _initialising(FAIL),
+    (Probe.READY, State.STANDBY): _always(OK, "standby"),
+    (Probe.READY, State.WAKING): _always(FAIL, "waking: not serving yet"),
+    (Probe.READY, State.ACTIVE): _serving,
+    (Probe.READY, State.DRAINING): _always(FAIL, "draining: takes no new requests"),
+    **{(p, State.DEAD): _always(FAIL, "dead") for p in Probe},
+}
+
+
+def verdict(
     probe: Probe,
     state: State,
     time_in_state: float,
@@ -48,29 +110,5 @@ def verdict(  # noqa: C901
     budgets: Budgets,
     serving_detail: str = "",
 ) -> Verdict:
-    match probe, state:
-        case (_, State.DEAD):
-            return Verdict(FAIL, "dead")
-        case (Probe.STARTUP, State.INIT):
-            return Verdict(FAIL, f"initialising for {time_in_state:.1f}s")
-        case (Probe.STARTUP, _):
-            return Verdict(OK, f"started ({state.value})")
-        case (Probe.LIVE, State.INIT) | (Probe.READY, State.INIT):
-            return Verdict(FAIL, f"initialising for {time_in_state:.1f}s")
-        case (Probe.LIVE, State.STANDBY) | (Probe.READY, State.STANDBY):
-            return Verdict(OK, "standby")
-        case (Probe.LIVE, State.WAKING):
-            if time_in_state > budgets.wake_s:
-                return Verdict(FAIL, f"waking for {time_in_state:.1f}s > {budgets.wake_s:g}s")
-            return Verdict(OK, f"waking for {time_in_state:.1f}s")
-        case (Probe.READY, State.WAKING):
-            return Verdict(FAIL, "waking: not serving yet")
-        case (Probe.LIVE, State.DRAINING):
-            return Verdict(OK, f"draining for {time_in_state:.1f}s")
-        case (Probe.READY, State.DRAINING):
-            return Verdict(FAIL, "draining: takes no new requests")
-        case (_, State.ACTIVE):
-            if serving_healthy:
-                return Verdict(OK, "active, serving")
-            return Verdict(FAIL, f"active, serving endpoint unhealthy: {serving_detail}")
-    raise AssertionError(f"unhandled probe {probe} in {state}")  # pragma: no cover
+    seen = Seen(time_in_state, serving_healthy, budgets, serving_detail)
+    return VERDICTS[(probe, state)](seen)

@@ -1,8 +1,9 @@
 """What a migrated request sends to the next engine, and how streamed events
 carry the token ids that make that possible (pure).
 
-The engine API's extension, one JSON field ``understudy`` in a completion
-request (the engines' side is ``understudy.engine_shim.openai_api``):
+The engine API's extension (the contract is ``understudy.wire.serving``;
+the engines' side is ``understudy.engine_shim.openai_api``), one JSON field
+``understudy`` in a completion request:
 
 - ``request_id`` and ``created``: set by the front on the first attempt and
   kept on every later one, so an answer or a stream from the next engine
@@ -23,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-FIELD = "understudy"
-TOKENS_PREFIX = b": tokens="
+from understudy.wire.serving import FIELD, TOKENS_PREFIX
+
 MAX_EVENT = 1 << 20  # an engine event larger than this is a protocol error
 
 

@@ -4,8 +4,11 @@ Two pure parts, both with time passed in:
 
 - the **routing machine** (``step``, one ``TRANSITIONS`` table): which engine
   is Active and under which epoch, from the lock's holder and the hang
-  detector. An epoch older than the newest seen is never routed to, so a
-  stale engine cannot take traffic even if it still answers;
+  detector. An event is first judged against the state (``kind``: an older
+  epoch, nobody to route to, a new route, ...); the table maps the phase and
+  that judgement to the handler and the one phase it leads to. An epoch
+  older than the newest seen is never routed to, so a stale engine cannot
+  take traffic even if it still answers;
 - the **request verdicts** (``verdict``): after one attempt to forward a
   request, whether to relay the answer, wait for the next Active engine,
   migrate (replay a request whole, or continue a stream where it stopped) or
@@ -18,7 +21,9 @@ what comes back; it makes no decision of its own.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any, assert_never
 
 from understudy.wire import machine
 
@@ -118,36 +123,81 @@ class InvalidTransition(machine.InvalidTransition):
     """An event the current phase does not accept (a bug in the shell)."""
 
 
+# ---------------------------------------------------------------- kinds ----
+
+
+class Kind(enum.Enum):
+    """What an event means for the routing, judged against the state by
+    :func:`kind`. The table's second key: an event's type alone does not say
+    where it leads (the same ``HolderSeen`` may start a route, end it or be
+    ignored), its meaning does, so each entry names the one phase it leads to."""
+
+    OLDER = "HolderSeen (older epoch)"  # never routed to: a newer epoch was seen
+    VACANT = "HolderSeen (nobody to route to)"  # released, or held by the condemned engine
+    GRANTED = "HolderSeen (new route)"  # an engine, or an epoch, not routed to yet
+    CURRENT = "HolderSeen (route taken)"  # the route the front already has
+    HUNG = "Hung (routed engine)"
+    HUNG_ELSEWHERE = "Hung (not routed)"  # the lock moved on already
+    SERVED = "Served (routed engine)"
+    SERVED_ELSEWHERE = "Served (earlier route)"  # an answer from before a handover
+
+
+def kind(s: FrontState, e: Event) -> Kind:
+    """Judge an event against the state (pure; the table does the rest)."""
+    match e:
+        case HolderSeen(holder=holder, epoch=epoch):
+            if epoch < s.newest_epoch:
+                return Kind.OLDER
+            if holder is None or holder == s.condemned:
+                return Kind.VACANT
+            return Kind.CURRENT if s.route == Route(holder, epoch) else Kind.GRANTED
+        case Hung(engine_id=engine_id):
+            return Kind.HUNG if _routed(s, engine_id) else Kind.HUNG_ELSEWHERE
+        case Served(engine_id=engine_id):
+            return Kind.SERVED if _routed(s, engine_id) else Kind.SERVED_ELSEWHERE
+        case _:
+            assert_never(e)
+
+
+def _routed(s: FrontState, engine_id: str) -> bool:
+    return s.route is not None and s.route.engine_id == engine_id
+
+
 # ------------------------------------------------------------- handlers ----
 
 Result = tuple[FrontState, list[Action]]
 
 
-def _holder_seen(s: FrontState, e: HolderSeen, now: float) -> Result:
-    if e.epoch < s.newest_epoch:
-        return s, [IgnoredStale(e.holder, e.epoch, s.newest_epoch)]
-    s = replace(s, newest_epoch=e.epoch)
-    if e.holder is None or e.holder == s.condemned:
-        if s.route is None:
-            return s, []
-        lost = s.lost_at if s.lost_at is not None else now
-        return replace(s, phase=Phase.WAITING, route=None, lost_at=lost), [Unroute("released")]
+def _older(s: FrontState, e: HolderSeen, now: float) -> Result:
+    return s, [IgnoredStale(e.holder, e.epoch, s.newest_epoch)]
+
+
+def _vacant(s: FrontState, e: HolderSeen, now: float) -> Result:
+    """Nobody the front may route to holds the lock, and it routes nowhere."""
+    return replace(s, newest_epoch=e.epoch), []
+
+
+def _released(s: FrontState, e: HolderSeen, now: float) -> Result:
+    """The routed engine let go (it died), or the lock names the condemned one."""
+    lost = s.lost_at if s.lost_at is not None else now
+    new = replace(s, phase=Phase.WAITING, route=None, newest_epoch=e.epoch, lost_at=lost)
+    return new, [Unroute("released")]
+
+
+def _granted(s: FrontState, e: HolderSeen, now: float) -> Result:
+    assert e.holder is not None  # kind() made it GRANTED
     route = Route(e.holder, e.epoch)
-    if s.route == route:
-        return s, []
     # Same engine, new epoch (a restarted lock server re-granted it): no failover.
-    same_engine = s.route is not None and s.route.engine_id == e.holder
+    same_engine = _routed(s, e.holder)
     handover = s.route is not None and not same_engine
     lost_at = s.lost_at
     if handover and lost_at is None:
         lost_at = now  # a direct handover: the old engine died and a waiter got it at once
-    new = replace(s, phase=Phase.ROUTING, route=route, lost_at=lost_at)
+    new = replace(s, phase=Phase.ROUTING, route=route, newest_epoch=e.epoch, lost_at=lost_at)
     return new, [RouteTo(route, handover=handover or lost_at is not None)]
 
 
 def _hung(s: FrontState, e: Hung, now: float) -> Result:
-    if s.route is None or s.route.engine_id != e.engine_id:
-        return s, []  # not the engine we route to: the lock moved on already
     lost = s.lost_at if s.lost_at is not None else now - e.silent_s
     new = replace(s, phase=Phase.WAITING, route=None, lost_at=lost, condemned=e.engine_id)
     return new, [
@@ -157,8 +207,8 @@ def _hung(s: FrontState, e: Hung, now: float) -> Result:
 
 
 def _served(s: FrontState, e: Served, now: float) -> Result:
-    if s.lost_at is None or s.route is None or s.route.engine_id != e.engine_id:
-        return s, []
+    if s.lost_at is None:
+        return s, []  # no gap open: an answer like any other
     return replace(s, lost_at=None), [GapEnded(max(0.0, now - s.lost_at))]
 
 
@@ -166,16 +216,31 @@ def _ignore(s: FrontState, e: Event, now: float) -> Result:
     return s, []
 
 
-_ANY = frozenset(Phase)
 W, R = Phase.WAITING, Phase.ROUTING
+K = Kind
+Entry = machine.Entry[FrontState, Action, Phase]
 
-TRANSITIONS: dict[tuple[Phase, type], machine.Entry[FrontState, Action, Phase]] = {
-    (W, HolderSeen): machine.Entry(_holder_seen, _ANY),
-    (R, HolderSeen): machine.Entry(_holder_seen, _ANY),
-    (W, Hung): machine.Entry(_ignore, frozenset({W})),
-    (R, Hung): machine.Entry(_hung, _ANY),
-    (W, Served): machine.Entry(_ignore, frozenset({W})),
-    (R, Served): machine.Entry(_served, frozenset({R})),
+
+def _to(handler: Callable[[FrontState, Any, float], Result], phase: Phase) -> Entry:
+    return machine.Entry(handler, frozenset({phase}))
+
+
+# (phase, kind) -> (handler, the phase it leads to). A pair that is missing
+# (say, the routed engine hung while nothing is routed) cannot be judged so.
+TRANSITIONS: dict[tuple[Phase, Kind], Entry] = {
+    (W, K.OLDER): _to(_older, W),
+    (R, K.OLDER): _to(_older, R),
+    (W, K.VACANT): _to(_vacant, W),
+    (R, K.VACANT): _to(_released, W),
+    (W, K.GRANTED): _to(_granted, R),
+    (R, K.GRANTED): _to(_granted, R),
+    (R, K.CURRENT): _to(_ignore, R),
+    (R, K.HUNG): _to(_hung, W),
+    (W, K.HUNG_ELSEWHERE): _to(_ignore, W),
+    (R, K.HUNG_ELSEWHERE): _to(_ignore, R),
+    (R, K.SERVED): _to(_served, R),
+    (W, K.SERVED_ELSEWHERE): _to(_ignore, W),
+    (R, K.SERVED_ELSEWHERE): _to(_ignore, R),
 }
 
 
@@ -185,7 +250,10 @@ def _phase(s: FrontState, e: object) -> Phase:
 
 def step(s: FrontState, event: Event, now: float) -> Result:
     """Apply one event. Raises InvalidTransition (state unchanged) on a miss."""
-    return machine.run_step(TRANSITIONS, _phase, s, event, now, error=InvalidTransition)
+    judged = kind(s, event)
+    return machine.run_step(
+        TRANSITIONS, _phase, s, event, now, kind_of=lambda _: judged, error=InvalidTransition
+    )
 
 
 def ready(s: FrontState, now: float, hold_s: float) -> bool:

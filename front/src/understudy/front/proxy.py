@@ -44,8 +44,9 @@ from understudy.front.config import FrontConfig
 from understudy.front.metrics import FrontMetrics
 from understudy.lockserver import Address, LockError, watch
 from understudy.wire import heap
+from understudy.wire.heartbeat import read_beat
 from understudy.wire.obs import log_event
-from understudy.wire.serving import heartbeat_path, read_beat, serving_socket
+from understudy.wire.serving import heartbeat_path, serving_socket
 
 log = logging.getLogger("understudy.front")
 
@@ -342,15 +343,14 @@ class Front:
         # 499): it was the client's doing.
         self._codes[f"{ex.status // 100}xx" if ex.status else "4xx"].inc()
 
-    async def _serve(self, req: fw.Request, ex: downstream.Exchange, sent: _Sent | None) -> None:  # noqa: C901
+    async def _serve(self, req: fw.Request, ex: downstream.Exchange, sent: _Sent | None) -> None:
         """Serve a request through holds and migrations; ``sent``: an attempt
         already under way (the fast path's), to conclude first."""
         deadline = self._now() + self.cfg.hold_s
         while True:
             first = None
             if sent is not None:
-                route, first = sent
-                sent = None
+                (route, first), sent = sent, None
             else:
                 held = await self._hold(deadline)
                 if held is None:
@@ -370,42 +370,52 @@ class Front:
                         fw.relay(ex, *answer)
                     return None
                 case fsm.Verdict.WAIT:
-                    refused = outcome is fsm.Outcome.NOT_ACTIVE
-                    if not refused:
-                        self._watch_socket(route, deadline)
-                    patience = _REFUSED_RETRY_S if refused else _RETRY_S
-                    await self._await_change(route, deadline, patience)
+                    await self._wait(route, outcome, deadline)
                 case fsm.Verdict.MIGRATE_NEW | fsm.Verdict.MIGRATE_ONGOING:
-                    req.migrations += 1
-                    self.metrics.migrations.labels(kind=v.value).inc()
-                    log_event(
-                        log, "migrating", kind=v.value, path=req.path,
-                        tokens=len(req.token_ids), migrations=req.migrations,
-                        from_engine=route.engine_id,
-                    )  # fmt: skip
-                    # Each failover gets its own hold.
-                    deadline = self._now() + self.cfg.hold_s
-                    await self._await_change(route, deadline, _MIGRATE_RETRY_S)
-                case fsm.Verdict.FAIL if outcome is fsm.Outcome.REJECTED:
-                    self.metrics.migrations_failed.labels(reason="rejected").inc()
-                    return self._give_up(
-                        req,
-                        ex,
-                        502,
-                        f"the next engine refused to continue the stream: {req.rejection}",
-                    )
+                    deadline = await self._migrate(req, route, v)
                 case fsm.Verdict.FAIL:
-                    reason = "limit" if req.migrations >= self.policy.migration_limit else "state"
-                    self.metrics.migrations_failed.labels(reason=reason).inc()
-                    return self._give_up(
-                        req,
-                        ex,
-                        503,
-                        f"the engine serving this request died {req.migrations + 1} times; "
-                        f"migration limit is {self.policy.migration_limit}",
-                    )
+                    return self._fail(req, ex, outcome)
                 case _:
                     assert_never(v)
+
+    async def _wait(self, route: fsm.Route, outcome: fsm.Outcome, deadline: float) -> None:
+        """The request never ran: wait for the engine to take it, or for the
+        lock to name another."""
+        refused = outcome is fsm.Outcome.NOT_ACTIVE
+        if not refused:
+            self._watch_socket(route, deadline)
+        patience = _REFUSED_RETRY_S if refused else _RETRY_S
+        await self._await_change(route, deadline, patience)
+
+    async def _migrate(self, req: fw.Request, route: fsm.Route, v: fsm.Verdict) -> float:
+        """The engine died under the request: count the move, wait for the
+        next route; returns the new deadline (each failover gets its own hold)."""
+        req.migrations += 1
+        self.metrics.migrations.labels(kind=v.value).inc()
+        log_event(
+            log, "migrating", kind=v.value, path=req.path,
+            tokens=len(req.token_ids), migrations=req.migrations,
+            from_engine=route.engine_id,
+        )  # fmt: skip
+        deadline = self._now() + self.cfg.hold_s
+        await self._await_change(route, deadline, _MIGRATE_RETRY_S)
+        return deadline
+
+    def _fail(self, req: fw.Request, ex: downstream.Exchange, outcome: fsm.Outcome) -> None:
+        if outcome is fsm.Outcome.REJECTED:
+            self.metrics.migrations_failed.labels(reason="rejected").inc()
+            return self._give_up(
+                req, ex, 502, f"the next engine refused to continue the stream: {req.rejection}"
+            )
+        reason = "limit" if req.migrations >= self.policy.migration_limit else "state"
+        self.metrics.migrations_failed.labels(reason=reason).inc()
+        return self._give_up(
+            req,
+            ex,
+            503,
+            f"the engine serving this request died {req.migrations + 1} times; "
+            f"migration limit is {self.policy.migration_limit}",
+        )
 
     def _give_up(self, req: fw.Request, ex: downstream.Exchange, status: int, message: str) -> None:
         log_event(log, "gave_up", logging.ERROR, path=req.path, status=status, reason=message)
@@ -419,36 +429,18 @@ class Front:
             return
         ex.error(status, message, retry_after=1)
 
-    async def _attempt(  # noqa: C901
+    async def _attempt(
         self,
         req: fw.Request,
         route: fsm.Route,
         ex: downstream.Exchange,
         sent: upstream.Response | None = None,
     ) -> tuple[fsm.Outcome, _Answer | None]:
+        """One attempt at ``route``: its outcome, and the answer to relay."""
         up = self._upstream(route.engine_id)
-        headers = fw.headers_for(req, route)
-        data = fw.payload(req)
-        try:
-            if sent is not None:
-                r = await sent.head()
-            else:
-                r = await up.request(req.method, req.target, headers, data)
-        except upstream.Stale as stale:
-            # A kept-alive connection died before any answer: either it died
-            # idle, or its engine died with the request in it. A new
-            # connection tells which: it reaches the engine, or finds none
-            # (then the request may have run there: a migration).
-            try:
-                r = await up.request(req.method, req.target, headers, data)
-            except upstream.Unreachable:
-                return self._broken(req, route, stale)
-            except upstream.UpstreamError as exc:
-                return self._broken(req, route, exc)
-        except upstream.Unreachable:
-            return fsm.Outcome.UNREACHABLE, None
-        except upstream.UpstreamError as exc:
-            return self._broken(req, route, exc)
+        r = await self._head(req, route, up, sent)
+        if isinstance(r, fsm.Outcome):
+            return r, None
         try:
             if fw.not_active(r):
                 await r.read()
@@ -464,19 +456,48 @@ class Front:
                 return fsm.Outcome.REJECTED, None
             return fsm.Outcome.ANSWERED, (r, payload)
         except (upstream.UpstreamError, continuation.StreamError) as exc:
-            return self._broken(req, route, exc)
+            return self._broken(req, route, exc), None
         finally:
             r.close()
 
-    def _broken(
-        self, req: fw.Request, route: fsm.Route, exc: Exception
-    ) -> tuple[fsm.Outcome, _Answer | None]:
+    async def _head(
+        self,
+        req: fw.Request,
+        route: fsm.Route,
+        up: upstream.Upstream,
+        sent: upstream.Response | None,
+    ) -> upstream.Response | fsm.Outcome:
+        """Send the request (or take the one ``sent``) and read the answer's
+        head; an outcome instead when there is none."""
+        headers = fw.headers_for(req, route)
+        data = fw.payload(req)
+        try:
+            if sent is not None:
+                return await sent.head()
+            return await up.request(req.method, req.target, headers, data)
+        except upstream.Stale as stale:
+            # A kept-alive connection died before any answer: either it died
+            # idle, or its engine died with the request in it. A new
+            # connection tells which: it reaches the engine, or finds none
+            # (then the request may have run there: a migration).
+            try:
+                return await up.request(req.method, req.target, headers, data)
+            except upstream.Unreachable:
+                return self._broken(req, route, stale)
+            except upstream.UpstreamError as exc:
+                return self._broken(req, route, exc)
+        except upstream.Unreachable:
+            return fsm.Outcome.UNREACHABLE
+        except upstream.UpstreamError as exc:
+            return self._broken(req, route, exc)
+
+    def _broken(self, req: fw.Request, route: fsm.Route, exc: Exception) -> fsm.Outcome:
         log_event(
             log, "attempt_broken", logging.WARNING, engine=route.engine_id,
             error=type(exc).__name__, detail=str(exc)[:200], relayed=req.relayed,
             path=req.path,
         )  # fmt: skip
-        return fsm.Outcome.BROKEN, None
+        return fsm.Outcome.BROKEN
 
     async def _relay_stream(
         self, req: fw.Request, r: upstream.Response, ex: downstream.Exchange

@@ -29,6 +29,7 @@ import bisect
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any, Generic, TypeVar
 
 from understudy.gms import messages as m
 from understudy.gms.layout import (
@@ -209,10 +210,16 @@ class Disconnected:
     sid: int
 
 
+RequestT_co = TypeVar("RequestT_co", covariant=True)
+
+
 @dataclass(frozen=True, slots=True)
-class Received:
+class Received(Generic[RequestT_co]):
+    """A request from session ``sid``; the table's kind is the request's class,
+    so each handler is typed by the one request it takes."""
+
     sid: int
-    request: m.Request
+    request: RequestT_co
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,7 +238,7 @@ class CreateFailed:
     reason: str
 
 
-Event = Connected | Disconnected | Received | Expire | CreateFailed
+Event = Connected | Disconnected | Received[m.Request] | Expire | CreateFailed
 
 # --- actions ------------------------------------------------------------------
 
@@ -353,15 +360,22 @@ def _reevaluate(state: GmsState, now: float) -> Result:
     return state, actions
 
 
-def _connect(state: GmsState, ev: Event, now: float) -> Result:
-    assert isinstance(ev, Connected)
+def _live(state: GmsState, sid: int) -> Session:
+    """The session an event names. The table only routes an event here when
+    its session's phase is a live one, so a miss is a bug in this module."""
+    s = state.session(sid)
+    if s is None:
+        raise InvalidTransition(f"session {sid} is not connected")
+    return s
+
+
+def _connect(state: GmsState, ev: Connected, now: float) -> Result:
     new = replace(state, sessions=(*state.sessions, Session(ev.sid, Phase.PENDING)))
     return new, [Transition("connect", ev.sid)]
 
 
-def _disconnect(state: GmsState, ev: Event, now: float) -> Result:
-    s = state.session(ev.sid)
-    assert s is not None
+def _disconnect(state: GmsState, ev: Disconnected, now: float) -> Result:
+    s = _live(state, ev.sid)
     actions: list[Action] = [Transition("disconnect", ev.sid, detail=s.phase.value)]
     state = _drop(state, ev.sid)
     if s.phase is Phase.RW:
@@ -374,10 +388,8 @@ def _disconnect(state: GmsState, ev: Event, now: float) -> Result:
     return state, actions + more
 
 
-def _hello(state: GmsState, ev: Event, now: float) -> Result:
-    assert isinstance(ev, Received) and isinstance(ev.request, m.Hello)
-    s = state.session(ev.sid)
-    assert s is not None
+def _hello(state: GmsState, ev: Received[m.Hello], now: float) -> Result:
+    s = _live(state, ev.sid)
     mode = ev.request.mode
     epoch = ev.request.epoch
     if epoch is not None:
@@ -401,9 +413,8 @@ def _hello(state: GmsState, ev: Event, now: float) -> Result:
     ]
 
 
-def _expire(state: GmsState, ev: Event, now: float) -> Result:
-    s = state.session(ev.sid)
-    assert s is not None
+def _expire(state: GmsState, ev: Expire, now: float) -> Result:
+    s = _live(state, ev.sid)
     if s.phase is not Phase.WAITING or s.deadline is None or now < s.deadline:
         if s.phase is Phase.WAITING and s.deadline is not None:
             return state, [ArmTimer(s.sid, s.deadline)]  # fired early: re-arm
@@ -423,16 +434,14 @@ def _expire(state: GmsState, ev: Event, now: float) -> Result:
     ]
 
 
-def _allocate(state: GmsState, ev: Event, now: float) -> Result:
-    assert isinstance(ev, Received) and isinstance(ev.request, m.Allocate)
+def _allocate(state: GmsState, ev: Received[m.Allocate], now: float) -> Result:
     size = align_up(ev.request.size, state.info.granularity)
     record = AllocationRecord(state.next_id, size, ev.request.size, ev.request.tag)
     state = replace(state, allocations=(*state.allocations, record), next_id=state.next_id + 1)
     return state, [CreateMemory(ev.sid, record)]
 
 
-def _create_failed(state: GmsState, ev: Event, now: float) -> Result:
-    assert isinstance(ev, CreateFailed)
+def _create_failed(state: GmsState, ev: CreateFailed, now: float) -> Result:
     if not any(a.id == ev.id for a in state.allocations):
         raise InvalidTransition(f"create failed for unknown allocation {ev.id}")
     state = replace(state, allocations=tuple(a for a in state.allocations if a.id != ev.id))
@@ -455,33 +464,29 @@ def _alloc_id(a: AllocationRecord) -> int:
     return a.id
 
 
-def _export(state: GmsState, ev: Event, now: float) -> Result:
-    assert isinstance(ev, Received) and isinstance(ev.request, m.Export)
+def _export(state: GmsState, ev: Received[m.Export], now: float) -> Result:
     writable = state.phase(ev.sid) is Phase.RW
     return state, [SendExport(ev.sid, _find(state, ev.request.id), writable)]
 
 
-def _export_many(state: GmsState, ev: Event, now: float) -> Result:
-    assert isinstance(ev, Received) and isinstance(ev.request, m.ExportMany)
+def _export_many(state: GmsState, ev: Received[m.ExportMany], now: float) -> Result:
     writable = state.phase(ev.sid) is Phase.RW
     records = [_find(state, i) for i in ev.request.ids]  # all or nothing
     return state, [SendExport(ev.sid, r, writable) for r in records]
 
 
-def _list_allocations(state: GmsState, ev: Event, now: float) -> Result:
+def _list_allocations(state: GmsState, ev: Received[m.ListAllocations], now: float) -> Result:
     infos = tuple(allocation_info(a) for a in state.allocations)
     return state, [Reply(ev.sid, m.Allocations(allocations=infos))]
 
 
-def _put_metadata(state: GmsState, ev: Event, now: float) -> Result:
-    assert isinstance(ev, Received) and isinstance(ev.request, m.PutMetadata)
+def _put_metadata(state: GmsState, ev: Received[m.PutMetadata], now: float) -> Result:
     req = ev.request
     state = replace(state, metadata=put_metadata(state.metadata, req.key, req.value))
     return state, [Reply(ev.sid, m.Ok())]
 
 
-def _get_metadata(state: GmsState, ev: Event, now: float) -> Result:
-    assert isinstance(ev, Received) and isinstance(ev.request, m.GetMetadata)
+def _get_metadata(state: GmsState, ev: Received[m.GetMetadata], now: float) -> Result:
     key = ev.request.key
     for rec in state.metadata:
         if rec.key == key:
@@ -491,14 +496,13 @@ def _get_metadata(state: GmsState, ev: Event, now: float) -> Result:
     raise Refused(ErrorCode.NOT_FOUND, f"no metadata key {key!r}")
 
 
-def _list_metadata(state: GmsState, ev: Event, now: float) -> Result:
+def _list_metadata(state: GmsState, ev: Received[m.ListMetadata], now: float) -> Result:
     items = metadata_dict(state.metadata)
     return state, [Reply(ev.sid, m.MetadataList.model_validate({"items": items}))]
 
 
-def _commit(state: GmsState, ev: Event, now: float) -> Result:
-    s = state.session(ev.sid)
-    assert s is not None
+def _commit(state: GmsState, ev: Received[m.Commit], now: float) -> Result:
+    s = _live(state, ev.sid)
     digest = layout_hash(state.allocations, state.metadata)
     state = replace(state, committed=True, layout_hash=digest)
     state = _set(state, replace(s, phase=Phase.RO))  # the RW session ends; reads go on
@@ -512,13 +516,13 @@ def _commit(state: GmsState, ev: Event, now: float) -> Result:
     return state, actions + more
 
 
-def _get_layout_hash(state: GmsState, ev: Event, now: float) -> Result:
+def _get_layout_hash(state: GmsState, ev: Received[m.GetLayoutHash], now: float) -> Result:
     return state, [
         Reply(ev.sid, m.LayoutHash(committed=state.committed, layout_hash=state.layout_hash))
     ]
 
 
-def _get_state(state: GmsState, ev: Event, now: float) -> Result:
+def _get_state(state: GmsState, ev: Received[m.GetState], now: float) -> Result:
     return state, [Reply(ev.sid, report(state))]
 
 
@@ -530,7 +534,7 @@ _GRANTED = (P.RW, P.RO)
 
 
 def _stays(
-    handler: Callable[[GmsState, Event, float], Result], p: Phase
+    handler: Callable[[GmsState, Any, float], Result], p: Phase
 ) -> Entry[GmsState, Action, Phase]:
     """An entry whose handler leaves the session in the phase it was in."""
     return Entry(handler, frozenset({p}))
@@ -560,21 +564,6 @@ TRANSITIONS: dict[tuple[Phase, Kind], Entry[GmsState, Action, Phase]] = {
     **{(p, m.GetLayoutHash): _stays(_get_layout_hash, p) for p in _GRANTED},
     **{(p, m.GetState): _stays(_get_state, p) for p in _GRANTED},
 }
-
-EVENT_KINDS: tuple[Kind, ...] = (Connected, Disconnected, Expire, CreateFailed)
-REQUEST_KINDS: tuple[Kind, ...] = (
-    m.Hello,
-    m.Allocate,
-    m.Export,
-    m.ExportMany,
-    m.ListAllocations,
-    m.PutMetadata,
-    m.GetMetadata,
-    m.ListMetadata,
-    m.Commit,
-    m.GetLayoutHash,
-    m.GetState,
-)
 
 
 def kind_of(event: Event) -> Kind:

@@ -42,6 +42,7 @@ from understudy.gms import messages as m
 from understudy.gms.backends import ServerBackend, make_server_backend
 from understudy.gms.config import ServerConfig
 from understudy.gms.health import DeviceMonitor
+from understudy.gms.layout import AllocationRecord
 from understudy.wire.framing import encode
 from understudy.wire.obs import log_event, start_metrics_server
 from understudy.wire.uds import bind_unix, peer_credentials, sock_send_frame
@@ -274,51 +275,64 @@ class GmsServer:
         if self.machine.state is not before:  # reads (export, list, get) change nothing
             self._update_metrics()
 
-    def _execute(self, actions: list[fsm.Action]) -> None:  # noqa: C901, PLR0912
+    def _execute(self, actions: list[fsm.Action]) -> None:
         for action in actions:
             match action:
                 case fsm.Reply(sid, message):
-                    conn = self._conns.get(sid)
-                    if conn is not None:
-                        if isinstance(message, m.StateReport) and self._monitor is not None:
-                            message = message.model_copy(update={"gpu": self._device_report()})
-                        self._send(conn, message)
+                    self._reply(sid, message)
                 case fsm.CreateMemory(sid, record):
-                    try:
-                        self.backend.create(record.id, record.size)
-                    except Exception as exc:
-                        reason = f"{self.backend.name} could not allocate {record.size}: {exc}"
-                        self._feed(fsm.CreateFailed(sid, record.id, reason))
-                        continue
-                    log_event(
-                        log, "allocate", logging.DEBUG, sid=sid, id=record.id, size=record.size
-                    )
-                    conn = self._conns.get(sid)
-                    if conn is not None:
-                        self._send(conn, m.Allocated(allocation=fsm.allocation_info(record)))
+                    self._create(sid, record)
                 case fsm.SendExport(sid, record, writable):
-                    conn = self._conns.get(sid)
-                    if conn is None:
-                        continue
-                    try:
-                        fd = self.backend.export(record.id, writable)
-                    except Exception as exc:
-                        self._send(conn, m.ErrorReply(code=m.ErrorCode.NO_MEMORY, message=str(exc)))
-                        continue
-                    self._send(conn, m.Exported(allocation=fsm.allocation_info(record)), fd)
+                    self._send_export(sid, record, writable)
                 case fsm.ReleaseMemory(ids):
                     for alloc_id in ids:
                         self.backend.release(alloc_id)
                 case fsm.ArmTimer(sid, deadline):
-                    conn = self._conns.get(sid)
-                    if conn is not None:
-                        if conn.timer is not None:
-                            conn.timer.cancel()
-                        conn.timer = asyncio.get_running_loop().call_at(deadline, self._expire, sid)
+                    self._arm(sid, deadline)
                 case fsm.Transition():
                     self._observe(action)
                 case _:
                     assert_never(action)
+
+    def _reply(self, sid: int, message: m.Reply) -> None:
+        conn = self._conns.get(sid)
+        if conn is None:
+            return
+        if isinstance(message, m.StateReport) and self._monitor is not None:
+            message = message.model_copy(update={"gpu": self._device_report()})
+        self._send(conn, message)
+
+    def _create(self, sid: int, record: AllocationRecord) -> None:
+        """Create the memory the core recorded; a failure goes back to the core."""
+        try:
+            self.backend.create(record.id, record.size)
+        except Exception as exc:
+            reason = f"{self.backend.name} could not allocate {record.size}: {exc}"
+            self._feed(fsm.CreateFailed(sid, record.id, reason))
+            return
+        log_event(log, "allocate", logging.DEBUG, sid=sid, id=record.id, size=record.size)
+        conn = self._conns.get(sid)
+        if conn is not None:
+            self._send(conn, m.Allocated(allocation=fsm.allocation_info(record)))
+
+    def _send_export(self, sid: int, record: AllocationRecord, writable: bool) -> None:
+        conn = self._conns.get(sid)
+        if conn is None:
+            return
+        try:
+            fd = self.backend.export(record.id, writable)
+        except Exception as exc:
+            self._send(conn, m.ErrorReply(code=m.ErrorCode.NO_MEMORY, message=str(exc)))
+            return
+        self._send(conn, m.Exported(allocation=fsm.allocation_info(record)), fd)
+
+    def _arm(self, sid: int, deadline: float) -> None:
+        conn = self._conns.get(sid)
+        if conn is None:
+            return
+        if conn.timer is not None:
+            conn.timer.cancel()
+        conn.timer = asyncio.get_running_loop().call_at(deadline, self._expire, sid)
 
     def _expire(self, sid: int) -> None:
         if sid in self._conns:

@@ -71,7 +71,38 @@ def _signal_all(children: dict[int, int], sig: int) -> None:
             os.kill(pid, sig)
 
 
-def run(config: SupervisorConfig) -> int:  # noqa: C901
+def _start_children(
+    config: SupervisorConfig, env: dict[str, str], children: dict[int, int]
+) -> None:
+    for device in config.devices:
+        proc = subprocess.Popen(child_command(config, device), env=env)
+        children[proc.pid] = device
+        log_event(log, "child_started", device=device, pid=proc.pid)
+
+
+def _first_exit(children: dict[int, int], stopping: bool) -> int:
+    """wait -n: the first child to exit ends the container; returns its code."""
+    pid, status = os.waitpid(-1, 0)
+    device = children.pop(pid, -1)
+    code = os.waitstatus_to_exitcode(status)
+    if stopping:
+        log_event(log, "child_exited", device=device, pid=pid, code=code)
+    else:
+        log_event(log, "child_died", logging.ERROR, device=device, pid=pid, code=code)
+    return code
+
+
+def _stop_the_rest(children: dict[int, int], grace_s: float) -> None:
+    """SIGTERM, then SIGKILL for those still there after ``grace_s``."""
+    _signal_all(children, signal.SIGTERM)
+    _reap(children, time.monotonic() + grace_s)
+    if children:
+        log_event(log, "child_kill", logging.WARNING, pids=",".join(map(str, children)))
+        _signal_all(children, signal.SIGKILL)
+        _reap(children, time.monotonic() + grace_s)
+
+
+def run(config: SupervisorConfig) -> int:
     prepare_socket_dir(config.socket_dir)
     env = dict(os.environ)
     mp_dir: str | None = None
@@ -89,30 +120,14 @@ def run(config: SupervisorConfig) -> int:  # noqa: C901
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        for device in config.devices:
-            proc = subprocess.Popen(child_command(config, device), env=env)
-            children[proc.pid] = device
-            log_event(log, "child_started", device=device, pid=proc.pid)
+        _start_children(config, env, children)
         if mp_dir is not None and config.metrics_port is not None:
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = mp_dir
             from understudy.gms import metrics
 
             metrics.serve_multiprocess(config.metrics_port)
-        # wait -n: the first child to exit ends the container.
-        pid, status = os.waitpid(-1, 0)
-        device = children.pop(pid, -1)
-        code = os.waitstatus_to_exitcode(status)
-        if stopping:
-            log_event(log, "child_exited", device=device, pid=pid, code=code)
-        else:
-            log_event(log, "child_died", logging.ERROR, device=device, pid=pid, code=code)
-        if not stopping:
-            _signal_all(children, signal.SIGTERM)
-        _reap(children, time.monotonic() + config.grace_s)
-        if children:
-            log_event(log, "child_kill", logging.WARNING, pids=",".join(map(str, children)))
-            _signal_all(children, signal.SIGKILL)
-            _reap(children, time.monotonic() + config.grace_s)
+        code = _first_exit(children, stopping)
+        _stop_the_rest(children, config.grace_s)
         if stopping:
             return 0
         return code if code > 0 else 1

@@ -13,7 +13,13 @@ Semantics:
   across restarts (the epoch is persisted, and a corrupt state file restarts
   the count above any counter-based epoch);
 - on restart with a persisted holder a reconnect window opens; only that holder
-  can be granted during it (with its old epoch); afterwards the lock is free;
+  can be granted during it (with its old epoch); afterwards the lock is free.
+  The window ends early when the holder is seen gone (its heartbeat);
+- on restart without a record (no state file, or no whole copy of it) the
+  holder is unknown: the first engine that claims a grant is re-granted under
+  a new epoch, and everyone else waits until no engine in the pod holds an
+  epoch any more (when the shell can see every engine's heartbeat), or out
+  the window (when it cannot: clients over TCP);
 - a holder that lost its connection may ask for its grant back
   (``resume_epoch``); that succeeds only if nobody was granted since.
 """
@@ -105,6 +111,11 @@ class Restored:
     # exceeds any counter-based epoch and any epoch granted after an earlier
     # corruption unless grants outpaced one per microsecond.
     epoch_floor: int = 0
+    # The shell sees the heartbeat of every engine that could hold the lock
+    # (all clients are in the pod, none over TCP), so it can report
+    # HolderGone for an unknown holder too: then an unknown holder's window
+    # need not be guessed short or waited out long.
+    sees_claimants: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,16 +137,20 @@ class Disconnected:
 
 @dataclass(frozen=True, slots=True)
 class WindowExpired:
-    """The shell's window timer fired (possibly a hair early)."""
+    """The window's deadline passed. The shell feeds it from its timer, and
+    only once the deadline is due (a timer that fires early is armed again):
+    fed before the deadline, it is refused (``InvalidTransition``)."""
 
 
 @dataclass(frozen=True, slots=True)
 class HolderGone:
-    """During a reconnect window, the shell saw the persisted holder's process
-    gone (its heartbeat names a pid that no longer runs, or stopped moving):
-    it will never reclaim, so waiting out the window only delays the failover."""
+    """During a reconnect window, the shell saw the holder it waits for gone:
+    the persisted holder (``engine_id``), whose heartbeat names a pid that no
+    longer runs or stopped moving, or, for an unknown holder (``None``), every
+    engine in the pod that holds an epoch. It will never reclaim, so waiting
+    out the window only delays the failover."""
 
-    engine_id: str
+    engine_id: str | None
     reason: str
 
 
@@ -244,24 +259,24 @@ Result = tuple[LockState, list[Action]]
 
 
 def _restored(s: LockState, e: Restored, now: float) -> Result:
-    if e.corrupt:
+    if e.corrupt or e.record is None:
+        # No record: a new pod, a volume that lost it, or both copies damaged.
+        # Epochs restart above anything granted before (the floor), and a
+        # holder that comes back is re-granted rather than refused. The
+        # window gives it the first turn; it lasts until no engine in the pod
+        # holds an epoch (HolderGone(None): a new pod's engines hold none, so
+        # it costs a new pod nothing) when the shell can tell, else a guess:
+        # the whole window for a damaged record (a holder surely existed), a
+        # short one for none (most often a new pod, whose engines take longer
+        # than that to load their weights and ask).
         epoch = max(e.epoch_floor, s.epoch)
-        w = Window(holder=None, epoch=epoch, deadline=now + e.window_s)
+        seconds = e.window_s
+        if not e.corrupt and not e.sees_claimants:
+            seconds = min(e.window_s, NO_RECORD_WINDOW_S)
+        w = Window(holder=None, epoch=epoch, deadline=now + seconds)
         return (
             replace(s, phase=Phase.WINDOW, epoch=epoch, window=w, history_unknown=True),
-            [WindowOpened(None, epoch, w.deadline, corrupt=True)],
-        )
-    if e.record is None:
-        # No file: a new pod, or a volume that lost it. Either way epochs
-        # restart above anything granted before (the floor), and a holder that
-        # comes back is re-granted rather than refused. A short window gives it
-        # the first turn; a new pod's engines take longer than that to load
-        # their weights and ask, so it costs a new pod nothing.
-        epoch = max(e.epoch_floor, s.epoch)
-        w = Window(holder=None, epoch=epoch, deadline=now + min(e.window_s, NO_RECORD_WINDOW_S))
-        return (
-            replace(s, phase=Phase.WINDOW, epoch=epoch, window=w, history_unknown=True),
-            [WindowOpened(None, epoch, w.deadline, corrupt=False)],
+            [WindowOpened(None, epoch, w.deadline, corrupt=e.corrupt)],
         )
     if e.record.holder is None:
         return replace(s, phase=Phase.FREE, epoch=e.record.epoch), []
@@ -330,8 +345,13 @@ def _grant(s: LockState, w: Waiter, now: float) -> Result:
 
 
 def _holder_gone(s: LockState, e: HolderGone, now: float) -> Result:
-    if s.window is None or s.window.holder != e.engine_id:
-        return s, []
+    assert s.window is not None  # WINDOW always has one
+    if e.engine_id != s.window.holder:
+        raise InvalidTransition(
+            f"HolderGone for {e.engine_id}, but the window waits for {s.window.holder}",
+            s.phase,
+            HolderGone,
+        )
     new, actions = _release(s, now)
     return new, [WindowClosed("holder_gone"), *actions]
 
@@ -390,7 +410,7 @@ def _next_waiter(s: LockState) -> Waiter | None:
 
 def _release(s: LockState, now: float) -> Result:
     """The lock just became free (holder gone or window over): promote or clear."""
-    s = replace(s, holder=None, window=None)
+    s = replace(s, phase=Phase.FREE, holder=None, window=None)
     refused: list[Action] = []
     while (nxt := _next_waiter(s)) is not None:
         claim = _claim(s, nxt.engine_id, nxt.resume_epoch)
@@ -403,7 +423,7 @@ def _release(s: LockState, now: float) -> Result:
     return replace(s, phase=Phase.FREE), [*refused, Clear(s.epoch)]
 
 
-def _refused(e: AcquireRequested, claim: Reject | str | None, s: LockState) -> Reject | None:
+def _refused(e: AcquireRequested, claim: Reject | str | None) -> Reject | None:
     if isinstance(claim, Reject):
         return replace(claim, conn=e.conn)
     return None
@@ -412,7 +432,7 @@ def _refused(e: AcquireRequested, claim: Reject | str | None, s: LockState) -> R
 def _acquire_free(s: LockState, e: AcquireRequested, now: float) -> Result:
     if (why := _known(s, e.conn)) is not None:
         return s, [Reject(e.conn, "bad_request", f"this connection {why}")]
-    if (no := _refused(e, _claim(s, e.engine_id, e.resume_epoch), s)) is not None:
+    if (no := _refused(e, _claim(s, e.engine_id, e.resume_epoch))) is not None:
         return s, [no]
     w = Waiter(e.conn, e.engine_id, e.resume_epoch, now)
     if s.waiters:  # a grant is being retried after a failed write: queue up
@@ -423,7 +443,7 @@ def _acquire_free(s: LockState, e: AcquireRequested, now: float) -> Result:
 def _acquire_held(s: LockState, e: AcquireRequested, now: float) -> Result:
     if (why := _known(s, e.conn)) is not None:
         return s, [Reject(e.conn, "bad_request", f"this connection {why}")]
-    if (no := _refused(e, _claim(s, e.engine_id, e.resume_epoch), s)) is not None:
+    if (no := _refused(e, _claim(s, e.engine_id, e.resume_epoch))) is not None:
         return s, [no]
     w = Waiter(e.conn, e.engine_id, e.resume_epoch, now)
     return replace(s, waiters=(*s.waiters, w)), []
@@ -444,7 +464,7 @@ def _acquire_window(s: LockState, e: AcquireRequested, now: float) -> Result:
         w = replace(w, resume_epoch=s.window.epoch)
         new, actions = _grant(replace(s, waiters=(*s.waiters, w)), w, now)
         return new, [WindowClosed("reclaimed"), *actions]
-    if (no := _refused(e, claim, s)) is not None:
+    if (no := _refused(e, claim)) is not None:
         return s, [no]
     if claim == "reissue":
         # The record was lost: the first engine that says it held the lock is
@@ -470,9 +490,13 @@ def _disconnect_other(s: LockState, e: Disconnected, now: float) -> Result:
 
 
 def _window_timer(s: LockState, e: WindowExpired, now: float) -> Result:
-    assert s.window is not None
+    assert s.window is not None  # WINDOW always has one
     if now < s.window.deadline:
-        return s, []  # early wake-up of the shell's timer
+        raise InvalidTransition(
+            f"WindowExpired {s.window.deadline - now:.6f}s before the deadline",
+            s.phase,
+            WindowExpired,
+        )
     new, actions = _release(s, now)
     return new, [WindowClosed("expired"), *actions]
 
@@ -482,7 +506,10 @@ def _window_timer(s: LockState, e: WindowExpired, now: float) -> Result:
 P = Phase
 
 # (phase, event type) -> (handler, phases it may lead to). A miss is an
-# InvalidTransition: the shell fed an event this phase cannot take.
+# InvalidTransition: the shell fed an event this phase cannot take. A window
+# ends in HELD when someone waits for the lock (the first waiter is granted),
+# in FREE when nobody does. Timer events and holder reports that arrive after
+# the window closed are stale, and change nothing.
 TRANSITIONS: dict[tuple[Phase, type], Entry[LockState, Action, Phase]] = {
     (P.INIT, Restored): Entry(_restored, frozenset({P.FREE, P.WINDOW})),
     (P.INIT, Connected): Entry(_noop, frozenset({P.INIT})),
@@ -497,8 +524,8 @@ TRANSITIONS: dict[tuple[Phase, type], Entry[LockState, Action, Phase]] = {
     (P.WINDOW, Connected): Entry(_noop, frozenset({P.WINDOW})),
     (P.WINDOW, AcquireRequested): Entry(_acquire_window, frozenset({P.WINDOW, P.HELD})),
     (P.WINDOW, Disconnected): Entry(_disconnect_other, frozenset({P.WINDOW})),
-    (P.WINDOW, WindowExpired): Entry(_window_timer, frozenset({P.WINDOW, P.HELD, P.FREE})),
-    (P.WINDOW, HolderGone): Entry(_holder_gone, frozenset({P.WINDOW, P.HELD, P.FREE})),
+    (P.WINDOW, WindowExpired): Entry(_window_timer, frozenset({P.HELD, P.FREE})),
+    (P.WINDOW, HolderGone): Entry(_holder_gone, frozenset({P.HELD, P.FREE})),
     (P.FREE, HolderGone): Entry(_noop, frozenset({P.FREE})),
     (P.HELD, HolderGone): Entry(_noop, frozenset({P.HELD})),
     (P.HELD, Persisted): Entry(_persisted, frozenset({P.HELD})),

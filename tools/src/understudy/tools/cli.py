@@ -58,15 +58,15 @@ def _preflight(cfg: Any) -> str | None:
     return None
 
 
-def cmd_local_up(args: argparse.Namespace) -> int:  # noqa: C901
-    from understudy.tools.local import KeepsFailing, Supervisor, read_state, wait_serving
+def cmd_local_up(args: argparse.Namespace) -> int:
+    from understudy.tools.local import KeepsFailing, Supervisor, wait_serving
     from understudy.wire.obs import setup_logging
 
     if args.engine == "vllm" and not args.engine_python:
-        from understudy.engine_shim import python_env
+        from understudy.tools import checkout
 
         try:
-            args.engine_python = python_env.vllm_python()
+            args.engine_python = checkout.vllm_python()
         except (OSError, subprocess.CalledProcessError) as exc:
             print(f"understudy local up: no python with vLLM: {exc}", file=sys.stderr)
             return 2
@@ -78,45 +78,14 @@ def cmd_local_up(args: argparse.Namespace) -> int:  # noqa: C901
         print(f"understudy local up: {problem}", file=sys.stderr)
         return 2
     ports = [cfg.status_port + i for i in range(cfg.shadows + 1)]
-    with contextlib.suppress(FileNotFoundError):
-        state = read_state(cfg.dir)
-        if _alive(state["supervisor_pid"]):
-            print(
-                f"a local pod already runs in {cfg.dir} (pid {state['supervisor_pid']}); "
-                "`understudy local down` first",
-                file=sys.stderr,
-            )
-            return 1
+    if (running := _running_pod(cfg.dir)) is not None:
+        print(
+            f"a local pod already runs in {cfg.dir} (pid {running}); `understudy local down` first",
+            file=sys.stderr,
+        )
+        return 1
     if args.detach:
-        cfg.dir.mkdir(parents=True, exist_ok=True)
-        argv = [a for a in sys.argv[1:] if a != "--detach"]
-        if cfg.engine_python and "--engine-python" not in argv:
-            argv += ["--engine-python", cfg.engine_python]  # resolved once, here
-        with open(cfg.dir / "supervisor.log", "ab") as logf:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "understudy.cli", *argv],
-                stdout=logf,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        try:
-            serving = wait_serving(cfg.serve_port, ports, args.ready_timeout, cfg.dir)
-        except KeepsFailing as exc:
-            # Stop the pod: a crash loop left running only burns the CPU.
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGTERM)
-            proc.wait(30)
-            print(f"understudy local up: {exc}; the pod was stopped", file=sys.stderr)
-            return 1
-        if not serving:
-            print(
-                f"local pod not serving within {args.ready_timeout}s; logs in {cfg.dir}",
-                file=sys.stderr,
-            )
-            return 1 if proc.poll() is None else proc.returncode or 1
-        _print_where(cfg, proc.pid)
-        return 0
+        return _detach(cfg, args.ready_timeout, ports)
     setup_logging()
     sup = Supervisor(cfg)
 
@@ -129,6 +98,49 @@ def cmd_local_up(args: argparse.Namespace) -> int:  # noqa: C901
 
     threading.Thread(target=announce, daemon=True).start()
     sup.run_forever()
+    return 0
+
+
+def _running_pod(directory: Path) -> int | None:
+    """The supervisor pid of a local pod still running in ``directory``."""
+    from understudy.tools.local import read_state
+
+    with contextlib.suppress(FileNotFoundError):
+        pid: int = read_state(directory)["supervisor_pid"]
+        if _alive(pid):
+            return pid
+    return None
+
+
+def _detach(cfg: Any, ready_timeout: float, ports: list[int]) -> int:
+    """``local up --detach``: the pod in a new session; return once it serves."""
+    from understudy.tools.local import KeepsFailing, wait_serving
+
+    cfg.dir.mkdir(parents=True, exist_ok=True)
+    argv = [a for a in sys.argv[1:] if a != "--detach"]
+    if cfg.engine_python and "--engine-python" not in argv:
+        argv += ["--engine-python", cfg.engine_python]  # resolved once, here
+    with open(cfg.dir / "supervisor.log", "ab") as logf:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "understudy.cli", *argv],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    try:
+        serving = wait_serving(cfg.serve_port, ports, ready_timeout, cfg.dir)
+    except KeepsFailing as exc:
+        # Stop the pod: a crash loop left running only burns the CPU.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+        print(f"understudy local up: {exc}; the pod was stopped", file=sys.stderr)
+        return 1
+    if not serving:
+        print(f"local pod not serving within {ready_timeout}s; logs in {cfg.dir}", file=sys.stderr)
+        return 1 if proc.poll() is None else proc.returncode or 1
+    _print_where(cfg, proc.pid)
     return 0
 
 
@@ -196,38 +208,40 @@ def cmd_local_down(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_drill(args: argparse.Namespace) -> int:  # noqa: C901, PLR0912, PLR0915
-    from understudy.tools import drill as drill_mod
-
+def _drill_usage_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with a drill's command line, before anything runs."""
     if args.report:
         from understudy.tools.report import ReportUnavailable, check_available
 
         try:  # before a drill that would end without its pictures
             check_available()
         except ReportUnavailable as exc:
-            print(f"understudy drill: {exc}", file=sys.stderr)
-            return 2
+            return str(exc)
         if args.sidecar:
-            print("understudy drill: --report draws kill rounds, not --sidecar", file=sys.stderr)
-            return 2
-    if args.from_json:
-        if not args.report:
-            print("understudy drill: --from needs --report DIR", file=sys.stderr)
-            return 2
-        saved = json.loads(Path(args.from_json).read_text())
-        if not isinstance(saved, dict) or "rounds" not in saved or "summary" not in saved:
-            print(
-                f"understudy drill: {args.from_json} is not the JSON of a kill drill "
-                "(understudy drill --output)",
-                file=sys.stderr,
-            )
-            return 2
-        _report(saved, Path(args.report))
-        return 0
-    sig = [
-        getattr(signal, f"SIG{name.strip().upper().removeprefix('SIG')}")
-        for name in args.signal.split(",")
-    ]
+            return "--report draws kill rounds, not --sidecar"
+    if args.from_json and not args.report:
+        return "--from needs --report DIR"
+    return None
+
+
+def _redraw(args: argparse.Namespace) -> int:
+    """``--from F --report DIR``: the pictures of a saved drill."""
+    saved = json.loads(Path(args.from_json).read_text())
+    if not isinstance(saved, dict) or "rounds" not in saved or "summary" not in saved:
+        print(
+            f"understudy drill: {args.from_json} is not the JSON of a kill drill "
+            "(understudy drill --output)",
+            file=sys.stderr,
+        )
+        return 2
+    _report(saved, Path(args.report))
+    return 0
+
+
+def _drill_target(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The pod to drill, and the cluster observer (None for a local pod)."""
+    from understudy.tools import drill as drill_mod
+
     target: Any
     observer = None
     if args.kube:
@@ -241,20 +255,44 @@ def cmd_drill(args: argparse.Namespace) -> int:  # noqa: C901, PLR0912, PLR0915
         target = drill_mod.LocalTarget(Path(args.dir).absolute())
     if args.target:
         target.serve_url = args.target
+    return target, observer
+
+
+def _stop(observer: Any) -> None:
+    if observer is not None:
+        observer.stop.set()
+        observer.join(5)
+
+
+def _emit(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _sidecar_drill(args: argparse.Namespace, target: Any, observer: Any) -> int:
+    from understudy.tools import drill as drill_mod
+
+    try:
+        result = drill_mod.sidecar_drill(
+            target, args.sidecar, timeout=args.timeout, clients=args.sidecar_clients
+        )
+    finally:
+        _stop(observer)
+    if observer is not None:
+        result["cluster"] = observer.report()
+    _emit(args, result)
+    print(json.dumps(result))
+    return 0
+
+
+def _kill_drill(args: argparse.Namespace, target: Any, observer: Any) -> int:
+    from understudy.tools import drill as drill_mod
+
+    sig = [
+        getattr(signal, f"SIG{name.strip().upper().removeprefix('SIG')}")
+        for name in args.signal.split(",")
+    ]
     say = (lambda line: print(line, file=sys.stderr)) if args.json else print
-    if args.sidecar:
-        try:
-            result = drill_mod.sidecar_drill(target, args.sidecar, timeout=args.timeout)
-        finally:
-            if observer is not None:
-                observer.stop.set()
-                observer.join(5)
-        if observer is not None:
-            result["cluster"] = observer.report()
-        if args.output:
-            Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
-        print(json.dumps(result))
-        return 0
     load_start = os.getloadavg()
     try:
         report = drill_mod.drill(
@@ -269,9 +307,7 @@ def cmd_drill(args: argparse.Namespace) -> int:  # noqa: C901, PLR0912, PLR0915
             max_tokens=args.max_tokens,
         )
     finally:
-        if observer is not None:
-            observer.stop.set()
-            observer.join(5)
+        _stop(observer)
     result = drill_mod.to_json(report, series=args.series or bool(args.report))
     result["host"] = {
         "cpus": os.cpu_count(),
@@ -282,25 +318,41 @@ def cmd_drill(args: argparse.Namespace) -> int:  # noqa: C901, PLR0912, PLR0915
         result["cluster"] = observer.report()
     if args.cold_start and not args.kube:
         result["cold_start"] = _cold_start(Path(args.dir).absolute(), result["summary"], say)
-    if args.output:
-        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    _emit(args, result)
     if args.json:
         print(json.dumps(result))
     else:
         print(drill_mod.render(report))
-        if "to_first_token_s" in result.get("cold_start", {}):
-            print(_cold_start_line(result["cold_start"]))
-        if observer is not None:
-            c = result["cluster"]
-            print(
-                f"pod left the Service's endpoints: {'YES' if c['left_endpoints'] else 'never'}"
-                f"; seconds not an endpoint: {c['seconds_not_an_endpoint']}"
-                f"; seconds pod not Ready: {c['seconds_pod_not_ready']}"
-                f"; restarts: {c['restarts']}"
-            )
+        _print_extras(result)
     if args.report:
         _report(result, Path(args.report))
     return 0 if report.passed() else 1
+
+
+def _print_extras(result: dict[str, Any]) -> None:
+    """The lines a human reads under the drill's table: the cold start and the cluster."""
+    if "to_first_token_s" in result.get("cold_start", {}):
+        print(_cold_start_line(result["cold_start"]))
+    if "cluster" in result:
+        c = result["cluster"]
+        print(
+            f"pod left the Service's endpoints: {'YES' if c['left_endpoints'] else 'never'}"
+            f"; seconds not an endpoint: {c['seconds_not_an_endpoint']}"
+            f"; seconds pod not Ready: {c['seconds_pod_not_ready']}"
+            f"; restarts: {c['restarts']}"
+        )
+
+
+def cmd_drill(args: argparse.Namespace) -> int:
+    if (problem := _drill_usage_error(args)) is not None:
+        print(f"understudy drill: {problem}", file=sys.stderr)
+        return 2
+    if args.from_json:
+        return _redraw(args)
+    target, observer = _drill_target(args)
+    if args.sidecar:
+        return _sidecar_drill(args, target, observer)
+    return _kill_drill(args, target, observer)
 
 
 def _report(result: dict[str, Any], out: Path) -> None:
@@ -345,6 +397,7 @@ def _cold_start_line(cold: dict[str, Any]) -> str:
 
 
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from understudy.tools.drill import SCENARIOS, SIDECAR_COMMANDS
     from understudy.tools.local import DEFAULT_DIR
 
     local = sub.add_parser("local", help="the whole pod as local processes")
@@ -418,7 +471,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     )
     dr.add_argument(
         "--scenario",
-        choices=("takeover-kill", "lockserver", "gms"),
+        choices=SCENARIOS,
         help="a second fault in every round: kill the engine that took over as soon as it "
         "serves; or kill the lock server, or GMS, during the failover",
     )
@@ -432,8 +485,14 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     dr.add_argument("--kubeconfig", help="kubeconfig for --kube (default: $KUBECONFIG)")
     dr.add_argument(
         "--sidecar",
-        choices=("lockserver", "gms"),
+        choices=tuple(SIDECAR_COMMANDS),
         help="instead: kill this sidecar once under load and report what happened",
+    )
+    dr.add_argument(
+        "--sidecar-clients",
+        type=int,
+        default=1,
+        help="--sidecar: concurrent request streams while the sidecar dies",
     )
     dr.add_argument("--timeout", type=float, default=60.0, help="per-round limit")
     dr.add_argument("--clients", type=int, default=16, help="concurrent request streams")

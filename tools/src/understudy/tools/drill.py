@@ -38,31 +38,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from understudy.tools import figures
+from understudy.tools.figures import stats, verdict
 from understudy.tools.series import KILL_WINDOW_S, Sample, Tally
 
 REQUEST = {
     "input": "Understudy keeps a sleeping shadow engine in the same pod.",
     "encoding_format": "base64",
 }
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
-
-
-def stats(values: list[float]) -> dict[str, float] | None:
-    if not values:
-        return None
-    return {
-        "n": len(values),
-        "p50": percentile(values, 50),
-        "p95": percentile(values, 95),
-        "p99": percentile(values, 99),
-        "max": max(values),
-        "min": min(values),
-    }
 
 
 class Target(Protocol):
@@ -295,7 +278,11 @@ def fold(pool: list[Client], tally: Tally, before: float, kills: list[float]) ->
 
 
 class Watcher(threading.Thread):
-    """Polls every engine's /state; records Active engines and checks safety."""
+    """Polls every engine's /state; records Active engines and checks safety.
+
+    It also keeps ``timeline``: ``(monotonic time, Standby count)`` at every
+    change, from which the drill computes how long the pod had no shadow
+    (``figures.unarmed_spans``)."""
 
     def __init__(self, target: Target, period: float = 0.01) -> None:
         super().__init__(name="drill-watcher", daemon=True)
@@ -305,36 +292,46 @@ class Watcher(threading.Thread):
         self.latest: list[dict[str, Any]] = []
         self.split_brain: list[dict[str, Any]] = []
         self.epoch_regressions: list[dict[str, Any]] = []
+        self.timeline: list[tuple[float, int]] = []
         self.max_epoch = -1
         self.lock = threading.Lock()
 
     def run(self) -> None:
         while not self.stop.is_set():
             engines = self.target.engines()
-            active = [e for e in engines if e.get("state") == "Active"]
+            now = time.monotonic()
             with self.lock:
                 self.latest = engines
-                if len(active) > 1:
-                    self.split_brain.append(
-                        {
-                            "at": time.time(),
-                            "active": [
-                                {k: e.get(k) for k in ("name", "pid", "epoch")} for e in active
-                            ],
-                        }
-                    )
-                for e in active:
-                    epoch = e.get("epoch") or 0
-                    if epoch < self.max_epoch:
-                        self.epoch_regressions.append(
-                            {"name": e.get("name"), "epoch": epoch, "max_seen": self.max_epoch}
-                        )
-                    self.max_epoch = max(self.max_epoch, epoch)
+                self._check(engines, now)
             time.sleep(self.period)
+
+    def _check(self, engines: list[dict[str, Any]], now: float) -> None:
+        active = [e for e in engines if e.get("state") == "Active"]
+        if len(active) > 1:
+            self.split_brain.append(
+                {
+                    "at": time.time(),
+                    "active": [{k: e.get(k) for k in ("name", "pid", "epoch")} for e in active],
+                }
+            )
+        for e in active:
+            epoch = e.get("epoch") or 0
+            if epoch < self.max_epoch:
+                self.epoch_regressions.append(
+                    {"name": e.get("name"), "epoch": epoch, "max_seen": self.max_epoch}
+                )
+            self.max_epoch = max(self.max_epoch, epoch)
+        standbys = sum(1 for e in engines if e.get("state") == "Standby")
+        if not self.timeline or self.timeline[-1][1] != standbys:
+            self.timeline.append((now, standbys))
 
     def snapshot(self) -> list[dict[str, Any]]:
         with self.lock:
             return list(self.latest)
+
+    def until(self, cond: Callable[[list[dict[str, Any]]], Any], timeout: float) -> Any:
+        """The first truthy ``cond(engines)`` within ``timeout``, else None."""
+        return _wait(lambda: cond(self.snapshot()), timeout)
 
 
 @dataclass
@@ -373,6 +370,8 @@ class Report:
     by_kind: dict[str, int] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
     series: dict[str, Any] = field(default_factory=dict)  # request_series()
+    # No Standby at all: what a second death would have found (figures.unarmed_figures)
+    unarmed: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         def col(name: str) -> list[float]:
@@ -396,23 +395,11 @@ class Report:
             "grant_to_active_s": stats(col("grant_to_active_s")),
             "kill_to_active_s": stats(col("kill_to_active_s")),
             "rearm_s": stats(col("rearm_s")),
+            **self.unarmed,
         }
 
     def passed(self) -> bool:
         return verdict(self.summary())
-
-
-def verdict(s: dict[str, Any]) -> bool:
-    """Whether a drill's summary passes. Zero loss is the bar: an engine death
-    may cost latency, never an error."""
-    return (
-        s["failovers_ok"] == s["kills"]
-        and not s["failed_requests"]
-        and not s["wrong_answers"]
-        and not s["split_brain"]
-        and not s["epoch_regressions"]
-        and not s["serving_violations"]
-    )
 
 
 def _wait(cond: Callable[[], Any], timeout: float) -> Any:
@@ -428,7 +415,128 @@ def _wait(cond: Callable[[], Any], timeout: float) -> Any:
 SCENARIOS = ("takeover-kill", "lockserver", "gms")
 
 
-def drill(  # noqa: C901, PLR0912, PLR0915
+class _Session:
+    """One drill's moving parts: the clients, the watcher, the tally of what
+    they recorded and the rounds so far. The figures come from ``figures``."""
+
+    def __init__(self, target: Target, watcher: Watcher, kinds: list[Kind], clients: int) -> None:
+        self.target = target
+        self.watcher = watcher
+        self.kinds = kinds
+        self.pool = [Client(target.serve_url, kinds, i) for i in range(clients)]
+        self.tally = Tally()
+        self.rounds: list[Round] = []
+        self.origin = time.monotonic()
+        for c in self.pool:
+            c.start()
+
+    def samples(self) -> list[Sample]:
+        return [s for c in self.pool for s in list(c.samples)]
+
+    def killed_at(self) -> list[float]:
+        return [self.origin + r.kill_at_s for r in self.rounds if r.kill_at_s is not None]
+
+    def fold(self, before: float) -> None:
+        fold(self.pool, self.tally, before, self.killed_at())
+
+    def close(self) -> None:
+        for c in self.pool:
+            c.stop.set()
+        for c in self.pool:
+            c.join(120)
+        self.watcher.stop.set()
+        self.watcher.join(5)
+        self.fold(float("inf"))
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What every round of one drill does."""
+
+    sigs: list[int]
+    names: list[str]
+    scenario: str | None
+    timeout: float
+    rearm: bool
+    check_serving: bool
+
+
+def _kill(ses: _Session, plan: _Plan, rnd: Round, active: dict[str, Any]) -> tuple[float, float]:
+    """Kill the Active engine (and, by scenario, a second thing inside the
+    failover); returns the kill's monotonic and wall-clock times."""
+    sig = plan.sigs[(rnd.index - 1) % len(plan.sigs)]
+    time.sleep(0.2)  # steady traffic before the kill
+    t_kill, wall_kill = time.monotonic(), time.time()
+    ses.target.kill(active, sig)
+    rnd.kill_at_s = t_kill - ses.origin
+    if plan.scenario in ("lockserver", "gms"):
+        # A second fault inside the failover: the sidecar dies while the next
+        # engine is being granted (lock server) or wakes (GMS).
+        ses.target.kill_sidecar(plan.scenario)
+        rnd.also_killed = plan.scenario
+    elif plan.scenario == "takeover-kill":
+        taker = ses.watcher.until(lambda es: figures.successor(es, rnd.killed_epoch), plan.timeout)
+        if taker is not None:
+            # The engine that just took over dies too, as soon as it serves.
+            ses.target.kill(taker, sig)
+            rnd.also_killed = taker["name"]
+            rnd.killed_epoch = taker.get("epoch") or rnd.killed_epoch
+    return t_kill, wall_kill
+
+
+def _measure(ses: _Session, plan: _Plan, rnd: Round, t_kill: float, wall_kill: float) -> None:
+    """Wait for the successor and the first request it serves; fill in the round."""
+    new = ses.watcher.until(lambda es: figures.successor(es, rnd.killed_epoch), plan.timeout)
+    if new is None:
+        rnd.error = f"no new Active engine within {plan.timeout}s"
+        return
+    rnd.new_active, rnd.new_epoch = new["name"], new.get("epoch") or 0
+    if (w := figures.wake(new, wall_kill)) is not None:
+        rnd.kill_to_grant_s, rnd.grant_to_active_s = w.kill_to_grant_s, w.grant_to_active_s
+        rnd.kill_to_active_s = w.kill_to_active_s
+    if plan.check_serving and (listeners := ses.target.serving_listeners()) is not None:
+        rnd.serving_ok = listeners == {new.get("pid")}
+    ok = _wait(lambda: figures.first_served(ses.samples(), t_kill), plan.timeout)
+    if ok is None:
+        rnd.error = f"no successful request within {plan.timeout}s of the kill"
+    else:
+        samples = ses.samples()
+        rnd.first_served_s = ok.end - t_kill
+        rnd.gap_s = figures.client_gap(samples, t_kill, ok)
+        rnd.failed_requests = figures.failed_between(samples, t_kill, ok.end + plan.timeout)
+    if plan.rearm:
+        back = ses.watcher.until(
+            lambda es: figures.rearmed(es, rnd.killed, rnd.killed_engine_id), plan.timeout
+        )
+        if back:
+            rnd.rearm_s = time.monotonic() - t_kill
+
+
+def _round(ses: _Session, plan: _Plan, i: int, log: Callable[[str], None]) -> bool:
+    """One kill and its measurements; False when the pod was never armed."""
+    got = ses.watcher.until(figures.armed, plan.timeout)
+    if got is None:
+        ses.rounds.append(Round(i, "?", 0, 0, error="pod not armed"))
+        return False
+    # what ended well before this round's kill is needed only as counts
+    ses.fold(time.monotonic() + KILL_WINDOW_S[0] - 0.5)
+    active = got[0]
+    rnd = Round(
+        i,
+        active["name"],
+        active["pid"],
+        active.get("epoch") or 0,
+        killed_engine_id=active.get("engine_id", ""),
+        signal=plan.names[(i - 1) % len(plan.names)],
+    )
+    t_kill, wall_kill = _kill(ses, plan, rnd, active)
+    _measure(ses, plan, rnd, t_kill, wall_kill)
+    ses.rounds.append(rnd)
+    log(f"round {i}: {rnd.error}" if rnd.error else _round_line(rnd))
+    return True
+
+
+def drill(
     target: Target,
     kills: int,
     sig: int | list[int],
@@ -441,152 +549,47 @@ def drill(  # noqa: C901, PLR0912, PLR0915
     clients: int = 16,
     max_tokens: int = 32,
 ) -> Report:
-    import signal as signal_mod
-
+    """``kills`` rounds of: wait until armed, kill the Active engine, measure."""
     sigs = sig if isinstance(sig, list) else [sig]
-    names = [signal_mod.Signals(x).name.removeprefix("SIG") for x in sigs]
-    report = Report(signal=",".join(names) + (f" +{scenario}" if scenario else ""))
+    names = [signal.Signals(x).name.removeprefix("SIG") for x in sigs]
+    plan = _Plan(sigs, names, scenario, timeout, rearm, check_serving)
     watcher = Watcher(target)
     watcher.start()
-
-    def armed() -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
-        engines = watcher.snapshot()
-        active = [e for e in engines if e.get("state") == "Active"]
-        standby = [e for e in engines if e.get("state") == "Standby"]
-        if len(active) == 1 and standby and all(e.get("started", True) for e in engines):
-            return active[0], standby
-        return None
-
-    first = _wait(armed, timeout)
+    first = watcher.until(figures.armed, timeout)
     if first is None:
         watcher.stop.set()
         raise RuntimeError(f"pod not armed (one Active, at least one Standby) within {timeout}s")
     kinds = kinds_for(first[0].get("adapter", "reference"), max_tokens)
-    report.clients = clients
-    pool = [Client(target.serve_url, kinds, i) for i in range(clients)]
-    origin = time.monotonic()
-    for c in pool:
-        c.start()
-
-    def samples() -> list[Sample]:
-        return [s for c in pool for s in list(c.samples)]
-
-    tally = Tally()
-
-    def killed_at() -> list[float]:
-        return [origin + r.kill_at_s for r in report.rounds if r.kill_at_s is not None]
-
+    ses = _Session(target, watcher, kinds, clients)
     try:
         for i in range(1, kills + 1):
-            got = _wait(armed, timeout)
-            if got is None:
-                report.rounds.append(Round(i, "?", 0, 0, error="pod not armed"))
+            if not _round(ses, plan, i, log):
                 break
-            # what ended well before this round's kill is needed only as counts
-            fold(pool, tally, time.monotonic() + KILL_WINDOW_S[0] - 0.5, killed_at())
-            active, _ = got
-            rnd = Round(
-                i,
-                active["name"],
-                active["pid"],
-                active.get("epoch") or 0,
-                killed_engine_id=active.get("engine_id", ""),
-            )
-            round_sig = sigs[(i - 1) % len(sigs)]
-            rnd.signal = names[(i - 1) % len(sigs)]
-            time.sleep(0.2)  # steady traffic before the kill
-            t_kill, wall_kill = time.monotonic(), time.time()
-            target.kill(active, round_sig)
-            rnd.kill_at_s = t_kill - origin
-
-            def new_active(r: Round = rnd) -> dict[str, Any] | None:
-                for e in watcher.snapshot():
-                    if e.get("state") == "Active" and (e.get("epoch") or 0) > r.killed_epoch:
-                        return e
-                return None
-
-            if scenario in ("lockserver", "gms"):
-                # A second fault inside the failover: the sidecar dies while
-                # the next engine is being granted (lock server) or wakes (GMS).
-                target.kill_sidecar(scenario)
-                rnd.also_killed = scenario
-            elif scenario == "takeover-kill":
-                taker = _wait(new_active, timeout)
-                if taker is not None:
-                    # The engine that just took over dies too, as soon as it serves.
-                    target.kill(taker, round_sig)
-                    rnd.also_killed = taker["name"]
-                    rnd.killed_epoch = taker.get("epoch") or rnd.killed_epoch
-
-            new = _wait(new_active, timeout)
-            if new is None:
-                rnd.error = f"no new Active engine within {timeout}s"
-                report.rounds.append(rnd)
-                log(f"round {i}: {rnd.error}")
-                continue
-            rnd.new_active, rnd.new_epoch = new["name"], new.get("epoch") or 0
-            granted, active_at = new.get("waking_at"), new.get("active_at")
-            if granted and active_at:
-                rnd.kill_to_grant_s = granted - wall_kill
-                rnd.grant_to_active_s = active_at - granted
-                rnd.kill_to_active_s = active_at - wall_kill
-            if check_serving:
-                listeners = target.serving_listeners()
-                if listeners is not None:
-                    rnd.serving_ok = listeners == {new.get("pid")}
-
-            def served(t: float = t_kill) -> Sample | None:
-                done = [s for s in samples() if s.ok and s.start >= t]
-                return min(done, key=lambda s: s.end) if done else None
-
-            ok = _wait(served, timeout)
-            if ok is None:
-                rnd.error = f"no successful request within {timeout}s of the kill"
-            else:
-                rnd.first_served_s = ok.end - t_kill
-                # The gap clients see: the longest stretch from the kill on in
-                # which no request completed, up to the first request that
-                # started after the kill (under load the pod answers every few
-                # milliseconds; a failover shows as a hole in that stream).
-                ends = sorted(s.end for s in samples() if s.ok and t_kill <= s.end <= ok.end)
-                marks = [t_kill, *ends]
-                rnd.gap_s = max(b - a for a, b in itertools.pairwise(marks))
-                rnd.failed_requests = sum(
-                    1 for s in samples() if not s.ok and t_kill <= s.end <= ok.end + timeout
-                )
-            if rearm:
-
-                def rearmed(r: Round = rnd) -> bool:
-                    # a new process: engine ids carry a per-process suffix
-                    # (pids repeat: in a container the engine is often pid 1)
-                    return any(
-                        e.get("name") == r.killed
-                        and e.get("state") == "Standby"
-                        and e.get("engine_id") != r.killed_engine_id
-                        for e in watcher.snapshot()
-                    )
-
-                if _wait(rearmed, timeout):
-                    rnd.rearm_s = time.monotonic() - t_kill
-            report.rounds.append(rnd)
-            log(_round_line(rnd))
     finally:
-        for c in pool:
-            c.stop.set()
-        for c in pool:
-            c.join(120)
-        watcher.stop.set()
-        watcher.join(5)
-    fold(pool, tally, float("inf"), killed_at())
-    report.requests = tally.requests
-    report.failed_requests = tally.failed
-    report.by_kind = tally.by_kind
-    report.errors = tally.errors
-    report.wrong_answers = tally.wrong_answers()
-    report.split_brain = watcher.split_brain
-    report.epoch_regressions = watcher.epoch_regressions
-    report.series = tally.series(kinds, origin, killed_at())
-    return report
+        ses.close()
+    return _report(ses, plan, clients)
+
+
+def _report(ses: _Session, plan: _Plan, clients: int) -> Report:
+    w, tally = ses.watcher, ses.tally
+    end = time.monotonic()
+    return Report(
+        rounds=ses.rounds,
+        requests=tally.requests,
+        failed_requests=tally.failed,
+        wrong_answers=tally.wrong_answers(),
+        split_brain=w.split_brain,
+        epoch_regressions=w.epoch_regressions,
+        signal=",".join(plan.names) + (f" +{plan.scenario}" if plan.scenario else ""),
+        clients=clients,
+        by_kind=tally.by_kind,
+        errors=tally.errors,
+        series=tally.series(ses.kinds, ses.origin, ses.killed_at()),
+        unarmed=figures.unarmed_figures(
+            figures.unarmed_spans(w.timeline, ses.origin, end),
+            end - ses.origin,
+        ),
+    )
 
 
 def _ms(v: float | None) -> str:
@@ -628,6 +631,12 @@ def render(report: Report) -> str:
                 f"{label:22} {_ms(st['p50']):>9} {_ms(st['p95']):>9} "
                 f"{_ms(st['p99']):>9} {_ms(st['max']):>9}"
             )
+    if "unarmed_s" in s:
+        lines.append(
+            f"pod unarmed (no Standby): {s['unarmed_s']:.1f} s in {s['unarmed_spans']} "
+            f"stretches, longest {s['unarmed_longest_s']:.1f} s "
+            f"({100 * s['unarmed_fraction']:.0f} % of the drill)"
+        )
     lines.append("PASS" if report.passed() else "FAIL")
     return "\n".join(lines)
 
@@ -651,7 +660,7 @@ SIDECAR_COMMANDS = {"lockserver": "lockserver serve", "gms": "gms serve"}
 
 
 def sidecar_drill(
-    target: Any, which: str, *, timeout: float = 120.0, settle: float = 5.0
+    target: Any, which: str, *, timeout: float = 120.0, settle: float = 5.0, clients: int = 1
 ) -> dict[str, Any]:
     """Kill a sidecar (``lockserver`` or ``gms``) once under the request stream.
 
@@ -662,24 +671,14 @@ def sidecar_drill(
     """
     watcher = Watcher(target)
     watcher.start()
-
-    def armed() -> dict[str, Any] | None:
-        engines = watcher.snapshot()
-        active = [e for e in engines if e.get("state") == "Active"]
-        if len(active) == 1 and all(
-            e.get("state") == "Standby" and e.get("started", True)
-            for e in engines
-            if e is not active[0]
-        ):
-            return active[0]
-        return None
-
-    before = _wait(armed, timeout)
+    before = watcher.until(figures.settled, timeout)
     if before is None:
         watcher.stop.set()
         raise RuntimeError(f"pod not armed within {timeout}s")
-    client = Client(target.serve_url, kinds_for(before.get("adapter", "reference")))
-    client.start()
+    kinds = kinds_for(before.get("adapter", "reference"))
+    pool = [Client(target.serve_url, kinds, i) for i in range(clients)]
+    for c in pool:
+        c.start()
     try:
         time.sleep(0.5)
         t_kill = time.monotonic()
@@ -691,29 +690,28 @@ def sidecar_drill(
         while time.monotonic() - t_kill < settle or (unarmed_at and not rearmed_at):
             if time.monotonic() - t_kill > timeout:
                 break
-            now, ok_now = time.monotonic(), armed() is not None
+            now, ok_now = time.monotonic(), figures.settled(watcher.snapshot()) is not None
             if not ok_now and unarmed_at is None:
                 unarmed_at = now
             elif ok_now and unarmed_at is not None and rearmed_at is None:
                 rearmed_at = now
             time.sleep(0.01)
-        after = armed()
+        after = figures.settled(watcher.snapshot())
         recovered = (
             0.0 if unarmed_at is None else (rearmed_at - t_kill if rearmed_at is not None else None)
         )
         time.sleep(0.5)
     finally:
-        client.stop.set()
-        client.join(5)
+        for c in pool:
+            c.stop.set()
+        for c in pool:
+            c.join(5)
         watcher.stop.set()
         watcher.join(5)
-    ok = [s for s in client.samples if s.ok]
-    after_kill = [s for s in client.samples if s.start >= t_kill]
-    # longest stretch without a successful response from the kill to the end
-    # of the observation (which counts if the last requests failed)
-    t_end = max((s.end for s in client.samples), default=t_kill)
-    ends = [t_kill] + [s.end for s in ok if s.end >= t_kill] + [t_end]
-    gap = max((b - a for a, b in itertools.pairwise(ends)), default=None)
+    samples = [s for c in pool for s in c.samples]
+    ok = [s for s in samples if s.ok]
+    after_kill = [s for s in samples if s.start >= t_kill]
+    gap = figures.longest_gap(samples, t_kill)
     digests = {s.digest for s in ok}
     return {
         "sidecar": which,

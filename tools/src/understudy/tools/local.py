@@ -39,10 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from understudy.engine_shim import python_env
 from understudy.gms.client import GmsError, query_state
 from understudy.lockserver import client as lock_client
-from understudy.tools import backoff
+from understudy.tools import backoff, checkout
 from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.local")
@@ -58,7 +57,7 @@ class LocalConfig:
     model: str = ""
     engine_args: tuple[str, ...] = ()
     # The python the engines run with ("": this one); a vllm engine needs the
-    # vLLM venv's (engine_shim.python_env).
+    # vLLM venv's (tools.checkout).
     engine_python: str = ""
     shadows: int = 1
     devices: tuple[int, ...] = (0,)
@@ -138,7 +137,7 @@ def engine_env(cfg: LocalConfig, role: str, name: str, index: int) -> dict[str, 
         "UNDERSTUDY_DRAIN_S": "25",
         "POD_NAME": "local",
         "POD_NAMESPACE": "local",
-        **(python_env.engine_env(cfg.engine_python) if cfg.engine_python else {}),
+        **(checkout.engine_env(cfg.engine_python) if cfg.engine_python else {}),
     }
 
 

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import html
 import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from understudy.tools.drill import percentile, stats, verdict
+from understudy.tools.figures import percentile, stats, verdict
 
 CHARTS = ("latency.png", "around-kills.png", "gaps.png", "phases.png")
-SERIES_CHARTS = ("latency.png", "around-kills.png")  # need the per-request series
 AROUND_KILL_S = (-0.5, 1.5)  # stretched to 1.5 × the longest gap (at most MAX_AROUND_S)
 MAX_AROUND_S = 10.0
 DPI = 100
@@ -378,11 +378,41 @@ def _fmt_ms(v: Any) -> str:
     return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v * 1000:.1f}"
 
 
-def render_html(result: dict[str, Any], images: list[str]) -> str:  # noqa: C901, PLR0912
+_E = html.escape
+_QS = ("p50", "p95", "p99", "max")
+_BY_SIGNAL = ("gap_s", "kill_to_grant_s", "grant_to_active_s", "rearm_s")
+
+
+def render_html(result: dict[str, Any], images: list[str]) -> str:
     """The page: the verdict and counts, the percentiles, the charts, each round."""
     s = result.get("summary", {})
-    e = html.escape
     ok = verdict(s)
+    out = [
+        "<!doctype html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>Failover drill: {_E(str(s.get('kills')))} kills</title>",
+        f"<style>{CSS}</style></head><body>",
+        f"<h1>Failover drill: {_E(str(s.get('kills')))} kills "
+        f'<span class="{"pass" if ok else "fail"}">{"PASS" if ok else "FAIL"}</span></h1>',
+    ]
+    if host := result.get("host"):
+        out.append(f"<p>Host: {_E(_host_line(host))}</p>")
+    out += _counts(s)
+    out += _percentiles(s)
+    out += _by_signal(result.get("rounds", []))
+    out += _figures(images)
+    out += _pairs("The cluster", result.get("cluster") or {}, CLUSTER_KEYS)
+    errors = result.get("errors") or {}
+    out += _pairs("Failed requests by error", errors, sorted(errors))
+    out += _rounds(result.get("rounds", []))
+    out.append("</body></html>\n")
+    return "\n".join(out)
+
+
+CLUSTER_KEYS = ("left_endpoints", "seconds_not_an_endpoint", "seconds_pod_not_ready", "restarts")
+
+
+def _counts(s: dict[str, Any]) -> list[str]:
     counts = [
         ("kills", s.get("kills")),
         ("signals", ", ".join(f"SIG{x}" for x in str(s.get("signal", "?")).split(","))),
@@ -395,86 +425,84 @@ def render_html(result: dict[str, Any], images: list[str]) -> str:  # noqa: C901
         ("epoch regressions", s.get("epoch_regressions")),
         ("serving violations", s.get("serving_violations")),
     ]
-    out = [
-        "<!doctype html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>Failover drill: {e(str(s.get('kills')))} kills</title>",
-        f"<style>{CSS}</style></head><body>",
-        f"<h1>Failover drill: {e(str(s.get('kills')))} kills "
-        f'<span class="{"pass" if ok else "fail"}">{"PASS" if ok else "FAIL"}</span></h1>',
+    if "unarmed_s" in s:
+        counts.append(("seconds unarmed (no Standby)", round(s["unarmed_s"], 2)))
+    return [
+        "<table>",
+        *(f"<tr><td>{_E(k)}</td><td>{_E(str(v))}</td></tr>" for k, v in counts),
+        "</table>",
     ]
-    host = result.get("host")
-    if host:
-        out.append(f"<p>Host: {e(_host_line(host))}</p>")
-    out.append("<table>")
-    out += [f"<tr><td>{e(k)}</td><td>{e(str(v))}</td></tr>" for k, v in counts]
+
+
+def _stat_row(label: str, st: dict[str, Any]) -> str:
+    cells = "".join(f"<td>{_fmt_ms(st.get(q))}</td>" for q in _QS)
+    return f"<tr><td>{_E(label)}</td><td>{st.get('n')}</td>{cells}</tr>"
+
+
+def _percentiles(s: dict[str, Any]) -> list[str]:
+    out = ["<table><tr><th>ms</th><th>n</th><th>p50</th><th>p95</th><th>p99</th><th>max</th></tr>"]
+    out += [_stat_row(label, st) for key, label in STATS if (st := s.get(key))]
     out.append("</table>")
-    out.append(
-        "<table><tr><th>ms</th><th>n</th><th>p50</th><th>p95</th><th>p99</th><th>max</th></tr>"
-    )
-    for key, label in STATS:
-        st = s.get(key)
-        if st:
-            cells = "".join(f"<td>{_fmt_ms(st.get(q))}</td>" for q in ("p50", "p95", "p99", "max"))
-            out.append(f"<tr><td>{e(label)}</td><td>{st.get('n')}</td>{cells}</tr>")
+    return out
+
+
+def _by_signal(rounds: list[dict[str, Any]]) -> list[str]:
+    split = by_signal(rounds)
+    if not split:
+        return []
+    out = [
+        "<table><tr><th>ms, by signal</th><th>n</th><th>p50</th><th>p95</th>"
+        "<th>p99</th><th>max</th></tr>"
+    ]
+    for sig, per in split.items():
+        out += [
+            _stat_row(f"SIG{sig}: {label}", st)
+            for key, label in STATS
+            if key in _BY_SIGNAL and (st := per[key])
+        ]
     out.append("</table>")
-    split = by_signal(result.get("rounds", []))
-    if split:
-        out.append(
-            "<table><tr><th>ms, by signal</th><th>n</th><th>p50</th><th>p95</th>"
-            "<th>p99</th><th>max</th></tr>"
-        )
-        for sig, per in split.items():
-            for key, label in STATS:
-                st = per[key]
-                if st and key in ("gap_s", "kill_to_grant_s", "grant_to_active_s", "rearm_s"):
-                    cells = "".join(
-                        f"<td>{_fmt_ms(st.get(q))}</td>" for q in ("p50", "p95", "p99", "max")
-                    )
-                    out.append(
-                        f"<tr><td>SIG{e(sig)}: {e(label)}</td><td>{st.get('n')}</td>{cells}</tr>"
-                    )
-        out.append("</table>")
+    return out
+
+
+def _figures(images: list[str]) -> list[str]:
+    out = []
     if "latency.png" not in images:
         out.append(
             "<p>This drill's JSON has no per-request series (run the drill with "
             "<code>--report</code> or <code>--series</code>): no latency charts.</p>"
         )
-    for name in images:
-        out.append(
-            f'<figure><img src="{e(name)}" alt="{e(name)}">'
-            f"<figcaption>{e(CAPTIONS.get(name, ''))}</figcaption></figure>"
-        )
-    cluster = result.get("cluster")
-    if cluster:
-        out.append("<h2>The cluster</h2><table>")
-        for k in ("left_endpoints", "seconds_not_an_endpoint", "seconds_pod_not_ready", "restarts"):
-            if k in cluster:
-                out.append(f"<tr><td>{e(k)}</td><td>{e(str(cluster[k]))}</td></tr>")
-        out.append("</table>")
-    if result.get("errors"):
-        out.append("<h2>Failed requests by error</h2><table>")
-        out += [
-            f"<tr><td>{e(k)}</td><td>{v}</td></tr>" for k, v in sorted(result["errors"].items())
-        ]
-        out.append("</table>")
-    out.append(
+    out += [
+        f'<figure><img src="{_E(name)}" alt="{_E(name)}">'
+        f"<figcaption>{_E(CAPTIONS.get(name, ''))}</figcaption></figure>"
+        for name in images
+    ]
+    return out
+
+
+def _pairs(title: str, values: dict[str, Any], keys: Iterable[str]) -> list[str]:
+    """A titled two-column table of ``values`` in the order of ``keys`` (none: nothing)."""
+    rows = [f"<tr><td>{_E(k)}</td><td>{_E(str(values[k]))}</td></tr>" for k in keys if k in values]
+    return [f"<h2>{_E(title)}</h2><table>", *rows, "</table>"] if rows else []
+
+
+def _rounds(rounds: list[dict[str, Any]]) -> list[str]:
+    out = [
         "<h2>Rounds</h2><table><tr><th>#</th><th>signal</th><th>killed → new</th>"
         "<th>detection</th><th>wake</th><th>gap</th><th>first served</th><th>re-arm</th>"
         "<th>failed</th><th>error</th></tr>"
-    )
-    for r in result.get("rounds", []):
-        out.append(
-            f"<tr><td>{r.get('index')}</td><td>{e(str(r.get('signal', '')))}</td>"
-            f"<td>{e(str(r.get('killed')))} → {e(str(r.get('new_active')))}</td>"
-            f"<td>{_fmt_ms(r.get('kill_to_grant_s'))}</td>"
-            f"<td>{_fmt_ms(r.get('grant_to_active_s'))}</td>"
-            f"<td>{_fmt_ms(r.get('gap_s'))}</td><td>{_fmt_ms(r.get('first_served_s'))}</td>"
-            f"<td>{_fmt_ms(r.get('rearm_s'))}</td><td>{r.get('failed_requests', 0)}</td>"
-            f"<td>{e(str(r.get('error', '')))}</td></tr>"
-        )
-    out.append("</table></body></html>\n")
-    return "\n".join(out)
+    ]
+    out += [
+        f"<tr><td>{r.get('index')}</td><td>{_E(str(r.get('signal', '')))}</td>"
+        f"<td>{_E(str(r.get('killed')))} → {_E(str(r.get('new_active')))}</td>"
+        f"<td>{_fmt_ms(r.get('kill_to_grant_s'))}</td>"
+        f"<td>{_fmt_ms(r.get('grant_to_active_s'))}</td>"
+        f"<td>{_fmt_ms(r.get('gap_s'))}</td><td>{_fmt_ms(r.get('first_served_s'))}</td>"
+        f"<td>{_fmt_ms(r.get('rearm_s'))}</td><td>{r.get('failed_requests', 0)}</td>"
+        f"<td>{_E(str(r.get('error', '')))}</td></tr>"
+        for r in rounds
+    ]
+    out.append("</table>")
+    return out
 
 
 def _host_line(host: dict[str, Any]) -> str:

@@ -13,8 +13,6 @@ import os
 import sys
 from collections.abc import Mapping
 
-import prometheus_client
-
 _FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 
@@ -47,4 +45,8 @@ def log_event(
 def start_metrics_server(port: int | None, addr: str = "0.0.0.0") -> None:
     """Serve the default registry on ``port`` (no-op when None)."""
     if port is not None:
+        # Imported here: a process that only logs (the respawner, a
+        # container's init) does not pay for the client.
+        import prometheus_client
+
         prometheus_client.start_http_server(port, addr=addr)

@@ -12,20 +12,29 @@ between an engine and the pod's front door.
   a native call); the front kills it so that its death, the pod's only fence,
   hands the lock on. The monotonic clock is the same for every process on a
   node, so the front can compare it with its own.
+- **Continuation.** A request the front moves to the next engine carries one
+  JSON field, ``FIELD`` (``{request_id, created, resume: {token_ids,
+  started}}``), and every event of an engine's stream starts with an SSE
+  comment, ``TOKENS_PREFIX`` followed by the token ids it carries, which the
+  front keeps (to resume after them) and strips. The front's side is
+  ``understudy.front.continuation``, the engines' ``understudy.engine_shim.openai_api``.
+
+Pure: names and formats only. Writing and reading a heartbeat is
+``understudy.wire.heartbeat``.
 """
 
 from __future__ import annotations
 
-import os
 import struct
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 SERVE_DIR = "serve"
+FIELD = "understudy"
+TOKENS_PREFIX = b": tokens="
 # seq, pid, epoch, monotonic ns, seq again: a reader that sees the two
 # sequence numbers differ read a record half-written and tries again.
-_RECORD = struct.Struct("<QqqqQ")
+BEAT_RECORD = struct.Struct("<QqqqQ")
 
 
 def _safe(engine_id: str) -> str:
@@ -48,39 +57,13 @@ class Beat:
     monotonic: float  # seconds, the writer's time.monotonic()
 
 
-class HeartbeatWriter:
-    """One fixed-size record rewritten in place (no allocation, no rename)."""
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        self._seq = 0
-        self.pid = os.getpid()
-
-    def beat(self, epoch: int) -> None:
-        self._seq += 1
-        now = time.monotonic_ns()
-        os.pwrite(self._fd, _RECORD.pack(self._seq, self.pid, epoch, now, self._seq), 0)
-
-    def close(self) -> None:
-        os.close(self._fd)
+def pack_beat(seq: int, pid: int, epoch: int, monotonic_ns: int) -> bytes:
+    return BEAT_RECORD.pack(seq, pid, epoch, monotonic_ns, seq)
 
 
-def read_beat(path: Path) -> Beat | None:
-    """The last record, or None if there is none (yet) or it stays torn."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+def unpack_beat(raw: bytes) -> Beat | None:
+    """The record in ``raw``, or None if it is short or was read half-written."""
+    if len(raw) != BEAT_RECORD.size:
         return None
-    try:
-        for _ in range(3):
-            raw = os.pread(fd, _RECORD.size, 0)
-            if len(raw) != _RECORD.size:
-                return None
-            seq, pid, epoch, ns, seq2 = _RECORD.unpack(raw)
-            if seq == seq2:
-                return Beat(pid, epoch, ns / 1e9)
-        return None
-    finally:
-        os.close(fd)
+    seq, pid, epoch, ns, seq2 = BEAT_RECORD.unpack(raw)
+    return Beat(pid, epoch, ns / 1e9) if seq == seq2 else None

@@ -22,7 +22,7 @@ import mmap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, TypedDict
+from typing import Any, Final, TypedDict
 
 import numpy as np
 import numpy.typing as npt
@@ -97,9 +97,9 @@ def _expected_nbytes(dtype: str, shape: Sequence[int]) -> int:
     return math.prod(shape) * np.dtype(dtype).itemsize
 
 
-def weights_manifest(model_dir: Path | str) -> list[TensorSpec]:  # noqa: C901
-    """Every tensor of ``model_dir/model.safetensors``, sorted by name; reads the header only."""
-    path = Path(model_dir) / WEIGHTS_FILE
+def _read_header(path: Path) -> tuple[dict[str, Any], int, int]:
+    """The safetensors header as a JSON object, where the data starts, and the
+    file's size; reads nothing past the header."""
     with open(path, "rb") as f:
         prefix = f.read(8)
         if len(prefix) != 8:
@@ -117,23 +117,34 @@ def weights_manifest(model_dir: Path | str) -> list[TensorSpec]:  # noqa: C901
         raise WeightsError(f"{path}: header is not JSON: {e}") from e
     if not isinstance(header, dict):
         raise WeightsError(f"{path}: header is not a JSON object")
-    data_start = 8 + header_len
-    specs = []
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = _DTYPES[entry["dtype"]]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(o) for o in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise WeightsError(f"{path}: bad or unsupported entry {name!r}: {entry!r}") from e
-        nbytes = end - begin
-        if min(shape, default=0) < 0 or nbytes != _expected_nbytes(dtype, shape):
-            raise WeightsError(f"{path}: {name!r}: {nbytes} bytes do not match {dtype}{shape}")
-        if begin < 0 or data_start + end > file_size:
-            raise WeightsError(f"{path}: {name!r}: data range lies outside the file")
-        specs.append(TensorSpec(name, dtype, shape, nbytes, data_start + begin))
+    return header, 8 + header_len, file_size
+
+
+def _spec(path: Path, name: str, entry: Any, data_start: int, file_size: int) -> TensorSpec:
+    """One header entry, checked against its dtype, its shape and the file."""
+    try:
+        dtype = _DTYPES[entry["dtype"]]
+        shape = tuple(int(d) for d in entry["shape"])
+        begin, end = (int(o) for o in entry["data_offsets"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise WeightsError(f"{path}: bad or unsupported entry {name!r}: {entry!r}") from e
+    nbytes = end - begin
+    if min(shape, default=0) < 0 or nbytes != _expected_nbytes(dtype, shape):
+        raise WeightsError(f"{path}: {name!r}: {nbytes} bytes do not match {dtype}{shape}")
+    if begin < 0 or data_start + end > file_size:
+        raise WeightsError(f"{path}: {name!r}: data range lies outside the file")
+    return TensorSpec(name, dtype, shape, nbytes, data_start + begin)
+
+
+def weights_manifest(model_dir: Path | str) -> list[TensorSpec]:
+    """Every tensor of ``model_dir/model.safetensors``, sorted by name; reads the header only."""
+    path = Path(model_dir) / WEIGHTS_FILE
+    header, data_start, file_size = _read_header(path)
+    specs = [
+        _spec(path, name, entry, data_start, file_size)
+        for name, entry in header.items()
+        if name != "__metadata__"
+    ]
     specs.sort(key=lambda s: s.name)
     return specs
 
