@@ -60,3 +60,28 @@ def test_a_runner_without_a_kv_cache_is_an_error() -> None:
     worker = SimpleNamespace(model_runner=SimpleNamespace(kv_caches=[]))
     with pytest.raises(RuntimeError, match="no KV cache"):
         vllm_kv.release(worker)
+
+
+MAPS = """\
+00400000-00452000 r-xp 00000000 08:02 173521      /usr/bin/python3
+7f0000000000-7f0000600000 rw-p 00000000 00:00 0
+7f0000600000-7f0000800000 ---p 00000000 00:00 0
+7f0000800000-7f0000a00000 rw-s 00000000 00:05 1234    /memfd:gms (deleted)
+7f0000a00000-7f0000a01000 rw-p 00000000 00:00 0
+7f0001000000-7f0001400000 rw-p 00000000 00:00 0       [heap]
+7f0002000000-7f0002400000 rw-p 00001000 08:02 99      /usr/lib/libfoo.so
+7ffc00000000-7ffc00400000 rw-p 00000000 00:00 0       [stack]
+"""
+
+
+def test_only_large_private_anonymous_memory_is_collapsed() -> None:
+    assert vllm_kv.anonymous_regions(MAPS) == [
+        (0x7F0000000000, 0x7F0000600000),  # anonymous: torch's tensors, repacked weights
+        (0x7F0001000000, 0x7F0001400000),  # the heap
+    ]  # not code, reservations, shared memory (GMS), file data, a page, the stack
+
+
+def test_collapse_skips_what_it_is_told_to() -> None:
+    assert vllm_kv._minus(0, 100, [(10, 20), (50, 10)]) == [(0, 10), (30, 50), (60, 100)]
+    assert vllm_kv._minus(0, 100, [(0, 100)]) == []
+    assert vllm_kv._minus(0, 100, [(200, 10)]) == [(0, 100)]

@@ -430,7 +430,25 @@ class VllmEngine:
             self._engine = self._build(publish=False)
             self.timings["build_s"] = time.monotonic() - t0
         _one_token(self._engine, f"us-init-{next(_ids)}")
+        if not self.gpu:
+            self._huge_pages()
         self.timings["attach_s"] = time.monotonic() - t0
+
+    def _huge_pages(self) -> None:
+        """Back the engine's memory with transparent huge pages where the
+        kernel has them: the KV cache from its next touch on, the rest (the
+        repacked weights, torch's and Python's heaps) collapsed now. A killed
+        engine's lock is released only once the kernel has torn down its
+        memory, and 4 KiB pages made that seconds on a loaded machine
+        (``vllm_kv.collapse``). Best effort: what the kernel cannot back with
+        huge pages stays as it is."""
+        engine = self._engine
+        kv = engine.collective_rpc(vllm_kv.ranges)[0]
+        advised = sum(engine.collective_rpc(vllm_kv.huge))
+        collapsed = vllm_kv.collapse(kv)
+        self.timings["kv_huge_bytes"] = float(advised)
+        self.timings["collapsed_bytes"] = float(collapsed)
+        log_event(log, "vllm_huge_pages", kv_mib=advised >> 20, collapsed_mib=collapsed >> 20)
 
     def _build(self, publish: bool) -> Any:
         """A vLLM engine whose parameters are GMS memory (published or mapped)."""
