@@ -99,7 +99,8 @@ def vllm_instance(installed: Any, vllm_image: str) -> Iterator[VllmInstance]:
         installed.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
-@pytest.mark.timeout(3600)
+# The first test also builds the image (~8 min cold) and starts the pod.
+@pytest.mark.timeout(5400)
 def test_vllm_drill_through_the_service(vllm_instance: VllmInstance) -> None:
     report = vllm_instance.drill(
         "--kills", str(KILLS), "--signal", SIGNALS, "--clients", "8", "--timeout", "600",
