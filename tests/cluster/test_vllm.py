@@ -103,8 +103,8 @@ def vllm_instance(installed: Any, vllm_image: str) -> Iterator[VllmInstance]:
 @pytest.mark.timeout(5400)
 def test_vllm_drill_through_the_service(vllm_instance: VllmInstance) -> None:
     report = vllm_instance.drill(
-        "--kills", str(KILLS), "--signal", SIGNALS, "--clients", "8", "--timeout", "600",
-        timeout=3000,
+        "--kills", str(KILLS), "--signal", SIGNALS, "--clients", "8", "--max-tokens", "16",
+        "--timeout", "600", timeout=4800,
     )  # fmt: skip
     s = report["summary"]
     sys.stderr.write(json.dumps(s, indent=1) + "\n")
@@ -113,12 +113,18 @@ def test_vllm_drill_through_the_service(vllm_instance: VllmInstance) -> None:
     assert s["wrong_answers"] == 0 and s["split_brain"] == 0 and s["epoch_regressions"] == 0
     assert {"chat-stream", "completion-stream", "completion"} <= set(s["requests_by_kind"])
     assert {r["signal"] for r in report["rounds"]} == set(SIGNALS.split(","))
-    # A SIGSTOPped engine is found hung by its heartbeat; the others fail
-    # over at once. Bounds for a loaded two-core node running three vLLM
-    # engines and the rest of the tier.
+    # The gap clients see: the failover (kill -> Active: tenths of a second)
+    # plus the in-flight answers' prefill and decode again on the new engine.
+    # SmolLM2 in float32 on a loaded two-core node answers seconds apart even
+    # without a failover (each round's steady_gap_s), so the bound is in
+    # seconds; a SIGSTOPped engine is found hung by its heartbeat first.
     for r in report["rounds"]:
-        bound = 4.0 if r["signal"] == "STOP" else 3.0
+        bound = 12.0 if r["signal"] == "STOP" else 10.0
         assert r["gap_s"] < bound, r
+    # Two shadows: the pod is never without a standby while a killed engine
+    # re-imports vLLM (brief dips are a standby's /state read timing out
+    # under load, or the moment one turns Waking).
+    assert s["unarmed_longest_s"] < 5.0, s
     assert not report["cluster"]["left_endpoints"], report["cluster"]["seconds_not_an_endpoint"]
     assert report["exit_code"] == 0
 
