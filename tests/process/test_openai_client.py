@@ -161,24 +161,30 @@ def _migrations(pod: LocalPod) -> float:
 
 
 @pytest.mark.parametrize(
+    "sampling",
+    [{"temperature": 0}, {"temperature": 0.9, "top_p": 0.95, "seed": 5}],
+    ids=["greedy", "seeded"],
+)
+@pytest.mark.parametrize(
     "engine",
     [
         "llama",
         pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.timeout(1800)]),
     ],
 )
-def test_a_greedy_stream_is_identical_with_its_engine_killed_mid_stream(
-    engine: str, request: pytest.FixtureRequest
+def test_a_stream_is_identical_with_its_engine_killed_mid_stream(
+    engine: str, sampling: dict[str, Any], request: pytest.FixtureRequest
 ) -> None:
-    """128 tokens, greedy: the Active engine is SIGKILLed after the first
-    chunks; the front continues the stream on the next engine. What the client
-    reads is exactly what an uninterrupted run gives."""
+    """128 tokens, greedy or seeded: the Active engine is SIGKILLed after the
+    first chunks; the front continues the stream on the next engine. What the
+    client reads is exactly what an uninterrupted run gives (seeded sampling
+    draws each position's token from (seed, position): generation.py)."""
     pod: LocalPod = request.getfixturevalue("pod" if engine == "llama" else "vllm_pod")
     client = _client(pod)
     # A vllm engine re-arms in about a minute (vLLM's imports), the llama one at once.
     rearm = 60.0 if engine == "llama" else VLLM_START_S
     kwargs: dict[str, Any] = {
-        "model": "tiny-llama", "messages": PROMPT, "max_tokens": 128, "temperature": 0,
+        "model": "tiny-llama", "messages": PROMPT, "max_tokens": 128, **sampling,
         "stream": True, "stream_options": {"include_usage": True},
     }  # fmt: skip
     reference = _chunks(client.chat.completions.create(**kwargs))
@@ -207,4 +213,5 @@ def test_a_greedy_stream_is_identical_with_its_engine_killed_mid_stream(
     strip = [{k: v for k, v in c.items() if k not in ("id", "created")} for c in got]
     ref = [{k: v for k, v in c.items() if k not in ("id", "created")} for c in reference]
     assert strip == ref
+    # all 128 tokens (a seed whose draw ends early would test less)
     assert _text(got) and got[-1]["usage"]["completion_tokens"] == 128

@@ -1,9 +1,16 @@
-"""The ``vllm`` adapter in this process, over a real GMS server: its model loader
-found through the ``vllm.general_plugins`` entry point; one engine publishes
-vLLM's parameters into GMS, another maps them read-only with the checkpoint
-gone and generates vLLM's own greedy tokens (a plain vLLM engine built
-afterwards in this process, loading the same checkpoint the usual way); a
-continuation after resumed ids generates the rest of the same answer."""
+"""The ``vllm`` adapter in this process, over a real GMS server.
+
+Its model loader is found through the ``vllm.general_plugins`` entry point.
+One engine publishes vLLM's parameters into GMS and serves; it is closed,
+as a dead engine would be, and another maps them read-only with the
+checkpoint gone. That one holds a built engine core in standby with its KV
+cache released (the process's memory drops by the cache's size), wakes
+without building anything, generates vLLM's own greedy tokens (a plain vLLM
+engine built afterwards in this process, loading the same checkpoint the
+usual way), and continues the first engine's streams, greedy and seeded,
+chat and completion, byte for byte: what the front asks of the next engine
+after a failover.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 from vllmserver import free_port
 
 from understudy.engine_shim.generation import SamplingParams
@@ -30,6 +39,16 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 PROMPTS = ["Hello, my name is", "user: what is the capital of France?\nassistant:"]
 MAX_TOKENS = 48
+ARGS = ("--dtype", "float32", "--max-model-len", "2048", "--seed", "0")
+IDS = {"request_id": "cmpl-test", "created": 1700000000}
+# Streams the first engine serves whole and the second continues.
+STREAMS = [
+    ("/v1/completions", {"temperature": 0}),
+    ("/v1/completions", {"temperature": 0.9, "top_p": 0.95, "seed": 5}),
+    ("/v1/chat/completions", {"temperature": 0.8, "seed": 11}),
+    ("/v1/chat/completions", {"temperature": 1.0, "top_p": 0.5, "seed": 2}),
+]
+CUTS = (1, 13, 47, 48)  # 48: the first engine died after the last token, before the end
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +79,61 @@ def _greedy(engine: Any, prompt: list[int], resume: Sequence[int] = ()) -> list[
         return [s.token_id async for s in engine.generate(prompt, params, resume)]
 
     return asyncio.run(run())
+
+
+def _rss() -> int:
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("Rss:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no Rss in /proc/self/smaps_rollup")
+
+
+def _body(path: str, sampling: dict[str, Any]) -> dict[str, Any]:
+    body: dict[str, Any] = {"max_tokens": MAX_TOKENS, "stream": True, **sampling}
+    if "chat" in path:
+        body["messages"] = [{"role": "user", "content": PROMPTS[1]}]
+    else:
+        body["prompt"] = PROMPTS[0]
+    return body
+
+
+def _token_ids(event: bytes) -> list[int]:
+    first = event.split(b"\n", 1)[0]
+    if not first.startswith(b": tokens="):
+        return []
+    listed = first.removeprefix(b": tokens=")
+    return [int(t) for t in listed.split(b",")] if listed else []
+
+
+def _serve(engine: Any, calls: list[tuple[str, dict[str, Any]]]) -> list[list[bytes]]:
+    """POST each (path, body) to the engine's OpenAI routes; each stream's SSE events."""
+
+    async def run() -> list[list[bytes]]:
+        app = web.Application()
+        app.add_routes(engine.routes())
+        out = []
+        async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+            for path, body in calls:
+                resp = await client.post(path, json=body)
+                assert resp.status == 200, await resp.text()
+                out.append([e for e in (await resp.read()).split(b"\n\n") if e])
+        return out
+
+    return asyncio.run(run())
+
+
+def _continuations(full: list[bytes]) -> list[tuple[dict[str, Any], list[bytes]]]:
+    """For each cut k: the resume payload after k tokens, and the events owed after it."""
+    ids = [t for e in full for t in _token_ids(e)]
+    assert len(ids) == MAX_TOKENS and full[-1] == b"data: [DONE]"
+    out = []
+    for k in CUTS:
+        seen, cut = 0, 0
+        while seen < k:
+            seen += len(_token_ids(full[cut]))
+            cut += 1
+        out.append(({"token_ids": ids[:k], "started": True}, full[cut:]))
+    return out
 
 
 def test_the_entry_point_registers_the_loader() -> None:
@@ -106,43 +180,74 @@ def _plain_vllm_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[i
         destroy_distributed_environment()
 
 
-def test_published_then_mapped_without_the_checkpoint(
+def _first_engine(ckpt: Path, gms: Path) -> tuple[GmsClient, list[list[bytes]]]:
+    """The GMS writer: publishes, goes through standby, serves the whole streams, dies."""
+    from understudy.engine_shim.adapters.vllm import VllmEngine
+
+    writer = VllmEngine(str(ckpt), ARGS)
+    ws = GmsClient.connect(gms, Mode.RW_OR_RO, timeout=30)
+    assert ws.granted_mode is Granted.RW
+    try:
+        writer.load(0, ws)
+        ws.commit()
+        writer.attach({0: ws})
+        writer.sleep()
+        ws.unmap()
+        ws.remap(30)
+        writer.wake()
+        calls = [(path, {**_body(path, s), "understudy": IDS}) for path, s in STREAMS]
+        full = _serve(writer, calls)
+    finally:
+        writer.close()
+    return ws, full
+
+
+def test_published_then_mapped_then_continued_on_another_engine(
     model_dir: Path, gms: Path, tmp_path: Path
 ) -> None:
     from understudy.engine_shim.adapters.vllm import VllmEngine
 
     ckpt = tmp_path / "model"
     shutil.copytree(model_dir, ckpt)
-    args = ("--dtype", "float32", "--max-model-len", "2048", "--seed", "0")
-
-    writer = VllmEngine(str(ckpt), args)
-    ws = GmsClient.connect(gms, Mode.RW_OR_RO, timeout=30)
-    assert ws.granted_mode is Granted.RW
-    writer.load(0, ws)
-    ws.commit()
-    writer.attach({0: ws})
-    writer.sleep()  # on CPU: the engine that published is torn down
-    ws.unmap()
+    ws, full = _first_engine(ckpt, gms)
 
     (ckpt / "model.safetensors").unlink()  # a mapped engine must never need it
-    reader = VllmEngine(str(ckpt), args)
+    reader = VllmEngine(str(ckpt), ARGS)
     rs = GmsClient.connect(gms, Mode.RO, timeout=30)
     rs.import_all()
     reader.attach({0: rs})
+    core = reader._engine
+    awake = _rss()
     reader.sleep()
+    # The standby holds its engine core but not its KV cache (1 GiB): the
+    # pages went back to the kernel.
+    released = awake - _rss()
+    assert released > 0.9 * 2**30, f"standby released only {released / 2**20:.0f} MiB"
     rs.unmap()
     rs.remap(30)
     reader.wake()
+    assert reader._engine is core  # the wake built nothing
     prompts = [reader.encode(text) for text in PROMPTS]
     try:
         assert reader.health() == (True, "ok")
         ours = [_greedy(reader, p) for p in prompts]
-        # A continuation (the front's, after a failover) finishes the same answer.
         for p, answer in zip(prompts, ours, strict=True):
             assert _greedy(reader, p, answer[:17]) == answer[17:]
+        calls, owed = [], []
+        for (path, sampling), events in zip(STREAMS, full, strict=True):
+            for resume, rest in _continuations(events):
+                body = {**_body(path, sampling), "understudy": {**IDS, "resume": resume}}
+                calls.append((path, body))
+                owed.append((path, sampling, len(resume["token_ids"]), rest))
+        got = _serve(reader, calls)
+        for (path, sampling, k, rest), events in zip(owed, got, strict=True):
+            assert events == rest, f"{path} {sampling}: continued after {k} tokens"
     finally:
         reader.close()
         rs.close()
         ws.close()
+    # The seeded streams really sampled (not the greedy answer).
+    streamed = [[t for e in events for t in _token_ids(e)] for events in full]
+    assert len({tuple(ids) for ids in streamed[:2]}) == 2
     assert ours == _plain_vllm_greedy(model_dir, prompts)
     assert all(len(a) == MAX_TOKENS for a in ours)

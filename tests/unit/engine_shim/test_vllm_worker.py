@@ -153,3 +153,22 @@ def test_a_cancelled_request_is_aborted_in_vllm() -> None:
         deadline.wait(0.05)
     assert "long" in engine.aborted
     w.stop("done")
+
+
+@pytest.mark.parametrize(
+    ("args", "flags", "want"),
+    [
+        (["--dtype", "bfloat16"], ("--dtype",), True),
+        (["--dtype=half"], ("--dtype",), True),
+        (["--kv-cache-dtype", "fp8"], ("--dtype",), False),  # a longer flag is another flag
+        (["--served-model-name", "--dtype-like"], ("--dtype",), False),
+        (["--no-enforce-eager"], ("--enforce-eager", "--no-enforce-eager"), True),
+        ([], ("--enforce-eager",), False),
+    ],
+)
+def test_an_explicit_flag_is_found_by_option_not_by_substring(
+    args: list[str], flags: tuple[str, ...], want: bool
+) -> None:
+    from understudy.engine_shim.adapters.vllm import given
+
+    assert given(args, *flags) is want

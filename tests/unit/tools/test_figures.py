@@ -149,6 +149,13 @@ def test_client_gap_is_the_longest_hole_in_completions_after_the_kill() -> None:
     assert figures.client_gap([ok(10.2, 10.7)], 10.0, ok(10.2, 10.7)) == pytest.approx(0.7)
 
 
+def test_steady_gap_is_the_longest_wait_between_answers_in_the_window() -> None:
+    answers = [ok(0.0, 1.0), ok(0.5, 2.5), bad(1.0, 3.0), ok(2.0, 3.2), ok(4.0, 9.0)]
+    assert figures.steady_gap(answers, 0.0, 4.0) == pytest.approx(1.5)  # 1.0 -> 2.5
+    assert figures.steady_gap(answers, 0.0, 10.0) == pytest.approx(5.8)  # 3.2 -> 9.0
+    assert figures.steady_gap(answers, 2.0, 3.0) is None  # fewer than two answers
+
+
 def test_failed_between_counts_failures_that_ended_in_the_window() -> None:
     assert figures.failed_between(AROUND, 10.0, 10.35) == 1
     assert figures.failed_between(AROUND, 10.11, 10.35) == 0

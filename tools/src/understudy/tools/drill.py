@@ -394,6 +394,8 @@ class Round:
     kill_to_active_s: float | None = None
     gap_s: float | None = None
     first_served_s: float | None = None  # kill -> end of the first request started after it
+    # The longest wait between answers in the STEADY_S before the kill (no failover)
+    steady_gap_s: float | None = None
     failed_requests: int = 0
     rearm_s: float | None = None
     serving_ok: bool | None = None  # only the new Active engine listens for requests
@@ -434,6 +436,7 @@ class Report:
             "clients": self.clients,
             "requests_by_kind": self.by_kind,
             "gap_s": stats(col("gap_s")),
+            "steady_gap_s": stats(col("steady_gap_s")),
             "first_served_s": stats(col("first_served_s")),
             "kill_to_grant_s": stats(col("kill_to_grant_s")),
             "grant_to_active_s": stats(col("grant_to_active_s")),
@@ -457,6 +460,7 @@ def _wait(cond: Callable[[], Any], timeout: float) -> Any:
 
 
 SCENARIOS = ("takeover-kill", "lockserver", "gms")
+STEADY_S = 30.0  # the stretch before each kill whose gaps between answers are the baseline
 
 
 class _Session:
@@ -482,6 +486,15 @@ class _Session:
 
     def fold(self, before: float) -> None:
         fold(self.pool, self.tally, before, self.killed_at())
+
+    def steady_since(self) -> float:
+        """Where the steady stretch before the next kill starts: STEADY_S ago,
+        or once the previous failover had served again, if later."""
+        t0 = time.monotonic() - STEADY_S
+        if self.rounds and (last := self.rounds[-1]).kill_at_s is not None:
+            settle = last.first_served_s or KILL_WINDOW_S[1]
+            t0 = max(t0, self.origin + last.kill_at_s + settle)
+        return t0
 
     def close(self) -> None:
         for c in self.pool:
@@ -564,8 +577,6 @@ def _round(ses: _Session, plan: _Plan, i: int, log: Callable[[str], None]) -> bo
     if got is None:
         ses.rounds.append(Round(i, "?", 0, 0, error="pod not armed"))
         return False
-    # what ended well before this round's kill is needed only as counts
-    ses.fold(time.monotonic() + KILL_WINDOW_S[0] - 0.5)
     active = got[0]
     rnd = Round(
         i,
@@ -574,7 +585,10 @@ def _round(ses: _Session, plan: _Plan, i: int, log: Callable[[str], None]) -> bo
         active.get("epoch") or 0,
         killed_engine_id=active.get("engine_id", ""),
         signal=plan.names[(i - 1) % len(plan.names)],
+        steady_gap_s=figures.steady_gap(ses.samples(), ses.steady_since(), time.monotonic()),
     )
+    # what ended well before this round's kill is needed only as counts
+    ses.fold(time.monotonic() + KILL_WINDOW_S[0] - 0.5)
     t_kill, wall_kill = _kill(ses, plan, rnd, active)
     _measure(ses, plan, rnd, t_kill, wall_kill)
     ses.rounds.append(rnd)
@@ -665,6 +679,7 @@ def render(report: Report) -> str:
     ]
     for key, label in (
         ("gap_s", "client-observed gap"),
+        ("steady_gap_s", "gap, no failover"),
         ("first_served_s", "first new request done"),
         ("kill_to_grant_s", "kill -> lock granted"),
         ("grant_to_active_s", "granted -> Active"),

