@@ -27,7 +27,38 @@ def since_exec() -> float:
         return 0.0
 
 
+def _prepare_if_spare() -> float | None:
+    """A spare front (``understudy respawn --spare``) imports everything a front
+    ever loads, then waits for its turn: the front it stands behind died. It
+    binds nothing and connects to nothing before that (the serving socket is
+    the lock server's to hand over), so its turn costs only the hand-over:
+    a cold start of Python and these imports is most of a second on a busy
+    node, all of it time that queued connections wait. Returns the monotonic
+    time of the turn (None: not a spare), where this front's start begins."""
+    from understudy.wire import respawn
+
+    if not respawn.is_spare():
+        return None
+    import importlib
+
+    for module in (
+        "asyncio",
+        "uvloop",
+        "understudy.front.config",
+        "understudy.front.proxy",
+        "understudy.front.metrics",
+        "understudy.lockserver",
+        "prometheus_client",
+        "prometheus_client.exposition",
+        "understudy.wire.obs",
+    ):
+        importlib.import_module(module)
+    respawn.wait_turn()
+    return time.monotonic()
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    turn = _prepare_if_spare()
     import asyncio
 
     import uvloop
@@ -54,7 +85,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # of the latency it adds to a request (bench/front_overhead.py), and
     # asyncio's pure-Python loop was about a third of that.
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(run(cfg, since_exec()))
+        started = since_exec() if turn is None else time.monotonic() - turn
+        runner.run(run(cfg, started))
     return 0
 
 

@@ -152,7 +152,7 @@ _GAUGES = {
     ),
     "start_seconds": (
         "understudy_front_start_seconds",
-        "From this front's exec to accepting connections",
+        "From this front's exec (a spare's: its turn) to accepting connections",
     ),
 }
 _HISTOGRAMS = {

@@ -262,7 +262,8 @@ def front_container(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]:
     """The pod's front door: it serves the pod's port for the pod's whole life.
 
     Under the respawner, which restarts it in place at once (kubelet's
-    CrashLoopBackOff would cost the second death in ten minutes 10 s), and as
+    CrashLoopBackOff would cost the second death in ten minutes 10 s) from a
+    spare that has already paid Python's start and the imports, and as
     ``python -m understudy.front``: the dispatcher's entry-point scan is time
     that connections wait in the lock server's queue."""
     f = inst.spec.failover
@@ -278,6 +279,7 @@ def front_container(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]:
         "command": ["understudy"],
         "args": [
             "respawn",
+            "--spare",
             "--",
             "python",
             "-m",

@@ -191,9 +191,10 @@ def containers(cfg: LocalConfig) -> list[Container]:
         Container(
             "front",
             # As in the pod: the respawner restarts the front in place at
-            # once; its serving socket waits in the lock server meanwhile.
+            # once, from a spare that has done its imports; its serving
+            # socket waits in the lock server meanwhile.
             [
-                *_understudy("respawn", "--"),
+                *_understudy("respawn", "--spare", "--"),
                 sys.executable,
                 "-m",
                 "understudy.front",
