@@ -35,6 +35,9 @@ class ServerConfig:
     granularity: int | None = None  # host backend only; None = 2 MiB
     metrics_port: int | None = None  # None: no own /metrics (supervised children)
     health_interval_s: float = 5.0  # NVML poll for metrics and log (health.py)
+    # The lock server's record, asked who holds the lock before the KV pool is
+    # granted (lockword.py); None: the epoch alone fences.
+    lock_state: Path | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +49,7 @@ class SupervisorConfig:
     granularity: int | None = None
     metrics_port: int | None = None
     grace_s: float = 5.0  # after a child dies or SIGTERM: SIGTERM, then SIGKILL
+    lock_state: Path | None = None  # passed to every server (ServerConfig.lock_state)
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,7 @@ from understudy.gms.backends import ServerBackend, make_server_backend
 from understudy.gms.config import ServerConfig
 from understudy.gms.health import DeviceMonitor
 from understudy.gms.layout import AllocationRecord
+from understudy.gms.lockword import read_lock_word
 from understudy.wire.framing import encode
 from understudy.wire.obs import log_event, start_metrics_server
 from understudy.wire.uds import bind_unix, peer_credentials, sock_send_frame
@@ -277,22 +278,33 @@ class GmsServer:
 
     def _execute(self, actions: list[fsm.Action]) -> None:
         for action in actions:
-            match action:
-                case fsm.Reply(sid, message):
-                    self._reply(sid, message)
-                case fsm.CreateMemory(sid, record):
-                    self._create(sid, record)
-                case fsm.SendExport(sid, record, writable):
-                    self._send_export(sid, record, writable)
-                case fsm.ReleaseMemory(ids):
-                    for alloc_id in ids:
-                        self.backend.release(alloc_id)
-                case fsm.ArmTimer(sid, deadline):
-                    self._arm(sid, deadline)
-                case fsm.Transition():
-                    self._observe(action)
-                case _:
-                    assert_never(action)
+            self._do(action)
+
+    def _do(self, action: fsm.Action) -> None:
+        match action:
+            case fsm.Reply(sid, message):
+                self._reply(sid, message)
+            case fsm.CreateMemory(sid, record):
+                self._create(sid, record)
+            case fsm.SendExport(sid, record, writable):
+                self._send_export(sid, record, writable)
+            case fsm.ReleaseMemory(ids):
+                self._release(ids)
+            case fsm.ArmTimer(sid, deadline):
+                self._arm(sid, deadline)
+            case fsm.Transition():
+                self._observe(action)
+            case fsm.ReadLock(sid):
+                word, why = read_lock_word(self.config.lock_state)
+                self._feed(fsm.LockChecked(sid, word, why))
+            case fsm.GrantKv(sid, record, created, previous):
+                self._grant_kv(sid, record, created, previous)
+            case _:
+                assert_never(action)
+
+    def _release(self, ids: tuple[int, ...]) -> None:
+        for alloc_id in ids:
+            self.backend.release(alloc_id)
 
     def _reply(self, sid: int, message: m.Reply) -> None:
         conn = self._conns.get(sid)
@@ -314,6 +326,28 @@ class GmsServer:
         conn = self._conns.get(sid)
         if conn is not None:
             self._send(conn, m.Allocated(allocation=fsm.allocation_info(record)))
+
+    def _grant_kv(
+        self, sid: int, record: AllocationRecord, created: bool, previous: int | None
+    ) -> None:
+        """Create the KV pool if it is new, then send it writable with ``kv_granted``."""
+        if created:
+            try:
+                self.backend.create(record.id, record.size)
+            except Exception as exc:
+                reason = f"{self.backend.name} could not allocate {record.size}: {exc}"
+                self._feed(fsm.CreateFailed(sid, record.id, reason))
+                return
+        conn = self._conns.get(sid)
+        if conn is None:
+            return  # gone meanwhile: its Disconnected hands the pool on
+        try:
+            fd = self.backend.export(record.id, True)
+        except Exception as exc:
+            self._send(conn, m.ErrorReply(code=m.ErrorCode.NO_MEMORY, message=str(exc)))
+            return
+        info = fsm.allocation_info(record)
+        self._send(conn, m.KvGranted(allocation=info, created=created, previous_epoch=previous), fd)
 
     def _send_export(self, sid: int, record: AllocationRecord, writable: bool) -> None:
         conn = self._conns.get(sid)
