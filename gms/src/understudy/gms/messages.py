@@ -262,6 +262,9 @@ class KvGranted(_Msg):
     allocation: AllocationInfo
     created: bool  # fresh zeroed memory; False: the pool as its last holder left it
     previous_epoch: int | None  # the epoch that held it last (None: created now)
+    granularity: int
+    backend: str
+    device: int
 
 
 class KvReport(_Msg):

@@ -346,8 +346,15 @@ class GmsServer:
         except Exception as exc:
             self._send(conn, m.ErrorReply(code=m.ErrorCode.NO_MEMORY, message=str(exc)))
             return
-        info = fsm.allocation_info(record)
-        self._send(conn, m.KvGranted(allocation=info, created=created, previous_epoch=previous), fd)
+        granted = m.KvGranted(
+            allocation=fsm.allocation_info(record),
+            created=created,
+            previous_epoch=previous,
+            granularity=self.backend.granularity,
+            backend=self.backend.name,
+            device=self.config.device,
+        )
+        self._send(conn, granted, fd)
 
     def _send_export(self, sid: int, record: AllocationRecord, writable: bool) -> None:
         conn = self._conns.get(sid)
