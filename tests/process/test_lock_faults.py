@@ -17,6 +17,7 @@ from localpod import LocalPod, http_json
 from procs import Proc, understudy, wait_for
 
 from understudy.lockserver import client
+from understudy.lockserver.statefile import copy_paths
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
@@ -57,11 +58,7 @@ def test_a_lock_server_restart_with_a_lost_record_keeps_the_pod_serving(damage: 
         active = pod.wait_armed()
         load.start()
         time.sleep(0.5)
-        state = pod.dir / "lock.state"
-        if damage == "garbage":
-            state.write_bytes(b"\x00not json{")
-        else:
-            state.unlink()
+        _damage(pod, "both copies" if damage == "garbage" else "deleted")
         os.kill(pod.pid("lockserver"), signal.SIGKILL)
         # The runner restarts it; the Active engine's client resumes.
         new = wait_for(
@@ -75,6 +72,71 @@ def test_a_lock_server_restart_with_a_lost_record_keeps_the_pod_serving(damage: 
         route = http_json(pod.front_port, "/state")[1]["route"]
         assert route == {"engine_id": active["engine_id"], "epoch": new["epoch"]}
         assert "epoch_reissued" in pod.log(active["name"])
+        assert len(pod.by_state("Active")) == 1
+    except BaseException:
+        print(pod.diagnostics())
+        raise
+    finally:
+        load.stop.set()
+        load.join(60)
+        pod.close()
+    failed = [a for a in load.answers if a[0] != 200]
+    assert load.answers and not failed, failed[:5]
+    assert len({a[1] for a in load.answers}) == 1  # one checksum: the same weights
+
+
+def _damage(pod: LocalPod, how: str) -> None:
+    """Damage the lock's state file the way ``how`` says."""
+    copies = copy_paths(pod.dir / "lock.state")
+    match how:
+        case "one copy":
+            copies[0].write_bytes(b"\x00not json{")
+        case "both copies":
+            for c in copies:
+                c.write_bytes(b"\x00not json{")
+        case "deleted":
+            for c in copies:
+                c.unlink()
+
+
+WINDOW_S = 10.0
+
+
+@pytest.mark.parametrize("when", ["at once", "a second later"])
+@pytest.mark.parametrize("how", ["one copy", "both copies", "deleted"])
+def test_a_damaged_state_file_then_the_active_death_costs_no_more_than_a_deleted_one(
+    how: str, when: str
+):
+    """A lock server restart over a damaged state file, then the Active
+    engine's death: at once (before it can claim its grant back) or a second
+    later. The pod has an Active engine again well within the reconnect
+    window, whatever the damage, and no request fails."""
+    pod = LocalPod("--reconnect-window", f"{WINDOW_S:g}", engine="synthetic")
+    load = Load(pod)
+    try:
+        active = pod.wait_armed()
+        load.start()
+        time.sleep(0.5)
+        _damage(pod, how)
+        old = pod.pid("lockserver")
+        os.kill(old, signal.SIGKILL)
+        wait_for(lambda: pod.pid("lockserver") != old and _answers(pod.dir / "lock.sock"), 20,
+                 0.01, what="the lock server back")  # fmt: skip
+        if when == "a second later":
+            time.sleep(1.0)
+        killed = time.monotonic()
+        os.kill(active["pid"], signal.SIGKILL)
+        wait_for(
+            lambda: any(e["name"] != active["name"] for e in pod.by_state("Active")),
+            WINDOW_S + 10, 0.02, what="another engine Active",
+        )  # fmt: skip
+        outage = time.monotonic() - killed
+        log = pod.log("lockserver")
+        print(f"{how}, {when}: no Active engine for {outage:.2f}s; load {os.getloadavg()}")
+        assert outage < WINDOW_S / 3, log[-3000:]
+        if how == "one copy":
+            assert "event=state_copy_damaged" in log and "state_file_corrupt" not in log
+        pod.wait_armed(60)
         assert len(pod.by_state("Active")) == 1
     except BaseException:
         print(pod.diagnostics())

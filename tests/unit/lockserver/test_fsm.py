@@ -440,9 +440,11 @@ class LockMachine(RuleBasedStateMachine):
         if deadline is not None and self.now >= deadline:
             self.apply(WindowExpired())
 
-    @precondition(lambda self: self.state.window is not None and self.state.window.holder)
+    @precondition(lambda self: self.state.window is not None)
     @rule()
     def holder_seen_gone(self):
+        """The persisted holder's heartbeat, or (an unknown holder) every
+        engine's, says it is gone."""
         w = self.state.window
         self.now += 0.05
         self.apply(fsm.HolderGone(w.holder, "gone"))
@@ -458,8 +460,8 @@ class LockMachine(RuleBasedStateMachine):
         self.retry_armed = False
         self.apply(fsm.RetryGrant())
 
-    @rule(record=st.sampled_from(["kept", "missing", "damaged"]))
-    def server_restarts(self, record):
+    @rule(record=st.sampled_from(["kept", "missing", "damaged"]), sees=st.booleans())
+    def server_restarts(self, record, sees):
         """Everything in memory is lost; only the persisted record survives.
         Engines that held grants are still alive and will claim them."""
         self.now += 0.5
@@ -468,7 +470,7 @@ class LockMachine(RuleBasedStateMachine):
         floor = 10**12 + int(self.now * 1_000_000)
         kept = self.persisted if record == "kept" else None
         self.state, _ = fsm.step(
-            LockState(), Restored(kept, record == "damaged", W, floor), self.now
+            LockState(), Restored(kept, record == "damaged", W, floor, sees), self.now
         )
         self.retry_armed = False
 
@@ -522,3 +524,23 @@ def test_a_window_ends_early_when_its_holder_is_seen_gone():
     s, actions = step(s, fsm.HolderGone("a", "its process 42 is gone"), 0.2)
     assert actions[0] == fsm.WindowClosed("holder_gone")
     assert [(g.engine_id, g.epoch) for g in grants(actions)] == [("b", 5)]
+
+
+@pytest.mark.parametrize("corrupt", [True, False], ids=["damaged", "missing"])
+def test_an_unknown_holder_is_waited_for_until_no_engine_holds_an_epoch(corrupt):
+    """When the shell sees every engine's heartbeat, a lost record costs no
+    guess: the window lasts while an engine of the pod holds an epoch (it may
+    be the holder, and claims its grant back), and ends the moment none does."""
+    s, actions = step(LockState(), Restored(None, corrupt, W, 5000, sees_claimants=True), 0.0)
+    assert s.window == fsm.Window(None, 5000, W)  # the whole window, not the short guess
+    s, actions = step(s, AcquireRequested(1, "b"), 0.5)
+    assert actions == []
+    s, actions = step(s, fsm.HolderGone(None, "no heartbeat holds an epoch"), 0.6)
+    assert actions[0] == fsm.WindowClosed("holder_gone")
+    assert [(g.engine_id, g.epoch, g.reissued) for g in grants(actions)] == [("b", 5001, False)]
+
+
+def test_an_unknown_holder_that_claims_first_keeps_serving():
+    s, _ = step(LockState(), Restored(None, True, W, 5000, sees_claimants=True), 0.0)
+    s, actions = step(s, AcquireRequested(1, "a", resume_epoch=12), 0.2)
+    assert [(g.engine_id, g.epoch, g.reissued) for g in grants(actions)] == [("a", 5001, True)]

@@ -136,7 +136,10 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     serve = server_sub.add_parser("serve", help="serve the lock on a Unix socket (and TCP)")
     serve.add_argument("--socket", required=True, help="Unix socket path")
     serve.add_argument(
-        "--state-file", required=True, help="persisted lock state (read back on restart)"
+        "--state-file",
+        required=True,
+        help="persisted lock state, kept in two checksummed copies, PATH.a and PATH.b "
+        "(read back on restart)",
     )
     serve.add_argument(
         "--reconnect-window",

@@ -13,7 +13,13 @@ Semantics:
   across restarts (the epoch is persisted, and a corrupt state file restarts
   the count above any counter-based epoch);
 - on restart with a persisted holder a reconnect window opens; only that holder
-  can be granted during it (with its old epoch); afterwards the lock is free;
+  can be granted during it (with its old epoch); afterwards the lock is free.
+  The window ends early when the holder is seen gone (its heartbeat);
+- on restart without a record (no state file, or no whole copy of it) the
+  holder is unknown: the first engine that claims a grant is re-granted under
+  a new epoch, and everyone else waits until no engine in the pod holds an
+  epoch any more (when the shell can see every engine's heartbeat), or out
+  the window (when it cannot: clients over TCP);
 - a holder that lost its connection may ask for its grant back
   (``resume_epoch``); that succeeds only if nobody was granted since.
 """
@@ -105,6 +111,11 @@ class Restored:
     # exceeds any counter-based epoch and any epoch granted after an earlier
     # corruption unless grants outpaced one per microsecond.
     epoch_floor: int = 0
+    # The shell sees the heartbeat of every engine that could hold the lock
+    # (all clients are in the pod, none over TCP), so it can report
+    # HolderGone for an unknown holder too: then an unknown holder's window
+    # need not be guessed short or waited out long.
+    sees_claimants: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,11 +144,13 @@ class WindowExpired:
 
 @dataclass(frozen=True, slots=True)
 class HolderGone:
-    """During a reconnect window, the shell saw the persisted holder's process
-    gone (its heartbeat names a pid that no longer runs, or stopped moving):
-    it will never reclaim, so waiting out the window only delays the failover."""
+    """During a reconnect window, the shell saw the holder it waits for gone:
+    the persisted holder (``engine_id``), whose heartbeat names a pid that no
+    longer runs or stopped moving, or, for an unknown holder (``None``), every
+    engine in the pod that holds an epoch. It will never reclaim, so waiting
+    out the window only delays the failover."""
 
-    engine_id: str
+    engine_id: str | None
     reason: str
 
 
@@ -246,24 +259,24 @@ Result = tuple[LockState, list[Action]]
 
 
 def _restored(s: LockState, e: Restored, now: float) -> Result:
-    if e.corrupt:
+    if e.corrupt or e.record is None:
+        # No record: a new pod, a volume that lost it, or both copies damaged.
+        # Epochs restart above anything granted before (the floor), and a
+        # holder that comes back is re-granted rather than refused. The
+        # window gives it the first turn; it lasts until no engine in the pod
+        # holds an epoch (HolderGone(None): a new pod's engines hold none, so
+        # it costs a new pod nothing) when the shell can tell, else a guess:
+        # the whole window for a damaged record (a holder surely existed), a
+        # short one for none (most often a new pod, whose engines take longer
+        # than that to load their weights and ask).
         epoch = max(e.epoch_floor, s.epoch)
-        w = Window(holder=None, epoch=epoch, deadline=now + e.window_s)
+        seconds = e.window_s
+        if not e.corrupt and not e.sees_claimants:
+            seconds = min(e.window_s, NO_RECORD_WINDOW_S)
+        w = Window(holder=None, epoch=epoch, deadline=now + seconds)
         return (
             replace(s, phase=Phase.WINDOW, epoch=epoch, window=w, history_unknown=True),
-            [WindowOpened(None, epoch, w.deadline, corrupt=True)],
-        )
-    if e.record is None:
-        # No file: a new pod, or a volume that lost it. Either way epochs
-        # restart above anything granted before (the floor), and a holder that
-        # comes back is re-granted rather than refused. A short window gives it
-        # the first turn; a new pod's engines take longer than that to load
-        # their weights and ask, so it costs a new pod nothing.
-        epoch = max(e.epoch_floor, s.epoch)
-        w = Window(holder=None, epoch=epoch, deadline=now + min(e.window_s, NO_RECORD_WINDOW_S))
-        return (
-            replace(s, phase=Phase.WINDOW, epoch=epoch, window=w, history_unknown=True),
-            [WindowOpened(None, epoch, w.deadline, corrupt=False)],
+            [WindowOpened(None, epoch, w.deadline, corrupt=e.corrupt)],
         )
     if e.record.holder is None:
         return replace(s, phase=Phase.FREE, epoch=e.record.epoch), []

@@ -19,6 +19,7 @@ import os
 import socket
 import time
 from collections.abc import Coroutine, Iterator
+from pathlib import Path
 from typing import Self, assert_never
 
 import prometheus_client as prom
@@ -42,7 +43,7 @@ from understudy.lockserver.messages import (
 )
 from understudy.wire.heartbeat import read_beat
 from understudy.wire.obs import log_event, start_metrics_server
-from understudy.wire.serving import heartbeat_path
+from understudy.wire.serving import SERVE_DIR, Beat, heartbeat_path
 from understudy.wire.uds import bind_unix, peer_credentials, set_keepalive
 
 log = logging.getLogger("understudy.lockserver")
@@ -149,6 +150,7 @@ class LockServer:
         self._rearm_from: float | None = None
         self._granted_wall: float | None = None  # the holder's grant, for rewrites
         self._collector = TallyCollector(self)
+        self._state_file = statefile.StateFile(config.state_file)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -213,19 +215,9 @@ class LockServer:
     def _restore(self) -> None:
         path = self.config.state_file
         path.parent.mkdir(parents=True, exist_ok=True)
-        result = statefile.read(path)
+        result = self._state_file.read()
         wall = time.time()
-        if result.corrupt:
-            copy = statefile.keep_copy(path, wall)
-            log_event(
-                log,
-                "state_file_corrupt",
-                logging.ERROR,
-                path=str(path),
-                detail=result.detail,
-                copy=str(copy) if copy else None,
-                consequence="unknown holder assumed; every acquire waits for the reconnect window",
-            )
+        self._report_damage(result, wall)
         if result.counters is not None:
             self.tally = result.counters
         elif result.counters_detail:
@@ -239,6 +231,7 @@ class LockServer:
                 corrupt=result.corrupt,
                 window_s=self.config.reconnect_window_s,
                 epoch_floor=int(wall * 1_000_000),
+                sees_claimants=self.config.tcp is None,
             )
         )
         log_event(
@@ -248,6 +241,30 @@ class LockServer:
             epoch=self.state.epoch,
             holder=result.record.holder if result.record else None,
         )
+
+    def _report_damage(self, result: statefile.ReadResult, wall: float) -> None:
+        """Keep damaged copies aside and say what they cost; write a copy that
+        was damaged whole again, so the next damage is survived too."""
+        for copy_path, why in result.damaged:
+            kept = statefile.keep_copy(copy_path, wall)
+            log_event(
+                log, "state_copy_damaged", logging.ERROR, path=str(copy_path), detail=why,
+                copy=str(kept) if kept else None,
+                consequence="no whole copy left" if result.corrupt
+                else "restored from the other copy, which is written whole again",
+            )  # fmt: skip
+        if result.corrupt:
+            log_event(
+                log, "state_file_corrupt", logging.ERROR, path=str(self.config.state_file),
+                detail=result.detail,
+                consequence="unknown holder assumed; acquires wait until it claims its grant "
+                "or no engine in the pod holds an epoch",
+            )  # fmt: skip
+            return
+        try:
+            self._state_file.repair(result)
+        except OSError as exc:
+            log_event(log, "state_repair_failed", logging.ERROR, error=str(exc))
 
     # ----------------------------------------------------------- the core
 
@@ -305,7 +322,7 @@ class LockServer:
         # the write succeeds (a failed write undoes the grant).
         staged, wall = self._counted_grant(), time.time()
         try:
-            statefile.write(self.config.state_file, action.engine_id, action.epoch, wall, staged)
+            self._state_file.write(action.engine_id, action.epoch, wall, staged)
         except OSError as exc:
             WRITE_FAILURES.labels(record="grant").inc()
             self._feed(fsm.PersistFailed(f"{exc.strerror or exc} ({exc.errno})"))
@@ -318,7 +335,7 @@ class LockServer:
 
     def _clear(self, action: fsm.Clear) -> None:
         try:
-            statefile.write(self.config.state_file, None, action.epoch, time.time(), self.tally)
+            self._state_file.write(None, action.epoch, time.time(), self.tally)
         except OSError as exc:
             # The file still names the last holder: a restart would wait a
             # reconnect window for it. Slower, never unsafe.
@@ -417,8 +434,7 @@ class LockServer:
         self.tally = tally.rearmed(self.tally, seconds)
         log_event(log, "rearmed", seconds=round(seconds, 3), epoch=s.epoch)
         try:
-            statefile.write(
-                self.config.state_file,
+            self._state_file.write(
                 s.holder.engine_id,
                 s.epoch,
                 self._granted_wall or time.time(),
@@ -438,24 +454,22 @@ class LockServer:
             self._holder_check = self._loop.call_later(HOLDER_CHECK_S, self._check_holder)
 
     def _check_holder(self) -> None:
-        """While a window waits for a persisted holder, look at its heartbeat
-        (engines in the pod write one next to our socket): a pid that no longer
-        runs, or a record that stopped moving, means it will never come back."""
+        """While a window waits for its holder, look at the heartbeats
+        (engines in the pod write one next to our socket): for a persisted
+        holder, a pid that no longer runs, or a record that stopped moving,
+        means it will never come back; for an unknown holder, so does no
+        engine of the pod holding an epoch."""
         self._holder_check = None
         w = self.state.window
-        if w is None or w.holder is None:
+        if w is None:
             return
-        beat = read_beat(heartbeat_path(self.config.socket_path.parent, w.holder))
-        reason = None
-        if beat is not None:
-            try:
-                os.kill(beat.pid, 0)
-            except ProcessLookupError:
-                reason = f"its process {beat.pid} is gone"
-            except PermissionError:
-                pass  # alive, someone else's
-            if reason is None and time.monotonic() - beat.monotonic > HOLDER_SILENT_S:
-                reason = f"its heartbeat stopped {time.monotonic() - beat.monotonic:.1f}s ago"
+        run_dir = self.config.socket_path.parent
+        if w.holder is not None:
+            reason = _gone(read_beat(heartbeat_path(run_dir, w.holder)))
+        elif self.config.tcp is None:
+            reason = _no_claimant(run_dir)
+        else:
+            return  # engines elsewhere: their heartbeats are not ours to see
         if reason is not None:
             log_event(log, "holder_gone", logging.WARNING, holder=w.holder, reason=reason)
             self._feed(fsm.HolderGone(w.holder, reason))
@@ -582,6 +596,33 @@ class LockServer:
                 self._send(conn, self._holder())
             case _:
                 assert_never(message)
+
+
+def _gone(beat: Beat | None) -> str | None:
+    """Why the engine that wrote ``beat`` is gone, or None if it may live."""
+    if beat is None:
+        return None  # no heartbeat (yet): nothing proves it gone
+    try:
+        os.kill(beat.pid, 0)
+    except ProcessLookupError:
+        return f"its process {beat.pid} is gone"
+    except PermissionError:
+        pass  # alive, someone else's
+    silent = time.monotonic() - beat.monotonic
+    if silent > HOLDER_SILENT_S:
+        return f"its heartbeat stopped {silent:.1f}s ago"
+    return None
+
+
+def _no_claimant(run_dir: Path) -> str | None:
+    """Why no engine in the pod can hold the lock, or None if one may: an
+    engine that was granted an epoch writes it into its heartbeat."""
+    beats = sorted((run_dir / SERVE_DIR).glob("*.beat"))
+    for path in beats:
+        beat = read_beat(path)
+        if beat is not None and beat.epoch > 0 and _gone(beat) is None:
+            return None
+    return f"none of the pod's {len(beats)} engine heartbeats holds an epoch"
 
 
 def _error_code(code: str) -> ErrorCode:
