@@ -5,7 +5,6 @@ the CUDA driver double (UNVERIFIED on a GPU)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -15,17 +14,23 @@ from procs import PYTHON, Proc, understudy, wait_for
 
 from understudy.gms.fsm import LockWord
 from understudy.gms.lockword import read_lock_word
+from understudy.wire import lockrecord
 
 pytestmark = pytest.mark.process
 
 MiB = 1 << 20
 
 
+_seq = [0]
+
+
 def lock_record(path: Path, holder: str | None, epoch: int) -> None:
-    """What the lock server writes before a grant (atomically, as it does)."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"holder": holder, "epoch": epoch, "granted_at": 0}))
-    tmp.replace(path)
+    """What the lock server writes before a grant (a copy replaced whole, as it does)."""
+    _seq[0] += 1
+    copy = lockrecord.copy_paths(path)[_seq[0] % 2]
+    tmp = copy.with_suffix(".tmp")
+    tmp.write_bytes(lockrecord.encode(_seq[0], {"holder": holder, "epoch": epoch}))
+    tmp.replace(copy)
 
 
 def acquire(a: Agent, gms: Gms, epoch: int, name: str, timeout: float = 5) -> dict[str, object]:
