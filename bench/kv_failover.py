@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import http.client
 import json
+import math
 import os
 import re
 import shutil
@@ -262,6 +263,61 @@ def report(rounds: list[Round], contexts: list[int]) -> dict[str, Any]:
     return {"kill_to_next_token_s": table, "ratios_p50": ratios}
 
 
+def figure(result: dict[str, Any], contexts: list[int]) -> str:
+    """An SVG bar chart: kill -> next token (p50, log scale) per context, on and off."""
+    table = result["kill_to_next_token_s"]
+    width, height, left, bottom, top = 560, 300, 60, 40, 30
+    values = [s["p50"] for s in table.values()]
+    lo = 10 ** math.floor(math.log10(min(values)))
+    hi = 10 ** math.ceil(math.log10(max(values)))
+
+    def y(v: float) -> float:
+        frac = (math.log10(v) - math.log10(lo)) / (math.log10(hi) - math.log10(lo))
+        return height - bottom - frac * (height - bottom - top)
+
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        'font-family="sans-serif" font-size="12">',
+        f'<text x="{width / 2}" y="16" text-anchor="middle">kill → next token (p50, s, '
+        "log scale)</text>",
+    ]
+    decade = lo
+    while decade <= hi:
+        out.append(
+            f'<line x1="{left}" x2="{width - 10}" y1="{y(decade):.1f}" y2="{y(decade):.1f}" '
+            'stroke="#ddd"/>'
+            f'<text x="{left - 6}" y="{y(decade) + 4:.1f}" text-anchor="end">{decade:g}</text>'
+        )
+        decade *= 10
+    group = (width - left - 10) / len(contexts)
+    colours = {"on": "#2b7bba", "off": "#d95f02"}
+    for i, c in enumerate(contexts):
+        x0 = left + i * group + group * 0.15
+        for j, mode in enumerate(("on", "off")):
+            s = table.get(f"{mode}/{c}")
+            if s is None:
+                continue
+            x = x0 + j * group * 0.35
+            out.append(
+                f'<rect x="{x:.1f}" y="{y(s["p50"]):.1f}" width="{group * 0.3:.1f}" '
+                f'height="{height - bottom - y(s["p50"]):.1f}" fill="{colours[mode]}"/>'
+                f'<text x="{x + group * 0.15:.1f}" y="{y(s["p50"]) - 4:.1f}" '
+                f'text-anchor="middle">{s["p50"]:.2f}</text>'
+            )
+        out.append(
+            f'<text x="{left + (i + 0.5) * group:.1f}" y="{height - bottom + 16}" '
+            f'text-anchor="middle">{c} tokens</text>'
+        )
+    for j, mode in enumerate(("on", "off")):
+        out.append(
+            f'<rect x="{width - 170 + j * 80}" y="{height - 16}" width="10" height="10" '
+            f'fill="{colours[mode]}"/><text x="{width - 156 + j * 80}" y="{height - 7}">'
+            f"pool {mode}</text>"
+        )
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="builtin:smollm2-135m")
@@ -271,8 +327,14 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--modes", default="on,off")
     parser.add_argument("--base-port", type=int, default=29400)
+    parser.add_argument("--figure", help="also draw the result as an SVG here")
+    parser.add_argument("--figure-from", help="only draw the figure, from this results JSON")
     args = parser.parse_args()
     args.contexts = [int(c) for c in args.contexts.split(",")]
+    if args.figure_from:
+        saved = json.loads(Path(args.figure_from).read_text())
+        Path(args.figure).write_text(figure(saved, saved["contexts"]))
+        return 0
     load_before = os.getloadavg()
     rounds: list[Round] = []
     for i, mode in enumerate(args.modes.split(",")):
@@ -286,6 +348,8 @@ def main() -> int:
         print(f"  {key:>22}  {v:.2f}x")
     identical = all(r.identical for r in rounds)
     print(f"every stream byte-identical across its kill: {identical}")
+    if args.figure:
+        Path(args.figure).write_text(figure(result, args.contexts))
     write_results(
         "kv_failover",
         {

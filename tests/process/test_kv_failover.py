@@ -172,10 +172,11 @@ def test_sigkill_mid_seal_log_write_leaves_a_readable_prefix(
 ) -> None:
     _ids, text = reference
     n = len(tiny_llama_ids(PROMPT))
-    # The prompt's blocks are sealed by its prefill; then one block every 16
-    # tokens. Die in the write of the sixth block after the prompt's (the next
-    # engine, armed alike, writes fewer than that for the rest of the stream).
-    nth = n // 16 + 6
+    # The prefill seals the prompt's blocks (the last in part), then every
+    # step seals its sequence's last block again: die in the write of the 90th
+    # step's seal. The next engine, armed alike, writes fewer records than
+    # that for the rest of the stream.
+    nth = -(-n // 16) + 90
     pod = pod_factory(failpoints=f"kv.seal.torn=kill@{nth}")
     first = pod.by_state("Active")[0]
     got, _ = stream(pod.serve_port, lambda _: None)
@@ -191,11 +192,12 @@ def test_a_corrupted_block_is_detected_recomputed_and_the_answer_is_identical(
     pod_factory: Callable[..., LocalPod], reference: tuple[list[int], str]
 ) -> None:
     _ids, text = reference
-    pod = pod_factory(failpoints="kv.block.corrupt=return@3")  # block 2 and every one after
+    pod = pod_factory(failpoints="kv.block.corrupt=return")  # each adoption: block 2
     killed: list[tuple[int, float]] = []
     got, _ = stream(pod.serve_port, kill_active_at(pod, 40, killed))
     assert got == text
     log = active_log(pod, not_pid=killed[0][0])
+    assert re.search(r"kv_failpoint_corrupted .*block=2\b", log), log[-3000:]
     assert re.search(r"kv_corrupt_block .*block=2\b", log), log[-3000:]
     # Block 2 sits in the prompt's first chunk: the prompt is recomputed from 0.
     assert re.search(r"kv_reused .*positions=0 .*corrupt=1", log), log[-3000:]

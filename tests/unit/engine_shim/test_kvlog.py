@@ -99,11 +99,19 @@ def test_header_round_trip_and_refusals() -> None:
     epoch=st.integers(0, 2**64 - 1),
     chain_=st.binary(min_size=16, max_size=16),
     checksum=st.integers(0, 2**64 - 1),
+    count=st.integers(0, 2**16 - 1),
 )
 def test_record_round_trip(
-    gen: int, kind: Kind, slot: int, block: int, epoch: int, chain_: bytes, checksum: int
+    gen: int,
+    kind: Kind,
+    slot: int,
+    block: int,
+    epoch: int,
+    chain_: bytes,
+    checksum: int,
+    count: int,
 ) -> None:
-    rec = Record(gen, kind, slot, block, epoch, chain_, checksum)
+    rec = Record(gen, kind, slot, block, epoch, chain_, checksum, count)
     raw = kvlog.encode_record(rec)
     assert len(raw) == RECORD_SIZE
     assert kvlog.decode_record(raw) == rec
@@ -113,7 +121,7 @@ def test_record_round_trip(
 def test_random_bytes_are_no_record(data: bytes) -> None:
     rec = kvlog.decode_record(data)
     if rec is not None:  # only if the CRC happens to hold: then it re-encodes the same
-        assert kvlog.encode_record(rec)[:52] == data[:52]
+        assert kvlog.encode_record(rec)[:54] == data[:54]
 
 
 @given(
@@ -184,8 +192,8 @@ def test_retire_drops_the_slot_from_a_block_on() -> None:
     index = Index.replay(
         sp,
         [
-            *(Record(g + 1, Kind.SEAL, 0, g, 1, h(g)) for g in range(4)),
-            Record(5, Kind.SEAL, 1, 0, 1, h(0)),
+            *(Record(g + 1, Kind.SEAL, 0, g, 1, h(g), 0, 4) for g in range(4)),
+            Record(5, Kind.SEAL, 1, 0, 1, h(0), 0, 4),
             Record(6, Kind.RETIRE, 0, 2, 2),
         ],
     )
@@ -195,9 +203,14 @@ def test_retire_drops_the_slot_from_a_block_on() -> None:
 
 def test_replay_ignores_newer_epochs_and_blocks_outside_the_pool() -> None:
     sp = spec()
-    recs = [Record(1, Kind.SEAL, 0, 0, 5, h(0)), Record(2, Kind.SEAL, 9, 0, 1, h(0))]
+    recs = [
+        Record(1, Kind.SEAL, 0, 0, 5, h(0), 0, 4),  # a newer epoch
+        Record(2, Kind.SEAL, 9, 0, 1, h(0), 0, 4),  # no slot 9
+        Record(3, Kind.SEAL, 0, 0, 1, h(0), 0, 5),  # more positions than a block has
+        Record(4, Kind.SEAL, 0, 0, 1, h(0), 0, 0),  # none
+    ]
     index = Index.replay(sp, recs, epoch=4)
-    assert index.sealed == {} and index.ignored == 2
+    assert index.sealed == {} and index.ignored == 4
 
 
 def test_match_finds_the_longest_sealed_prefix() -> None:
@@ -213,17 +226,36 @@ def test_match_finds_the_longest_sealed_prefix() -> None:
     for b in range(4):
         w.seal(2, b, hs[b], 0)
     index = w.index
-    assert index.match(hs, range(3), limit=4) == kvlog.Match(2, 4)
-    assert index.match(hs, range(3), limit=3) == kvlog.Match(2, 3)
-    assert index.match(hs, [0, 1], limit=4) == kvlog.Match(0, 2)  # slot 1 diverges at block 2
-    assert index.match(chains([1, 2, 3, 4], 4), range(3), limit=1) is None
+    assert index.match(toks, range(3)) == kvlog.Match(2, 16, 4)
+    assert index.match(toks[:15], range(3)) == kvlog.Match(2, 12, 3)  # whole blocks only
+    assert index.match(toks, [0, 1]) == kvlog.Match(0, 8, 2)  # slot 1 diverges at block 2
+    assert index.match([1, 2, 3, 4], range(3)) is None
 
 
-def test_completed_blocks() -> None:
+def test_a_last_block_sealed_in_part_matches_in_part() -> None:
+    sp = spec(slots=2)
+    toks = list(range(100, 110))  # two whole blocks and 2 positions
+    hs = chains(toks, 4)
+    w = Writer(Index(sp), epoch=1)
+    w.seal(0, 0, hs[0], 0)
+    w.seal(0, 1, hs[1], 0)
+    w.seal(0, 2, chain(hs[1], toks[8:9]), 0, count=1)
+    w.seal(0, 2, chain(hs[1], toks[8:10]), 0, count=2)  # it grew: sealed again
+    assert w.index.sealed[(0, 2)].count == 2
+    assert w.index.match(toks, [0, 1]) == kvlog.Match(0, 10, 3)
+    assert w.index.match([*toks, 7, 7], [0, 1]) == kvlog.Match(0, 10, 3)
+    assert w.index.match(toks[:9], [0, 1]) == kvlog.Match(0, 8, 2)  # the part is longer
+    assert w.index.match([*toks[:9], 0], [0, 1]) == kvlog.Match(0, 8, 2)  # another token
+    with pytest.raises(ValueError):
+        w.seal(0, 3, h(0), 0, count=5)
+
+
+def test_touched_blocks() -> None:
     sp = spec(blocks=4)
-    assert list(kvlog.completed(sp, 0, 3)) == []
-    assert list(kvlog.completed(sp, 3, 9)) == [0, 1]
-    assert list(kvlog.completed(sp, 8, 100)) == [2, 3]  # never past the slot
+    assert list(kvlog.touched(sp, 0, 3)) == [(0, 3)]
+    assert list(kvlog.touched(sp, 3, 9)) == [(0, 4), (1, 4), (2, 1)]
+    assert list(kvlog.touched(sp, 8, 100)) == [(2, 4), (3, 4)]  # never past the slot
+    assert list(kvlog.touched(sp, 5, 5)) == []
     assert list(kvlog.block_range(sp, 2)) == [8, 9, 10, 11]
 
 
@@ -247,40 +279,63 @@ def test_checksum_is_over_the_pieces_in_order() -> None:
 
 # --- the property: a death anywhere never makes a wrong block trusted ------------
 
-Op = tuple[int, int, int]  # write block (slot, block) with content id c, then seal it
-Truth = dict[tuple[int, int], int | None]
+# Write block (slot, block) with content id c up to position ``count`` and seal
+# it; or, ``grow``, write more of the block the slot holds and seal it again.
+Op = tuple[int, int, int, int, bool]
+Truth = dict[tuple[int, int], tuple[int, int] | None]  # (content, positions) or being written
+
+
+def h2(content: int, count: int) -> bytes:
+    return chain(kvlog.ROOT, [content, count])
 
 
 def _engine(sp: PoolSpec, ops: list[Op]) -> tuple[list[kvlog.Write], list[Truth]]:
-    """Run ``ops`` as the engine does (retire, then write, then seal) and return
-    every log write in order with what memory truly held after each one
-    (None: a block being written)."""
+    """Run ``ops`` as the engine does (retire, then write, then seal; a growing
+    block is sealed again without a retire, its sealed positions unchanged) and
+    return every log write in order with what memory truly held during each one
+    (None: a block being rewritten)."""
     w = Writer(Index(sp), epoch=1)
-    truth: dict[tuple[int, int], int | None] = {}
+    truth: Truth = {}
     writes: list[kvlog.Write] = []
-    after: list[dict[tuple[int, int], int | None]] = []
-    for slot, block, content in ops:
-        for write in w.retire(slot, block):
-            writes.append(write)
-            after.append(dict(truth))
-        for b in range(block, sp.blocks_per_slot):
-            truth[(slot, b)] = None  # the engine now writes these positions
-        truth[(slot, block)] = content
-        for write in w.seal(slot, block, h(content), content):
+    after: list[Truth] = []
+    for slot, block, fresh, count, grow in ops:
+        held = truth.get((slot, block))
+        content = fresh
+        if grow and held is not None and held[1] < count:
+            content = held[0]  # more positions of what the block holds
+        else:
+            for write in w.retire(slot, block):
+                writes.append(write)
+                after.append(dict(truth))
+            for b in range(block, sp.blocks_per_slot):
+                truth[(slot, b)] = None  # the engine now writes these positions
+        truth[(slot, block)] = (content, count)
+        for write in w.seal(slot, block, h2(content, count), content * 100 + count, count):
             writes.append(write)
             after.append(dict(truth))
     return writes, after
 
 
-def _trusted_is_true(index: Index, truth: dict[tuple[int, int], int | None]) -> None:
+def _trusted_is_true(index: Index, truth: Truth) -> None:
     for key, sealed in index.sealed.items():
         held = truth.get(key)
         assert held is not None, f"{key} is trusted while being written"
-        assert sealed.chain == h(held) and sealed.checksum == held, f"{key} holds {held}"
+        content, count = held
+        assert sealed.count <= count, f"{key} trusted for {sealed.count} of {count} positions"
+        assert sealed.chain == h2(content, sealed.count), f"{key} holds {content}"
+        assert sealed.checksum == content * 100 + sealed.count
 
 
 ops_strategy = st.lists(
-    st.tuples(st.integers(0, 1), st.integers(0, 3), st.integers(0, 50)), min_size=1, max_size=60
+    st.tuples(
+        st.integers(0, 1),
+        st.integers(0, 3),
+        st.integers(0, 50),
+        st.integers(1, 4),
+        st.booleans(),
+    ),
+    min_size=1,
+    max_size=60,
 )
 
 
@@ -297,10 +352,11 @@ def test_without_a_death_the_reader_sees_what_the_writer_wrote(ops: list[Op], sl
         want.index.apply(write.record)
     assert chains_of(index) == chains_of(want.index)
     _trusted_is_true(index, after[-1])
-    # Every block last written and sealed is still trusted: wrapping forgot nothing.
+    # Every block last written and sealed is still trusted, for all it holds:
+    # wrapping forgot nothing.
     for key, held in after[-1].items():
         if held is not None:
-            assert key in index.sealed
+            assert index.sealed[key].count == held[1]
 
 
 @settings(max_examples=300, deadline=None)
@@ -330,7 +386,7 @@ def test_a_death_in_the_middle_of_any_write_trusts_nothing_wrong(
     w2 = Writer(index, epoch=2, next_gen=got.next_gen)
     apply(log, w2.seal(1, 0, h(99), 99))
     again = reread(sp, log)
-    assert again.sealed[(1, 0)].chain == h(99)
+    assert again.sealed[(1, 0)].chain == h(99) and again.sealed[(1, 0)].count == 4
     assert {k2: v for k2, v in chains_of(again).items() if k2 != (1, 0)} == {
         k2: v for k2, v in chains_of(index).items() if k2 != (1, 0)
     }

@@ -94,11 +94,13 @@ async def test_the_next_engine_continues_exactly_from_the_adopted_cache(
 
 def reusable(n: int, k: int, filled: int) -> int:
     """Blocks a continuation after ``k`` of a prompt of ``n`` reuses, the last
-    engine having filled ``n + filled`` positions: every sealed block of the
-    sequence, short of the last position, and in the prompt back to a chunk
-    boundary of 64."""
+    engine having filled and sealed ``n + filled`` positions (its last block in
+    part): the whole blocks the continuation's ids cover, or everything if they
+    cover the part too; never the last position; in the prompt, back to a
+    chunk boundary of 64."""
     total = n + k
-    start = min(min((n + filled) // 16, total // 16) * 16, total - 1)
+    trusted = n + filled if total >= n + filled else min((n + filled) // 16, total // 16) * 16
+    start = min(trusted, total - 1)
     if start < n:
         start -= start % 64
     return start // 16

@@ -5,9 +5,12 @@ outlives the engine's process (docs/kv-pool.md). The next Active engine maps
 the same memory, but memory alone says nothing about what it holds: the dead
 engine may have been half-way through a step, or through writing this log.
 So a block of positions is trusted only once **sealed**: after a step, the
-engine appends one record per block the step completed, naming
+engine appends one record per block the step wrote into, naming
 
-- the block (the cache slot and the block's index in it),
+- the block (the cache slot and the block's index in it) and how many of its
+  positions the seal covers (all of them, or, for a sequence's last block,
+  those filled so far: it is sealed again as it grows, so a failover
+  recomputes at most the step that was under way),
 - the **hash chain** of the token ids the block's positions hold, each block's
   hash covering its parent's (so a match is a match of the whole prefix, as in
   vLLM's prefix caching),
@@ -83,8 +86,8 @@ VERSION: Final = 1
 CHAIN_BYTES: Final = 16
 ROOT: Final = bytes(CHAIN_BYTES)  # the parent of a sequence's first block
 
-# gen, kind, slot, block, epoch, chain, checksum; then the CRC of those bytes.
-_BODY: Final = struct.Struct("<QBxHIQ16sQ")
+# gen, kind, slot, block, epoch, chain, checksum, count; then the CRC of those bytes.
+_BODY: Final = struct.Struct("<QBxHIQ16sQH")
 _CRC: Final = struct.Struct("<I")
 _HEADER: Final = struct.Struct("<8sI32sQ")
 _DTYPES: Final = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -227,11 +230,19 @@ class Record:
     epoch: int
     chain: bytes = ROOT  # SEAL only
     checksum: int = 0  # SEAL only
+    count: int = 0  # SEAL only: positions of the block it covers, from its first
 
 
 def encode_record(rec: Record) -> bytes:
     body = _BODY.pack(
-        rec.gen, rec.kind, rec.slot, rec.block, rec.epoch, rec.chain, rec.checksum & _MAX_U64
+        rec.gen,
+        rec.kind,
+        rec.slot,
+        rec.block,
+        rec.epoch,
+        rec.chain,
+        rec.checksum & _MAX_U64,
+        rec.count,
     )
     out = body + _CRC.pack(zlib.crc32(body))
     return out + bytes(RECORD_SIZE - len(out))
@@ -246,10 +257,10 @@ def decode_record(raw: bytes | memoryview) -> Record | None:
     (crc,) = _CRC.unpack(bytes(raw[_BODY.size : _BODY.size + _CRC.size]))
     if zlib.crc32(body) != crc:
         return None
-    gen, kind, slot, block, epoch, chain_, checksum = _BODY.unpack(body)
+    gen, kind, slot, block, epoch, chain_, checksum, count = _BODY.unpack(body)
     if gen == 0 or kind not in (Kind.SEAL, Kind.RETIRE):
         return None
-    return Record(gen, Kind(kind), slot, block, epoch, chain_, checksum)
+    return Record(gen, Kind(kind), slot, block, epoch, chain_, checksum, count)
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,13 +337,16 @@ class Sealed:
     epoch: int
     chain: bytes
     checksum: int
+    count: int  # positions covered, from the block's first
 
 
 @dataclass(frozen=True, slots=True)
 class Match:
-    """A slot whose first ``blocks`` sealed blocks hold a prefix of the tokens looked up."""
+    """A slot whose sealed blocks hold the first ``positions`` of the tokens looked
+    up: ``blocks`` sealed blocks, the last of them possibly covered in part."""
 
     slot: int
+    positions: int
     blocks: int
 
 
@@ -361,8 +375,12 @@ class Index:
         if not (0 <= rec.slot < self.spec.slots and 0 <= rec.block < self.spec.blocks_per_slot):
             self.ignored += 1
             return
+        if rec.kind is Kind.SEAL and not 0 < rec.count <= self.spec.block_tokens:
+            self.ignored += 1
+            return
         if rec.kind is Kind.SEAL:
-            self.sealed[(rec.slot, rec.block)] = Sealed(rec.gen, rec.epoch, rec.chain, rec.checksum)
+            sealed = Sealed(rec.gen, rec.epoch, rec.chain, rec.checksum, rec.count)
+            self.sealed[(rec.slot, rec.block)] = sealed
         else:
             for b in self.blocks_from(rec.slot, rec.block):
                 del self.sealed[(rec.slot, b)]
@@ -378,22 +396,34 @@ class Index:
             n += 1
         return n
 
-    def match(self, hashes: Sequence[bytes], slots: Iterable[int], limit: int) -> Match | None:
-        """The slot among ``slots`` whose sealed blocks hold the longest prefix of the
-        sequence whose block hashes are ``hashes``, at most ``limit`` blocks; None
-        if none holds even the first block."""
+    def match(self, tokens: Sequence[int], slots: Iterable[int]) -> Match | None:
+        """The slot among ``slots`` whose sealed blocks hold the longest prefix of
+        ``tokens`` (whole blocks by their chain, then at most one block covered
+        in part); None if none holds even one position."""
+        b = self.spec.block_tokens
+        hashes = chains(tokens, b)
         best: Match | None = None
-        limit = min(limit, len(hashes))
         for slot in slots:
-            n = 0
-            while n < limit:
-                got = self.sealed.get((slot, n))
-                if got is None or got.chain != hashes[n]:
-                    break
-                n += 1
-            if n and (best is None or n > best.blocks):
-                best = Match(slot, n)
+            got = self._prefix(slot, tokens, hashes)
+            if got.positions and (best is None or got.positions > best.positions):
+                best = got
         return best
+
+    def _prefix(self, slot: int, tokens: Sequence[int], hashes: Sequence[bytes]) -> Match:
+        b = self.spec.block_tokens
+        block, parent = 0, ROOT
+        while (got := self.sealed.get((slot, block))) is not None:
+            if got.count == b:
+                if block >= len(hashes) or got.chain != hashes[block]:
+                    break
+                parent = hashes[block]
+                block += 1
+                continue
+            start, end = block * b, block * b + got.count  # a sequence's last block, in part
+            if end <= len(tokens) and got.chain == chain(parent, tokens[start:end]):
+                return Match(slot, end, block + 1)
+            break
+        return Match(slot, block * b, block)
 
 
 # --- the writer ---------------------------------------------------------------
@@ -433,11 +463,18 @@ class Writer:
     def capacity(self) -> int:
         return self.index.spec.log_capacity
 
-    def seal(self, slot: int, block: int, chain_: bytes, checksum: int) -> list[Write]:
+    def seal(
+        self, slot: int, block: int, chain_: bytes, checksum: int, count: int | None = None
+    ) -> list[Write]:
+        """Seal ``count`` positions of the block (all of them by default); a seal
+        of the same block supersedes the one before (a growing last block)."""
         self._check(slot, block)
+        count = self.index.spec.block_tokens if count is None else count
         if len(chain_) != CHAIN_BYTES:
             raise ValueError(f"a chain hash has {CHAIN_BYTES} bytes")
-        rec = Record(0, Kind.SEAL, slot, block, self.epoch, chain_, checksum)
+        if not 0 < count <= self.index.spec.block_tokens:
+            raise ValueError(f"a seal covers 1..{self.index.spec.block_tokens} positions")
+        rec = Record(0, Kind.SEAL, slot, block, self.epoch, chain_, checksum, count)
         return self._append(rec)
 
     def retire(self, slot: int, block: int) -> list[Write]:
@@ -462,7 +499,7 @@ class Writer:
                 break
             # A live seal sits where the next record goes: copy it forward first.
             old = self.index.sealed[evicted]
-            copy = Record(gen, Kind.SEAL, *evicted, old.epoch, old.chain, old.checksum)
+            copy = Record(gen, Kind.SEAL, *evicted, old.epoch, old.chain, old.checksum, old.count)
             writes.append(self._put(copy))
         writes.append(self._put(replace(rec, gen=self.next_gen)))
         return writes
@@ -488,8 +525,11 @@ def block_range(spec: PoolSpec, block: int) -> range:
     return range(block * spec.block_tokens, (block + 1) * spec.block_tokens)
 
 
-def completed(spec: PoolSpec, before: int, after: int) -> Iterator[int]:
-    """Blocks that became complete when a slot's filled positions went from
-    ``before`` to ``after`` (both counts of positions from 0)."""
+def touched(spec: PoolSpec, before: int, after: int) -> Iterator[tuple[int, int]]:
+    """(block, positions of it filled) for every block written into when a slot's
+    filled positions went from ``before`` to ``after`` (counts from 0)."""
     b = spec.block_tokens
-    yield from range(before // b, min(after // b, spec.blocks_per_slot))
+    if after <= before:
+        return
+    for block in range(before // b, min(-(-after // b), spec.blocks_per_slot)):
+        yield block, min(b, after - block * b)

@@ -13,11 +13,12 @@ free slot whose sealed blocks hold the longest prefix of its tokens (by hash
 chain), each of those blocks checked against its checksum before it is used;
 a block that fails is recomputed with everything after it. Before the first
 byte of a slot changes, the blocks about to be overwritten are retired in the
-log. After every step, the blocks the step completed are ``seal``ed.
+log. After every step, the blocks the step wrote into are ``seal``ed (a
+sequence's last block as far as it is filled, sealed again as it grows).
 
 Writes to the log go in two halves, with the ``kv.seal.torn`` failpoint
 between them, so a test can kill the engine in the middle of one; the
-``kv.block.corrupt`` failpoint changes a block's bytes right after its seal.
+``kv.block.corrupt`` failpoint changes an adopted block's bytes under its seal.
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ class KvPool:
         self.k: npt.NDArray[np.float32] = arena[:count].reshape(spec.cache_shape)
         self.v: npt.NDArray[np.float32] = arena[count:].reshape(spec.cache_shape)
         self._chains: dict[int, list[bytes]] = {s: [] for s in range(spec.slots)}
+        if self.index.sealed and failpoints.hit("kv.block.corrupt"):
+            self._corrupt_one()
         log_event(
             log,
             "kv_adopted",
@@ -107,6 +110,15 @@ class KvPool:
             ignored=self.index.ignored,
             epochs=",".join(f"{e}:{n}" for e, n in sorted(st.by_epoch.items())) or None,
         )
+
+    def _corrupt_one(self) -> None:
+        """Test only (the failpoint): change a byte of an adopted block under its
+        seal, as memory corrupted between two holders would. Block 2 of the
+        first slot that has one (else the first sealed block)."""
+        keys = sorted(self.index.sealed)
+        slot, block = next((k for k in keys if k[1] == 2), keys[0])
+        self.k[0, slot, 0, block * self.spec.block_tokens, 0] += np.float32(1.0)
+        log_event(log, "kv_failpoint_corrupted", logging.WARNING, slot=slot, block=block)
 
     # --- a request takes a slot -------------------------------------------------
 
@@ -126,22 +138,21 @@ class KvPool:
         b = self.spec.block_tokens
         if chunk % b:
             raise ValueError(f"a prefill chunk of {chunk} is not a multiple of {b}")
-        hashes = kvlog.chains(tokens, b)
-        match = self.index.match(hashes, free, len(hashes))
+        match = self.index.match(tokens, free)
         corrupt = 0
         if match is not None:
             slot = match.slot
-            blocks = self._verified(slot, match.blocks)
-            corrupt = int(blocks < match.blocks)
+            trusted = self._verified(slot, match.blocks, match.positions)
+            corrupt = int(trusted < match.positions)
         else:  # none holds a prefix: take the one with the least worth keeping
             slot = min(free, key=lambda s: (len(self.index.blocks_from(s, 0)), s))
-            blocks = 0
-        start = min(blocks * b, len(tokens) - 1)
+            trusted = 0
+        start = min(trusted, len(tokens) - 1)
         if start < prompt:
             start -= start % chunk
         retire = self.writer.retire(slot, start // b)
         self._write(retire)
-        self._chains[slot] = hashes[: start // b]
+        self._chains[slot] = kvlog.chains(tokens[: start // b * b], b)
         st = self.stats
         st.claims += 1
         st.reused_blocks += start // b
@@ -149,12 +160,13 @@ class KvPool:
         st.retired += len(retire)
         return Claim(slot, start, start // b, corrupt)
 
-    def _verified(self, slot: int, blocks: int) -> int:
-        """How many of ``slot``'s first ``blocks`` sealed blocks hold the bytes
-        their seals say (the first that does not ends the run)."""
+    def _verified(self, slot: int, blocks: int, positions: int) -> int:
+        """How many of the ``positions`` that ``slot``'s first ``blocks`` sealed
+        blocks cover hold the bytes their seals say: up to the first block that
+        does not."""
         for block in range(blocks):
             sealed = self.index.sealed[(slot, block)]
-            if self.checksum(slot, block) != sealed.checksum:
+            if self.checksum(slot, block, sealed.count) != sealed.checksum:
                 log_event(
                     log,
                     "kv_corrupt_block",
@@ -163,30 +175,30 @@ class KvPool:
                     block=block,
                     epoch=sealed.epoch,
                 )
-                return block
-        return blocks
+                return block * self.spec.block_tokens
+        return positions
 
     # --- after a step ----------------------------------------------------------
 
     def seal(self, slot: int, tokens: Sequence[int], before: int, after: int) -> None:
-        """Seal the blocks of ``slot`` completed when its filled positions went
+        """Seal the blocks of ``slot`` written into when its filled positions went
         from ``before`` to ``after``; ``tokens`` are the ids at positions 0.."""
         b = self.spec.block_tokens
         chain = self._chains[slot]
-        for block in kvlog.completed(self.spec, before, after):
+        for block, count in kvlog.touched(self.spec, before, after):
             if len(chain) != block:
                 raise AssertionError(f"slot {slot}: sealing block {block} after {len(chain)}")
             parent = chain[-1] if chain else kvlog.ROOT
-            digest = kvlog.chain(parent, tokens[block * b : (block + 1) * b])
-            self._write(self.writer.seal(slot, block, digest, self.checksum(slot, block)))
-            chain.append(digest)
+            digest = kvlog.chain(parent, tokens[block * b : block * b + count])
+            checksum = self.checksum(slot, block, count)
+            self._write(self.writer.seal(slot, block, digest, checksum, count))
+            if count == b:
+                chain.append(digest)
             self.stats.sealed += 1
-            if failpoints.hit("kv.block.corrupt"):
-                # Test only: a bit flips in memory after the seal.
-                self.k[0, slot, 0, block * b, 0] += np.float32(1.0)
 
-    def checksum(self, slot: int, block: int) -> int:
-        span = slice(block * self.spec.block_tokens, (block + 1) * self.spec.block_tokens)
+    def checksum(self, slot: int, block: int, count: int) -> int:
+        """Of the block's first ``count`` positions, in every layer and head."""
+        span = slice(block * self.spec.block_tokens, block * self.spec.block_tokens + count)
         pieces = [
             arr[layer, slot, head, span].data
             for arr in (self.k, self.v)

@@ -63,9 +63,9 @@ POINTS: Final[Mapping[str, str]] = {
     "kv.seal.torn": "the KV pool's seal log, between the two halves of a record: a death "
     "there leaves a torn record, and the next engine reads the log up to it and adopts "
     "what it says (kill)",
-    "kv.block.corrupt": "the KV pool, right after a block is sealed: the block's bytes are "
-    "changed under its seal, and the next engine finds the checksum wrong and recomputes "
-    "the block instead of serving it (return)",
+    "kv.block.corrupt": "the KV pool, as the next engine adopts it: a sealed block's bytes "
+    "are changed under its seal (memory corrupted between two holders), and the engine "
+    "finds the checksum wrong and recomputes the block instead of serving it (return)",
 }
 
 _ACTION = re.compile(
