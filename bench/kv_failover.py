@@ -339,7 +339,8 @@ def main() -> int:
     rounds: list[Round] = []
     for i, mode in enumerate(args.modes.split(",")):
         rounds += run_mode(args, mode, args.base_port + 20 * i)
-    result = report(rounds, args.contexts)
+        save(args, rounds, load_before)  # what is measured so far survives a stop
+    result = save(args, rounds, load_before)
     print("\nkill -> next token (s)")
     for key, s in result["kill_to_next_token_s"].items():
         print(f"  {key:>10}  n={s['n']}  p50={s['p50']:.3f}  max={s['max']:.3f}")
@@ -350,6 +351,11 @@ def main() -> int:
     print(f"every stream byte-identical across its kill: {identical}")
     if args.figure:
         Path(args.figure).write_text(figure(result, args.contexts))
+    return 0 if identical else 1
+
+
+def save(args: argparse.Namespace, rounds: list[Round], load_before: Any) -> dict[str, Any]:
+    result = report(rounds, args.contexts)
     write_results(
         "kv_failover",
         {
@@ -359,13 +365,13 @@ def main() -> int:
             "max_tokens": args.max_tokens,
             "rounds": [r.__dict__ for r in rounds],
             **result,
-            "identical": identical,
+            "identical": all(r.identical for r in rounds),
             "load_before": load_before,
             "load_after": os.getloadavg(),
             "machine": machine(),
         },
     )
-    return 0 if identical else 1
+    return result
 
 
 if __name__ == "__main__":

@@ -5,11 +5,13 @@ the CUDA driver double (UNVERIFIED on a GPU)."""
 
 from __future__ import annotations
 
+import urllib.request
 from pathlib import Path
 
 import pytest
 from doubles.gpu import GpuDouble
 from gmsprocs import Agent, Gms
+from localpod import free_port_block
 from procs import PYTHON, Proc, understudy, wait_for
 
 from understudy.gms.fsm import LockWord
@@ -33,6 +35,12 @@ def lock_record(path: Path, holder: str | None, epoch: int) -> None:
     tmp.replace(copy)
 
 
+def metric(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    (line,) = [ln for ln in text.splitlines() if ln.startswith(name + "{")]
+    return float(line.rsplit(" ", 1)[1])
+
+
 def acquire(a: Agent, gms: Gms, epoch: int, name: str, timeout: float = 5) -> dict[str, object]:
     return a(
         "kv_acquire", path=str(gms.path()), epoch=epoch, size=3 * MiB, name=name, timeout=timeout
@@ -47,12 +55,15 @@ def lock_state(gms: Gms) -> Path:
 def test_the_holder_gets_the_pool_and_the_next_holder_gets_it_as_it_was(
     gms: Gms, lock_state: Path
 ) -> None:
-    gms.server(0, "--lock-state", str(lock_state))
+    port = free_port_block(1)
+    gms.server(0, "--lock-state", str(lock_state), "--metrics-port", str(port))
     lock_record(lock_state, "e1", 1)
     first = gms.agent("first")
     got = acquire(first, gms, 1, "e1")
     assert got["ok"] and got["created"] and got["previous_epoch"] is None, got
     first.ok("kv_fill", seed=5)
+    assert metric(port, "understudy_gms_kv_pool_holder_epoch") == 1
+    assert metric(port, "understudy_gms_kv_pool_bytes") == 4 * MiB
 
     stale = gms.agent("stale")  # an engine that never held the lock
     got = acquire(stale, gms, 0, "e0")
@@ -72,6 +83,7 @@ def test_the_holder_gets_the_pool_and_the_next_holder_gets_it_as_it_was(
     assert second.ok("kv_verify", seed=5)["equal"]  # the bytes epoch 1 left
     state = gms.state()
     assert state["kv"]["holder_epoch"] == 2 and state["kv"]["grants"] == 2
+    assert metric(port, "understudy_gms_kv_pool_holder_epoch") == 2
     assert state["kv"]["bytes"] == 4 * MiB  # 3 MiB, aligned to the host's 2 MiB
 
     # The old epoch, back from the dead, is refused: the lock moved on.

@@ -439,6 +439,10 @@ class GmsServer:
         metrics.WAITING.labels(**self._labels).set(st.count(fsm.Phase.WAITING))
         metrics.WAITING_WRITERS.labels(**self._labels).set(st.waiting_writers)
         metrics.COMMITTED.labels(**self._labels).set(1 if st.committed else 0)
+        kv = st.kv
+        metrics.KV_POOL_BYTES.labels(**self._labels).set(0 if kv is None else kv.allocation.size)
+        holder = 0 if kv is None or kv.holder_epoch is None else kv.holder_epoch
+        metrics.KV_POOL_EPOCH.labels(**self._labels).set(holder)
 
 
 def _open_monitor(device: int, backend: ServerBackend) -> tuple[DeviceMonitor | None, str]:
