@@ -130,6 +130,9 @@ def start_pod(model: str, mode: str, max_len: int, base: int) -> Pod:
         "--hold", "600",
         "--engine-arg=--max-num-seqs=1", f"--engine-arg=--max-model-len={max_len}",
         f"--engine-arg=--kv-pool={mode}",
+        # Without the pool a 4,000-position prompt is one worker iteration of
+        # minutes here: not a hung engine.
+        "--engine-arg=--stuck-after=1800",
     ]  # fmt: skip
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     log = open(run / "bench-up.log", "ab")  # noqa: SIM115

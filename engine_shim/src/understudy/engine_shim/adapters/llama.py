@@ -209,7 +209,7 @@ class Batcher(StepThread[Request]):
             req.position, req.feed = n, list(req.resume)
         elif start < n:
             logits = self.model.prefill_chunks(
-                req.prompt, self.cache, req.slot, start, PREFILL_CHUNK
+                req.prompt, self.cache, req.slot, start, PREFILL_CHUNK, self._progress
             )
             req.position, req.feed = n, list(req.resume)
         else:  # the reused blocks reach into the resumed ids
@@ -219,6 +219,10 @@ class Batcher(StepThread[Request]):
         req.generated = len(req.resume)
         if not req.feed:
             req.logits = logits
+
+    def _progress(self) -> None:
+        """A chunk of a long prompt is done: the worker is busy, not stuck."""
+        self.busy_since = time.monotonic()
 
     def _seal(self, req: Request, before: int) -> None:
         if self.pool is not None:
@@ -272,6 +276,11 @@ def _parse_args(args: Sequence[str], context: int) -> argparse.Namespace:
     # The KV cache in GMS's KV pool, sealed and adopted by the next Active
     # engine (docs/kv-pool.md); off: engine-owned, recomputed after a failover.
     parser.add_argument("--kv-pool", choices=("on", "off"), default="on")
+    # One worker iteration longer than this makes the engine unhealthy (its
+    # liveness fails): a hung engine. A prompt of thousands of positions on
+    # this CPU engine takes longer than the default in one batch (--kv-pool
+    # off); with the pool a prompt is run in chunks and each counts.
+    parser.add_argument("--stuck-after", type=float, default=STUCK_AFTER_S)
     try:
         ns, unknown = parser.parse_known_args(list(args))
     except (argparse.ArgumentError, SystemExit) as exc:
@@ -282,6 +291,8 @@ def _parse_args(args: Sequence[str], context: int) -> argparse.Namespace:
         raise AdapterError("--max-num-seqs must be at least 1")
     if ns.max_pending < 1:
         raise AdapterError("--max-pending must be at least 1")
+    if ns.stuck_after <= 0:
+        raise AdapterError("--stuck-after must be positive")
     if not 1 < ns.max_model_len <= context:
         raise AdapterError(f"--max-model-len must be in 2..{context} (the model's context)")
     return ns
@@ -317,6 +328,7 @@ class LlamaEngine:
         self.eos_ids: frozenset[int] = self.text.eos_ids
         self.max_num_seqs: int = args.max_num_seqs
         self.max_pending: int = args.max_pending
+        self.stuck_after_s: float = args.stuck_after
         self.model: LlamaModel | None = None
         self._digest = config_digest(self.model_dir)
         self._private: bytearray | None = None
@@ -429,7 +441,7 @@ class LlamaEngine:
         batcher = self._batcher
         if batcher is None or self.model is None:
             return False, "not awake"
-        return batcher.health(STUCK_AFTER_S, time.monotonic())
+        return batcher.health(self.stuck_after_s, time.monotonic())
 
     def routes(self) -> list[web.RouteDef]:
         # The OpenAI surface (completions, chat completions, streaming, the

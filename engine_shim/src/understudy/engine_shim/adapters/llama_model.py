@@ -39,7 +39,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -392,7 +392,13 @@ class LlamaModel:
         return out
 
     def prefill_chunks(
-        self, tokens: Sequence[int], cache: KVCache, slot: int, start: int, chunk: int
+        self,
+        tokens: Sequence[int],
+        cache: KVCache,
+        slot: int,
+        start: int,
+        chunk: int,
+        progress: Callable[[], None] | None = None,
     ) -> F32:
         """Run ``tokens[start:]`` into ``slot``, whose positions 0..start-1 already
         hold the KV of ``tokens[:start]``, in chunks of ``chunk`` positions that
@@ -402,12 +408,16 @@ class LlamaModel:
         a position's KV is the same bits whether a prompt was run from 0 or
         continued from a block boundary of an inherited cache (the KV pool:
         ``chunk`` is its block size). Only the last row goes through the head.
+        ``progress`` is called after every chunk (a long prompt is work under
+        way, not a stuck engine).
         """
         if start % chunk or not 0 <= start < len(tokens):
             raise ValueError(f"start {start} is not a chunk boundary before {len(tokens)}")
         x: F32 | None = None
         for begin in range(start, len(tokens), chunk):
             x = self._extend(tokens[begin : begin + chunk], cache, slot, begin)
+            if progress is not None:
+                progress()
         assert x is not None
         out: F32 = (rms_norm(x[-1:], self._norm, self._eps) @ self._head.T)[0]
         return out
