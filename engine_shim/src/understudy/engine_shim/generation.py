@@ -12,14 +12,14 @@ uninterrupted one:
 - seeded sampling draws the token at position ``p`` (0 = first generated
   token) from a generator seeded by ``(seed, p)``, so continuing after ``k``
   generated tokens draws exactly what the uninterrupted run drew;
-- ``decode`` is a function of the whole id list, so text deltas computed as
-  ``decode(ids[:n+1])`` minus ``decode(ids[:n])`` (holding back an incomplete
-  UTF-8 character) come out the same whoever generated the earlier ids.
+- ``decode`` is a function of the id list, and so are the streamed text
+  deltas (`IncrementalText`), so they come out the same whoever generated
+  the earlier ids.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -58,6 +58,46 @@ def finish_of(resume: Sequence[int], params: SamplingParams, eos_ids: frozenset[
     if resume and resume[-1] in eos_ids | frozenset(params.stop_token_ids):
         return "stop"
     return None
+
+
+class IncrementalText:
+    """The text deltas of a growing list of generated ids, as vLLM's incremental
+    detokenizer makes them: a delta never ends inside a multi-byte character.
+
+    Each `push` decodes a short window, ids ``[prefix:]``, and shows what it
+    adds to ids ``[prefix:read]`` (already shown). While the window's text
+    ends in U+FFFD (an incomplete UTF-8 sequence: a byte-level token can hold
+    part of a character) nothing is shown: the next id may complete it. The
+    window restarts at ``read`` after every shown delta, so a stream costs
+    O(n) decoding, not O(n²); decoding from ``prefix`` rather than ``read``
+    keeps the context a SentencePiece decoder needs for its leading space.
+
+    The deltas depend on the ids alone: a stream continued by another engine
+    replays the ids already sent (their deltas are discarded) and goes on
+    with exactly the deltas the first engine would have sent. Joined, they
+    are ``decode(ids)``: the last id (``final``) shows whatever is left, an
+    incomplete character included (as the whole answer shows it).
+    """
+
+    __slots__ = ("_decode", "_ids", "_prefix", "_read")
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], ids: Sequence[int] = ()) -> None:
+        self._decode = decode
+        self._ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+        for token in ids:
+            self.push(token)
+
+    def push(self, token: int, final: bool = False) -> str:
+        """Append ``token``; the text to show now (maybe empty)."""
+        self._ids.append(token)
+        shown = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(self._ids[self._prefix :])
+        if not final and (len(text) <= len(shown) or text.endswith("\ufffd")):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(shown) :]
 
 
 class Generator(Protocol):

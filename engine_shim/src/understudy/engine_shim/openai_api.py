@@ -31,6 +31,7 @@ from aiohttp import web
 
 from understudy.engine_shim.generation import (
     Generator,
+    IncrementalText,
     NotServing,
     SamplingParams,
     Step,
@@ -246,12 +247,6 @@ def parse(gen: Generator, body: Any, chat: bool) -> Request:
 # ------------------------------------------------------------- shaping ----
 
 
-def visible(gen: Generator, ids: Sequence[int]) -> str:
-    """Text of ``ids`` without a trailing incomplete character (it may still
-    complete with the next token); a function of the ids alone."""
-    return gen.decode(ids).rstrip("\ufffd")
-
-
 def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt,
@@ -412,15 +407,14 @@ class OpenAIServer:
         )
         await resp.prepare(request)
         ids = list(req.resume)
-        shown = visible(self.gen, ids)
+        # Replaying the resumed ids puts the text where the first engine left it.
+        text = IncrementalText(self.gen.decode, ids)
         try:
             if req.chat and not req.started:
                 await resp.write(_event((), _chunk(req, self.gen, _choice(req, None, None, True))))
             async for step in steps:
                 ids.append(step.token_id)
-                # The last token flushes whatever is left, even an incomplete character.
-                text = self.gen.decode(ids) if step.finish_reason else visible(self.gen, ids)
-                delta, shown = text[len(shown) :], text
+                delta = text.push(step.token_id, final=step.finish_reason is not None)
                 choice = _choice(req, delta, step.finish_reason, first=False)
                 await resp.write(_event((step.token_id,), _chunk(req, self.gen, choice)))
             if req.include_usage:

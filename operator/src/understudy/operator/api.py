@@ -339,7 +339,7 @@ class ReplicasSpec(_Model):
     def ready_threshold(self) -> int:
         """Serving replicas that make the instance Ready.
 
-        ``desired`` below ``min`` is a partial-readiness threshold (seed 001);
+        ``desired`` below ``min`` is a partial-readiness threshold (as in Skyward);
         above ``min`` it is a count a scaler moved, and a scale-up must not
         make a serving instance un-Ready, so the threshold stays ``min``.
         """

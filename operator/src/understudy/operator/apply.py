@@ -1,4 +1,4 @@
-"""Carry out a :class:`~understudy.operator.plan.Plan` with ``kubernetes.aio``.
+"""Carry out a :class:`~understudy.operator.view.Plan` with ``kubernetes.aio``.
 
 Shell module, the only place that writes to the API (kopf's own annotation
 and finalizer writes aside). Every step is idempotent: ensured objects are
@@ -19,7 +19,7 @@ from typing import Any
 from understudy.operator import api
 from understudy.operator.api import GpuInstance
 from understudy.operator.metrics import ACTIONS
-from understudy.operator.plan import Delete, EventSpec, LabelPatch, Plan
+from understudy.operator.view import Delete, EventSpec, LabelPatch, Plan
 from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.operator.apply")

@@ -44,28 +44,26 @@ class Reason(StrEnum):
     AS_EXPECTED = "AsExpected"
     REPLICA_FAILED = "ReplicaFailed"
     NODE_LOST = "NodeLost"
-    # lifecycle Events
+    # lifecycle Events (NODE_LOST above too): a transition, or a failure that held the phase
     PLACED = "Placed"
     BOUND = "Bound"
     STARTED = "Started"
     POD_LOST = "PodLost"
+    NODE_BACK = "NodeBack"
+    DRAINED = "Drained"
     EXPIRED = "Expired"
     GAVE_UP = "GaveUp"
     NEED_RETRY = "NeedRetry"
     SKIPPED = "Skipped"
-    RECOVERED = "Recovered"
-    RESET = "Reset"
+    # membership Events
     SCALED_DOWN = "ScaledDown"
     SCALED_UP = "ScaledUp"
     REMOVED = "Removed"
     SCALE_OVERRIDDEN = "ScaleOverridden"  # someone else wrote replicas.desired (autoscaler on)
-    STALE_POD = "StalePod"
     SPEC_CHANGED = "SpecChanged"
     FAILOVER = "Failover"
     ROUTABLE = "Routable"
     NOT_ROUTABLE = "NotRoutable"
-    CREATED = "Created"
-    DELETED = "Deleted"
 
 
 def rfc3339(now: float) -> str:

@@ -79,56 +79,78 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
 ]
 
 
-def _merge_rules(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, str]]:
-    return [*a.get("x-kubernetes-validations", []), *b.get("x-kubernetes-validations", [])]
+def _overlay(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over``'s keys on top of ``base``'s, with the CEL rules of both kept."""
+    merged = {**base, **over}
+    rules = [*base.get("x-kubernetes-validations", []), *over.get("x-kubernetes-validations", [])]
+    if rules:
+        merged["x-kubernetes-validations"] = rules
+    return merged
 
 
-def _structural(node: dict[str, Any], defs: dict[str, Any], *, in_spec: bool) -> dict[str, Any]:  # noqa: C901, PLR0912
+def _structural(node: dict[str, Any], defs: dict[str, Any], *, in_spec: bool) -> dict[str, Any]:
     if "$ref" in node:
         target = defs[node["$ref"].rsplit("/", 1)[-1]]
-        merged = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
-        rules = _merge_rules(target, node)
-        if rules:
-            merged["x-kubernetes-validations"] = rules
-        return _structural(merged, defs, in_spec=in_spec)
+        outer = {k: v for k, v in node.items() if k != "$ref"}
+        return _structural(_overlay(target, outer), defs, in_spec=in_spec)
     if "anyOf" in node:
-        options = [o for o in node["anyOf"] if o.get("type") != "null"]
-        outer = {k: v for k, v in node.items() if k != "anyOf"}
-        if outer.get("default", 0) is None:
-            del outer["default"]
-        types = sorted(o.get("type", "") for o in options)
-        if types == ["integer", "string"]:
-            return {**_scalars(outer), "x-kubernetes-int-or-string": True}
-        if len(options) != 1:
-            raise ValueError(f"cannot express a union in a structural schema: {node}")
-        merged = {**options[0], **outer}
-        rules = _merge_rules(options[0], outer)
-        if rules:
-            merged["x-kubernetes-validations"] = rules
-        return _structural(merged, defs, in_spec=in_spec)
+        return _union(node, defs, in_spec=in_spec)
     out = _scalars(node)
     if node.get("type") == "object":
-        props = node.get("properties")
-        if props is not None:
-            out["properties"] = {}
-            required = set(node.get("required", []))
-            for name, sub in props.items():
-                child = _structural(sub, defs, in_spec=in_spec)
-                if (
-                    in_spec
-                    and name not in required
-                    and child.get("type") == "object"
-                    and "properties" in child
-                    and "default" not in child
-                ):
-                    child["default"] = {}
-                out["properties"][name] = child
-        extra = node.get("additionalProperties")
-        if isinstance(extra, dict):
-            out["additionalProperties"] = _structural(extra, defs, in_spec=in_spec)
+        out.update(_object(node, defs, in_spec=in_spec))
     if node.get("type") == "array" and "items" in node:
         out["items"] = _structural(node["items"], defs, in_spec=in_spec)
     return out
+
+
+def _union(node: dict[str, Any], defs: dict[str, Any], *, in_spec: bool) -> dict[str, Any]:
+    """``Optional[X]`` collapses to ``X``; ``int | str`` is int-or-string; nothing else fits."""
+    options = [o for o in node["anyOf"] if o.get("type") != "null"]
+    outer = {k: v for k, v in node.items() if k != "anyOf"}
+    if outer.get("default", 0) is None:
+        del outer["default"]
+    types = sorted(o.get("type", "") for o in options)
+    if types == ["integer", "string"]:
+        return {**_scalars(outer), "x-kubernetes-int-or-string": True}
+    if len(options) != 1:
+        raise ValueError(f"cannot express a union in a structural schema: {node}")
+    return _structural(_overlay(options[0], outer), defs, in_spec=in_spec)
+
+
+def _object(node: dict[str, Any], defs: dict[str, Any], *, in_spec: bool) -> dict[str, Any]:
+    """An object's ``properties`` and ``additionalProperties``, each made structural."""
+    out: dict[str, Any] = {}
+    props = node.get("properties")
+    if props is not None:
+        required = set(node.get("required", []))
+        out["properties"] = {
+            name: _property(sub, defs, in_spec=in_spec, optional=name not in required)
+            for name, sub in props.items()
+        }
+    extra = node.get("additionalProperties")
+    if isinstance(extra, dict):
+        out["additionalProperties"] = _structural(extra, defs, in_spec=in_spec)
+    return out
+
+
+def _property(
+    sub: dict[str, Any], defs: dict[str, Any], *, in_spec: bool, optional: bool
+) -> dict[str, Any]:
+    """One property; an optional nested object of the spec defaults to ``{}``.
+
+    The API server only applies the defaults inside an object that exists, so
+    without ``default: {}`` an omitted section would never get its fields' defaults.
+    """
+    child = _structural(sub, defs, in_spec=in_spec)
+    if (
+        in_spec
+        and optional
+        and child.get("type") == "object"
+        and "properties" in child
+        and "default" not in child
+    ):
+        child["default"] = {}
+    return child
 
 
 def _scalars(node: dict[str, Any]) -> dict[str, Any]:

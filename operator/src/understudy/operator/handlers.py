@@ -53,9 +53,10 @@ from understudy.operator.metrics import (
     timed_select,
 )
 from understudy.operator.observe import observe
-from understudy.operator.plan import Plan, plan
+from understudy.operator.plan import plan
 from understudy.operator.render import MANAGED_BY
 from understudy.operator.settings import RESYNC_S, OperatorConfig, configure
+from understudy.operator.view import Plan
 from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.operator")

@@ -3,7 +3,7 @@
 Shell module: reads the API with the ``kubernetes.aio`` dynamic client, each
 engine's ``/state`` and (when the instance autoscales) each front's
 ``/pressure`` over HTTP, then builds the plain, frozen
-:class:`~understudy.operator.plan.Observed` that ``plan`` decides from. The
+:class:`~understudy.operator.view.Observed` that ``plan`` decides from. The
 parsing functions (``pod_view``, ``node_infos``, ``engine_view``,
 ``pressure_view``, ``endpoint_pods``) are pure and unit-tested; the
 coroutines only fetch.
@@ -32,8 +32,8 @@ import aiohttp
 from understudy.operator import api, render
 from understudy.operator.api import GpuInstance
 from understudy.operator.cache import ClusterCache
-from understudy.operator.plan import ContainerView, EngineView, Observed, PodView, Pressure
 from understudy.operator.scheduler import NodeInfo, inventory
+from understudy.operator.view import ContainerView, EngineView, Observed, PodView, Pressure
 
 log = logging.getLogger("understudy.operator.observe")
 

@@ -413,8 +413,9 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     )
     up.add_argument(
         "--model",
-        help="model source (llama: builtin:tiny-llama or a Hugging Face directory; reference: "
-        "builtin or a directory; synthetic: a size such as 1GiB)",
+        help="model source (llama, vllm: builtin:smollm2-135m, a real instruct model; "
+        "builtin:tiny-llama, random weights, the default; or a Hugging Face directory; "
+        "reference: builtin or a directory; synthetic: a size such as 1GiB)",
     )
     up.add_argument("--engine-arg", action="append", help="extra adapter argument (repeatable)")
     up.add_argument(

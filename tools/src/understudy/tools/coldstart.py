@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from understudy.engine_shim.adapters import tiny_llama
+from understudy.engine_shim.adapters import models
 
 # The environment the vllm adapter gives vLLM, minus what only an in-process
 # engine needs (engine_shim.adapters.vllm.VLLM_ENV_DEFAULTS).
@@ -74,12 +74,12 @@ def vllm_cold_start(
     log: Path = Path(os.devnull),
 ) -> dict[str, Any]:
     """Start vLLM's OpenAI server cold; seconds to healthy and to the first token."""
-    model_dir = tiny_llama.resolve(model)
-    served = model.removeprefix("builtin:") if model.startswith(tiny_llama.BUILTIN) else model
+    model_dir = models.resolve(model)
+    served = models.served_name(model)
     port = _free_port()
     args = list(engine_args)
-    if "--dtype" not in " ".join(args) and model.startswith(tiny_llama.BUILTIN):
-        args += ["--dtype", "float32"]  # as the adapter does for the built-in checkpoint
+    if "--dtype" not in " ".join(args) and models.is_builtin(model):
+        args += ["--dtype", "float32"]  # as the adapter does for the built-in checkpoints
     if "--enforce-eager" not in args and "--no-enforce-eager" not in args:
         args.append("--enforce-eager")  # as the adapter's engines run on CPU
     args = [a for a in args if not a.startswith("--max-pending")]  # ours, not vLLM's

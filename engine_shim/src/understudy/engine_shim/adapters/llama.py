@@ -35,7 +35,7 @@ import numpy.typing as npt
 from aiohttp import web
 
 from understudy.engine_shim import kvlog, openai_api
-from understudy.engine_shim.adapters import tiny_llama
+from understudy.engine_shim.adapters import models, tiny_llama
 from understudy.engine_shim.adapters.base import AdapterError, Engine, KvPoolRequest, UsesKvPool
 from understudy.engine_shim.adapters.llama_model import (
     KVCache,
@@ -46,6 +46,7 @@ from understudy.engine_shim.adapters.llama_model import (
     sample,
 )
 from understudy.engine_shim.adapters.llama_text import ChatTokenizer
+from understudy.engine_shim.adapters.model_cache import cache_dir
 from understudy.engine_shim.adapters.packing import (
     WEIGHTS_FILE,
     WeightsError,
@@ -73,6 +74,13 @@ log = logging.getLogger("understudy.engine_shim.llama")
 META_KEY: Final = "llama"
 DEFAULT_MAX_NUM_SEQS: Final = 8
 STUCK_AFTER_S: Final = 30.0  # one worker iteration longer than this: unhealthy
+# Prompt (and resumed) tokens prefilled per iteration, one request at least:
+# vLLM's max_num_batched_tokens in spirit. Eight requests that arrive at once
+# (a failover hands the next engine every stream in flight) are prefilled over
+# several iterations, between decode steps, instead of in one long iteration:
+# the running streams keep flowing, and no iteration of a real model on a
+# busy CPU outlives STUCK_AFTER_S (whose liveness verdict would kill it).
+PREFILL_BUDGET: Final = 256
 STOP_TIMEOUT_S: Final = 60.0
 WARMUP_IDS: Final = (0, 5, 6, 7)
 # With the KV pool, prompts run in chunks at multiples of this (of the pool's
@@ -150,11 +158,15 @@ class Batcher(StepThread[Request]):
                 return False
             self._drop(r for r in self._running if r.cancelled)
             admitted: list[Request] = []
-            while self._waiting and len(admitted) < len(self._free):
+            budget = PREFILL_BUDGET
+            while (
+                self._waiting and len(admitted) < len(self._free) and (budget > 0 or not admitted)
+            ):
                 req = self._waiting.popleft()
                 if req.cancelled:
                     continue
                 admitted.append(req)
+                budget -= len(req.prompt) + len(req.resume)
             for req in admitted:
                 self._take_slot(req)
             self._running.extend(admitted)
@@ -305,13 +317,12 @@ class LlamaEngine:
 
     def __init__(self, model: str = tiny_llama.BUILTIN, engine_args: Sequence[str] = ()) -> None:
         try:
-            self.model_dir = tiny_llama.resolve(model)
+            self.model_dir = models.resolve(model)
         except ValueError as exc:
             raise AdapterError(str(exc)) from None
         except OSError as exc:  # e.g. no writable model cache: say where it looked
             raise AdapterError(
-                f"model {model!r}: cannot build it in {tiny_llama.cache_dir()} "
-                f"(UNDERSTUDY_MODEL_CACHE): {exc}"
+                f"model {model!r}: cannot build it in {cache_dir()} (UNDERSTUDY_MODEL_CACHE): {exc}"
             ) from exc
         if not (self.model_dir / WEIGHTS_FILE).is_file():
             raise AdapterError(f"model {model!r}: no {WEIGHTS_FILE} in {self.model_dir}")
@@ -321,9 +332,7 @@ class LlamaEngine:
         except (WeightsError, OSError, ValueError, KeyError) as exc:
             raise AdapterError(f"model {model!r}: {exc}") from exc
         args = _parse_args(engine_args, self.config.max_position_embeddings)
-        self.model_id: str = (
-            model.removeprefix("builtin:") if model.startswith(tiny_llama.BUILTIN) else model
-        )
+        self.model_id: str = models.served_name(model)
         self.max_model_len: int = args.max_model_len
         self.eos_ids: frozenset[int] = self.text.eos_ids
         self.max_num_seqs: int = args.max_num_seqs

@@ -27,25 +27,17 @@ by position), so seeded sampling has something to choose from. The special
 tokens' output rows are zero, so a generation runs to ``max_tokens`` (or to
 a stop id the request names) instead of ending at a random EOS.
 
-`cached` keeps builds under ``$UNDERSTUDY_MODEL_CACHE`` (default
-``~/.cache/understudy/models``), building on first use under an exclusive
-``flock``: a primary and a shadow that start together build once.
+`cached` keeps builds under ``$UNDERSTUDY_MODEL_CACHE`` (`model_cache`),
+building on first use, once.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
-import logging
 import math
-import os
 import random
-import shutil
-import tempfile
-import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -55,7 +47,7 @@ from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from understudy.engine_shim.adapters.llama_model import LlamaConfig
-from understudy.wire.obs import log_event
+from understudy.engine_shim.adapters.model_cache import built_once
 
 __all__ = [
     "BUILTIN",
@@ -63,13 +55,10 @@ __all__ = [
     "DEFAULT_SEED",
     "SPECIAL_TOKENS",
     "build",
-    "cache_dir",
     "cached",
     "corpus",
     "resolve",
 ]
-
-log = logging.getLogger("understudy.engine_shim.tiny_llama")
 
 BUILTIN: Final = "builtin:tiny-llama"
 DEFAULT_SEED: Final = 0
@@ -349,58 +338,17 @@ def build(out: Path | str, seed: int = DEFAULT_SEED) -> Path:
 # --- the cache ------------------------------------------------------------------
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("UNDERSTUDY_MODEL_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "understudy" / "models"
-
-
-@contextlib.contextmanager
-def _exclusive(path: Path) -> Iterator[None]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
 def cached(seed: int = DEFAULT_SEED, root: Path | None = None) -> Path:
-    """The checkpoint for ``seed`` under the cache, built on first use.
-
-    Built into a temporary directory beside its final place and renamed there
-    when complete, under a lock: a reader never sees half a checkpoint, and
-    two processes asking at once build it once.
-    """
-    root = cache_dir() if root is None else root
-    final = root / f"tiny-llama-f{FORMAT}-s{seed}"
-    if final.is_dir():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    with _exclusive(root / f".tiny-llama-f{FORMAT}-s{seed}.lock"):
-        if final.is_dir():  # another process built it while we waited
-            log_event(log, "model_cached", path=final, waited_s=round(time.monotonic() - t0, 3))
-            return final
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
-        try:
-            build(tmp, seed)
-            tmp.chmod(0o755)
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    log_event(log, "model_built", path=final, seconds=round(time.monotonic() - t0, 3))
-    return final
+    """The checkpoint for ``seed`` under the model cache, built on first use
+    (once, however many processes ask at once: `model_cache.built_once`)."""
+    return built_once(f"tiny-llama-f{FORMAT}-s{seed}", lambda d: build(d, seed), root)
 
 
 def resolve(model: str) -> Path:
-    """A model source: ``builtin:tiny-llama`` (seed 0), ``builtin:tiny-llama:SEED``,
-    or the path of a Hugging Face Llama directory."""
+    """``builtin:tiny-llama`` (seed 0) or ``builtin:tiny-llama:SEED``, built on first use."""
     if model == BUILTIN:
         return cached()
-    if model.startswith(BUILTIN + ":"):
-        raw = model.removeprefix(BUILTIN + ":")
-        if not raw.isdigit():
-            raise ValueError(f"model {model!r}: the seed must be a non-negative integer")
-        return cached(int(raw))
-    return Path(model)
+    raw = model.removeprefix(BUILTIN + ":")
+    if not model.startswith(BUILTIN + ":") or not raw.isdigit():
+        raise ValueError(f"model {model!r}: the seed must be a non-negative integer")
+    return cached(int(raw))

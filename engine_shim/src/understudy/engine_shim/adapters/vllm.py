@@ -54,8 +54,9 @@ from typing import TYPE_CHECKING, Any, Final
 from aiohttp import web
 
 from understudy.engine_shim import openai_api
-from understudy.engine_shim.adapters import tiny_llama, vllm_loader
+from understudy.engine_shim.adapters import models, tiny_llama, vllm_loader
 from understudy.engine_shim.adapters.base import AdapterError, Engine
+from understudy.engine_shim.adapters.model_cache import cache_dir
 from understudy.engine_shim.generation import (
     Generator,
     NotServing,
@@ -240,23 +241,20 @@ class VllmEngine:
         backend: str = "host",
     ) -> None:
         try:
-            self.model_dir = tiny_llama.resolve(model)
+            self.model_dir = models.resolve(model)
         except ValueError as exc:
             raise AdapterError(str(exc)) from None
         except OSError as exc:
             raise AdapterError(
-                f"model {model!r}: cannot build it in {tiny_llama.cache_dir()} "
-                f"(UNDERSTUDY_MODEL_CACHE): {exc}"
+                f"model {model!r}: cannot build it in {cache_dir()} (UNDERSTUDY_MODEL_CACHE): {exc}"
             ) from exc
         if not (self.model_dir / "config.json").is_file():
             raise AdapterError(f"model {model!r}: no config.json in {self.model_dir}")
         ours, self.vllm_args = _our_args(engine_args)
         self.max_pending: int = ours.max_pending
-        self.model_id: str = (
-            model.removeprefix("builtin:") if model.startswith(tiny_llama.BUILTIN) else model
-        )
+        self.model_id: str = models.served_name(model)
         self.gpu = backend == "cuda"
-        self.builtin = model.startswith(tiny_llama.BUILTIN)
+        self.builtin = models.is_builtin(model)
         self.max_model_len: int = 0  # known once the config is built (prepare)
         self.on_fatal: Callable[[str], None] = _exit_now
         self._config: Any = None  # vLLM's VllmConfig
@@ -278,7 +276,7 @@ class VllmEngine:
 
     # --- init: imports, config, tokenizer -----------------------------------------
 
-    def prepare(self) -> None:  # noqa: C901, PLR0915
+    def prepare(self) -> None:  # noqa: C901
         """Everything that needs neither the weights nor working memory."""
         if self._config is not None:
             return
@@ -338,9 +336,9 @@ class VllmEngine:
         from transformers import AutoTokenizer
 
         self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-        eos = set(getattr(model_config.hf_config, "eos_token_id", None) or [])
-        if isinstance(model_config.hf_config.eos_token_id, int):
-            eos = {model_config.hf_config.eos_token_id}
+        # config.json may give one id (SmolLM2's 2) or a list (tiny-llama's).
+        configured = getattr(model_config.hf_config, "eos_token_id", None)
+        eos = {configured} if isinstance(configured, int) else set(configured or [])
         if self._tokenizer.eos_token_id is not None:
             eos.add(int(self._tokenizer.eos_token_id))
         self.eos_ids = frozenset(eos)
