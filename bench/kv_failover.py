@@ -56,6 +56,18 @@ TEXT = (
 )
 
 
+# How the engines run in each mode: ``on``, the KV pool adopted by the next
+# engine; ``noadopt``, the same engines and pool, but the next engine starts
+# the pool's log afresh and recomputes (adoption alone is what differs);
+# ``off``, no pool (an engine-owned cache, the prompt in one batch: what the
+# engine did before the pool).
+MODES = {
+    "on": ("--engine-arg=--kv-pool=on", "--engine-arg=--kv-adopt=on"),
+    "noadopt": ("--engine-arg=--kv-pool=on", "--engine-arg=--kv-adopt=off"),
+    "off": ("--engine-arg=--kv-pool=off",),
+}
+
+
 @dataclass
 class Round:
     context: int
@@ -129,7 +141,7 @@ def start_pod(model: str, mode: str, max_len: int, base: int) -> Pod:
         "--hang-after", "30",
         "--hold", "600",
         "--engine-arg=--max-num-seqs=1", f"--engine-arg=--max-model-len={max_len}",
-        f"--engine-arg=--kv-pool={mode}",
+        *MODES[mode],
         # Without the pool a 4,000-position prompt is one worker iteration of
         # minutes here: not a hung engine.
         "--engine-arg=--stuck-after=1800",
@@ -247,22 +259,23 @@ def run_mode(args: argparse.Namespace, mode: str, base: int) -> list[Round]:
 
 def report(rounds: list[Round], contexts: list[int]) -> dict[str, Any]:
     table: dict[str, Any] = {}
-    for mode in ("on", "off"):
+    for mode in MODES:
         for c in contexts:
             gaps = [r.kill_to_next_s for r in rounds if r.mode == mode and r.context == c]
             if gaps:
                 table[f"{mode}/{c}"] = summary(gaps)
     ratios: dict[str, float] = {}
     base = contexts[0]
-    for mode in ("on", "off"):
+    for mode in MODES:
         for c in contexts[1:]:
             a, b = table.get(f"{mode}/{c}"), table.get(f"{mode}/{base}")
             if a and b:
                 ratios[f"{mode}: {c} vs {base}"] = a["p50"] / b["p50"]
     for c in contexts:
-        a, b = table.get(f"on/{c}"), table.get(f"off/{c}")
-        if a and b:
-            ratios[f"{c}: on vs off"] = a["p50"] / b["p50"]
+        for other in ("noadopt", "off"):
+            a, b = table.get(f"on/{c}"), table.get(f"{other}/{c}")
+            if a and b:
+                ratios[f"{c}: on vs {other}"] = a["p50"] / b["p50"]
     return {"kill_to_next_token_s": table, "ratios_p50": ratios}
 
 
@@ -293,29 +306,31 @@ def figure(result: dict[str, Any], contexts: list[int]) -> str:
         )
         decade *= 10
     group = (width - left - 10) / len(contexts)
-    colours = {"on": "#2b7bba", "off": "#d95f02"}
+    colours = {"on": "#2b7bba", "noadopt": "#d95f02", "off": "#7570b3"}
+    modes = [m for m in MODES if any(k.startswith(m + "/") for k in table)]
     for i, c in enumerate(contexts):
         x0 = left + i * group + group * 0.15
-        for j, mode in enumerate(("on", "off")):
+        for j, mode in enumerate(modes):
             s = table.get(f"{mode}/{c}")
             if s is None:
                 continue
-            x = x0 + j * group * 0.35
+            x = x0 + j * group * 0.7 / len(modes)
             out.append(
-                f'<rect x="{x:.1f}" y="{y(s["p50"]):.1f}" width="{group * 0.3:.1f}" '
+                f'<rect x="{x:.1f}" y="{y(s["p50"]):.1f}" width="{group * 0.6 / len(modes):.1f}" '
                 f'height="{height - bottom - y(s["p50"]):.1f}" fill="{colours[mode]}"/>'
-                f'<text x="{x + group * 0.15:.1f}" y="{y(s["p50"]) - 4:.1f}" '
+                f'<text x="{x + group * 0.3 / len(modes):.1f}" y="{y(s["p50"]) - 4:.1f}" '
                 f'text-anchor="middle">{s["p50"]:.2f}</text>'
             )
         out.append(
             f'<text x="{left + (i + 0.5) * group:.1f}" y="{height - bottom + 16}" '
             f'text-anchor="middle">{c} tokens</text>'
         )
-    for j, mode in enumerate(("on", "off")):
+    names = {"on": "adopted", "noadopt": "not adopted", "off": "no pool"}
+    for j, mode in enumerate(modes):
         out.append(
-            f'<rect x="{width - 170 + j * 80}" y="{height - 16}" width="10" height="10" '
-            f'fill="{colours[mode]}"/><text x="{width - 156 + j * 80}" y="{height - 7}">'
-            f"pool {mode}</text>"
+            f'<rect x="{left + j * 110}" y="{height - 16}" width="10" height="10" '
+            f'fill="{colours[mode]}"/><text x="{left + 14 + j * 110}" y="{height - 7}">'
+            f"{names[mode]}</text>"
         )
     out.append("</svg>")
     return "\n".join(out) + "\n"
@@ -328,7 +343,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kill-after", type=int, default=8, help="kill at this streamed token")
     parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--modes", default="on,off")
+    parser.add_argument("--modes", default="on,noadopt", help=f"of {', '.join(MODES)}")
     parser.add_argument("--base-port", type=int, default=29400)
     parser.add_argument("--figure", help="also draw the result as an SVG here")
     parser.add_argument("--figure-from", help="only draw the figure, from this results JSON")

@@ -67,7 +67,9 @@ class Stats:
 
 
 class KvPool:
-    def __init__(self, memory: memoryview, spec: PoolSpec, epoch: int) -> None:
+    def __init__(
+        self, memory: memoryview, spec: PoolSpec, epoch: int, *, adopt: bool = True
+    ) -> None:
         if len(memory) < spec.pool_bytes:
             raise ValueError(f"the pool has {len(memory)} bytes; the spec needs {spec.pool_bytes}")
         self.spec = spec
@@ -77,9 +79,9 @@ class KvPool:
         self._log = memory[spec.log_offset : spec.log_offset + cap * RECORD_SIZE]
         self.stats = Stats()
         header = kvlog.decode_header(memory[:HEADER_SIZE])
-        if header == (spec.digest(), cap):
+        if adopt and header == (spec.digest(), cap):
             read = kvlog.read_log(self._log, cap)
-        else:  # a fresh pool, or one whose header never got written: start empty
+        else:  # a fresh pool, a header never written, or adoption off: start empty
             self._log[:] = bytes(len(self._log))
             memory[:HEADER_SIZE] = bytes(HEADER_SIZE)
             raw = kvlog.encode_header(spec)

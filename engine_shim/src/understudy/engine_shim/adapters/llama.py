@@ -288,6 +288,10 @@ def _parse_args(args: Sequence[str], context: int) -> argparse.Namespace:
     # The KV cache in GMS's KV pool, sealed and adopted by the next Active
     # engine (docs/kv-pool.md); off: engine-owned, recomputed after a failover.
     parser.add_argument("--kv-pool", choices=("on", "off"), default="on")
+    # With the pool: whether the next engine adopts what the last one sealed
+    # (off: it starts the pool's log afresh and recomputes; for measuring what
+    # adoption saves with everything else equal).
+    parser.add_argument("--kv-adopt", choices=("on", "off"), default="on")
     # One worker iteration longer than this makes the engine unhealthy (its
     # liveness fails): a hung engine. A prompt of thousands of positions on
     # this CPU engine takes longer than the default in one batch (--kv-pool
@@ -356,6 +360,7 @@ class LlamaEngine:
                 block_tokens=block,
             )
         self.kv_pool: KvPool | None = None
+        self.kv_adopt: bool = args.kv_adopt == "on"
 
     # --- weights ----------------------------------------------------------------
 
@@ -441,7 +446,7 @@ class LlamaEngine:
     def attach_kv_pool(self, memory: memoryview, epoch: int) -> None:
         """Adopt the pool the shim mapped (before ``wake``): read its seal log."""
         assert self.kv_spec is not None
-        self.kv_pool = KvPool(memory, self.kv_spec, epoch)
+        self.kv_pool = KvPool(memory, self.kv_spec, epoch, adopt=self.kv_adopt)
 
     def close(self) -> None:
         self.sleep()
