@@ -1,9 +1,11 @@
 """A failover's cost against the context length, with the KV pool adopted or not.
 
 For each context (16, 1,000 and 4,000 prompt tokens by default) and each mode
-(``--kv-pool on``: the next engine adopts the dead one's sealed KV blocks;
-``off``: it recomputes the prompt and the tokens already streamed, as before),
-a local pod runs (lock server, GMS, front, a primary and a shadow llama
+(``on``: the next engine adopts the dead one's sealed KV blocks; ``noadopt``:
+the same engines and pool, but the next engine recomputes the prompt and the
+tokens already streamed; ``off``: no pool at all, the engine as it was
+before it, whose one-batch prefill of 4,000 positions takes many minutes
+here), a local pod runs (lock server, GMS, front, a primary and a shadow llama
 engine, the real model), and each round:
 
 1. streams a greedy completion of the prompt through the front,
@@ -14,14 +16,15 @@ engine, the real model), and each round:
    (an uninterrupted stream of the same prompt, through the same pod, first).
 
 It prints the kill → next-token times (p50, max) per context and mode, the
-ratio of each context's time to the 16-token one in the same mode, and on to
-off, and writes everything with the machine's load to
+ratio of each context's time to the 16-token one in the same mode, and of
+adopted to not, and writes everything with the machine's load to
 ``bench/results/kv_failover.json``. The engines run one sequence each
 (``--max-num-seqs 1``), one BLAS thread, on a 2-core machine shared with
 other work: the load average is in the JSON.
 
     .venv/bin/python bench/kv_failover.py [--model builtin:smollm2-135m]
-        [--contexts 16,1000,4000] [--rounds 3] [--kill-after 8] [--max-tokens 24]
+        [--contexts 16,1000,4000] [--modes on,noadopt] [--rounds 3] [--kill-after 8]
+        [--max-tokens 24] [--figure docs/report/kv_failover.svg]
 """
 
 from __future__ import annotations
