@@ -17,6 +17,10 @@ FROM ${BASE_IMAGE}
 ARG PACKAGES=""
 # UV_SYSTEM_CERTS: trust the image's CA store (which may carry a corporate or
 # proxy root), as pip does, rather than uv's bundled roots.
+# UV_COMPILE_BYTECODE: the bytecode is built once, here; the root file system
+# is read-only and PYTHONDONTWRITEBYTECODE is set, so without it every process
+# start would compile every module it imports (a restarted front's start is
+# what its queued connections wait for).
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -25,6 +29,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     UV_LINK_MODE=copy \
     UV_PYTHON_DOWNLOADS=never \
     UV_SYSTEM_CERTS=1 \
+    UV_COMPILE_BYTECODE=1 \
     VIRTUAL_ENV=/opt/understudy \
     PATH=/opt/understudy/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     HOME=/tmp

@@ -176,7 +176,7 @@ def main() -> int:
                 headers,
             )
             d_sum, f_sum, results[name] = measure_case(
-                direct, front, path, body, pod.pid("front"), args
+                direct, front, path, body, pod.front_pid() or 0, args
             )
             rows[f"{name} direct"], rows[f"{name} front"] = d_sum, f_sum
         print_table(

@@ -149,6 +149,14 @@ class LocalPod:
     def pid(self, container: str) -> int:
         return self.local_state()["containers"][container]["pid"]
 
+    def front_pid(self) -> int | None:
+        """The front's own process (its container's is the respawner); None
+        while no front answers its status port."""
+        try:
+            return int(http_json(self.front_port, "/state", timeout=2)[1]["pid"])
+        except (OSError, ValueError, KeyError, http.client.HTTPException):
+            return None
+
     def metric(self, name: str, **labels: str) -> float:
         """A sample of the front's /metrics (0 when the series does not exist yet)."""
         status, text = http_json(self.front_port, "/metrics")

@@ -321,6 +321,23 @@ def test_gms_sidecar_killed_engines_restart_and_pod_recovers(instance: Instance)
     assert _wait("serving again", lambda: _embed(instance.url()), 120) == before_vec
 
 
+@pytest.mark.timeout(900)
+def test_front_killed_five_times_refuses_no_connection(instance: Instance) -> None:
+    """The front's process dies five times under 16 request streams: the lock
+    server keeps the serving socket, the respawner starts the front again in
+    place (kubelet sees no container restart, so no CrashLoopBackOff), no
+    connection is refused, and the requests lost are only those inside each
+    dying front, as the next front reports them."""
+    instance.wait_ready()
+    before = _restarts(instance.pod(), "front")
+    report = instance.drill("--sidecar", "front", "--kills", "5")
+    assert report["exit_code"] == 0, report
+    assert report["refused"] == 0 and report["failed"] <= report["reported_in_flight"], report
+    assert all(r["back"] for r in report["rounds"]), report
+    assert _restarts(instance.pod(), "front") == before  # restarted in place
+    assert not report["cluster"]["left_endpoints"]
+
+
 def test_delete_collects_everything(instance: Instance) -> None:
     c, ns = instance.cluster, instance.ns
     c.kubectl("delete", "gpuinstance", instance.name, "-n", ns, "--wait=true", "--timeout=120s")

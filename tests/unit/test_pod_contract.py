@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import yaml
@@ -67,6 +68,8 @@ def test_sidecar_commands_are_the_same():
     for c in local.containers(_local_config(inst))[:3]:
         rendered = sidecars[c.name]
         argv = [*rendered.get("command", []), *rendered.get("args", [])]
-        # Locally: [python, -m, understudy.cli, ...]; in the pod: [understudy, ...].
+        # Locally: [python, -m, understudy.cli, ...]; in the pod: [understudy, ...]
+        # (and a command run under the respawner: this python, the pod's).
         ours = ["understudy", *c.argv[c.argv.index("understudy.cli") + 1 :]]
+        ours = ["python" if a == sys.executable else a for a in ours]
         assert [_num(a) for a in argv] == [_num(a) for a in ours], c.name

@@ -108,6 +108,8 @@ def test_lockserver_sidecar() -> None:
         "7",
         "--metrics-port",
         "9101",
+        "--serving-port",
+        "8000",
     ]
     assert ls["startupProbe"]["exec"]["command"] == [
         "understudy",
@@ -122,11 +124,12 @@ def test_lockserver_sidecar() -> None:
     assert "claims" not in ls["resources"]
 
 
-def test_front_sidecar_owns_the_serving_port() -> None:
+def test_front_sidecar_serves_the_port_under_the_respawner() -> None:
     inst = make(failover={"holdSeconds": 12, "migrationLimit": 2, "hangAfterSeconds": 1.5})
     front = _pod(inst)["spec"]["initContainers"][2]
     assert front["command"] + front["args"] == [
-        "understudy", "front", "serve", "--run-dir", "/run/understudy", "--port", "8000",
+        "understudy", "respawn", "--", "python", "-m", "understudy.front",
+        "serve", "--run-dir", "/run/understudy", "--port", "8000",
         "--status-port", "8090", "--hold", "12", "--migration-limit", "2",
         "--hang-after", "1.5", "--drain", "25",
     ]  # fmt: skip

@@ -8,10 +8,30 @@ migrated stream sends to the next engine, pure), ``proxy`` (the asyncio
 shell), ``downstream`` (its HTTP/1.1 server, on llhttp), ``upstream`` (its
 client to the engines' sockets), ``forwarding`` (what a request becomes for
 an engine, and its answer for the client), ``status`` (probes and metrics on
-their own port), ``metrics``, ``config``, ``cli``.
+their own port), ``ledger`` (what a dying front loses, counted by the next),
+``metrics``, ``config``, ``cli``.
+
+The names below are imported when first used: ``python -m understudy.front``
+runs this module first, and a restarted front must accept before it imports
+the proxy.
 """
 
-from understudy.front.config import FrontConfig
-from understudy.front.proxy import Front, run
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from understudy.front.config import FrontConfig
+    from understudy.front.proxy import Front, run
 
 __all__ = ["Front", "FrontConfig", "run"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FrontConfig":
+        from understudy.front.config import FrontConfig
+
+        return FrontConfig
+    if name in ("Front", "run"):
+        from understudy.front import proxy
+
+        return getattr(proxy, name)
+    raise AttributeError(f"module 'understudy.front' has no attribute {name!r}")

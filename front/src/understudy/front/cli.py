@@ -1,13 +1,35 @@
-"""``understudy front serve``: the pod's front door (a native sidecar)."""
+"""``understudy front serve`` (or ``python -m understudy.front serve``): the
+pod's front door (a native sidecar).
+
+A restarted front's start is the wait of every client whose connection queued
+meanwhile, so this module imports only argparse until it runs, and the front
+accepts before it imports anything it does not need to accept
+(``proxy.run``)."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import os
+import sys
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 
+def since_exec() -> float:
+    """Seconds since this process was exec'd (its start time, from /proc)."""
+    try:
+        with open(f"/proc/{os.getpid()}/stat", "rb") as f:
+            # Field 22, after the command in parentheses (which may hold spaces).
+            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
     import uvloop
 
     from understudy.front.config import FrontConfig
@@ -32,8 +54,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # of the latency it adds to a request (bench/front_overhead.py), and
     # asyncio's pure-Python loop was about a third of that.
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(run(cfg))
+        runner.run(run(cfg, since_exec()))
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m understudy.front``: the front's commands without the dispatcher."""
+    parser = argparse.ArgumentParser(prog="understudy")
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["front", *(sys.argv[1:] if argv is None else argv)])
+    code: int = args.func(args)
+    return code
 
 
 def _positive(text: str) -> float:

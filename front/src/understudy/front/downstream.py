@@ -36,11 +36,11 @@ import contextlib
 import http
 import json
 import logging
+import socket
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from email.utils import formatdate
 from typing import cast
 
 import httptools
@@ -56,6 +56,8 @@ _REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
 # Stop reading from a client that pipelined this many requests ahead of the
 # one being answered; read again as they are answered.
 _PIPELINE_MAX = 16
+# Connections accepted per wake-up before the loop runs anything else.
+_ACCEPT_BATCH = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +96,11 @@ class _Refused(Exception):
 
 _date_second = -1
 _date_value = b""
+# RFC 9110's IMF-fixdate, in English whatever the locale (email.utils would
+# cost a restarted front milliseconds to import, before it accepts).
+_DAYS = (b"Mon", b"Tue", b"Wed", b"Thu", b"Fri", b"Sat", b"Sun")
+_MONTHS = (b"Jan", b"Feb", b"Mar", b"Apr", b"May", b"Jun",
+           b"Jul", b"Aug", b"Sep", b"Oct", b"Nov", b"Dec")  # fmt: skip
 
 
 def _date() -> bytes:
@@ -101,7 +108,11 @@ def _date() -> bytes:
     global _date_second, _date_value
     now = int(time.time())
     if now != _date_second:
-        _date_second, _date_value = now, formatdate(now, usegmt=True).encode()
+        t = time.gmtime(now)
+        _date_second, _date_value = now, b"%s, %02d %s %04d %02d:%02d:%02d GMT" % (
+            _DAYS[t.tm_wday], t.tm_mday, _MONTHS[t.tm_mon - 1], t.tm_year,
+            t.tm_hour, t.tm_min, t.tm_sec,
+        )  # fmt: skip
     return _date_value
 
 
@@ -253,6 +264,11 @@ class ClientConnection(asyncio.Protocol):
         self._closed = False
         self._refusal: _Refused | None = None
         self._partial = False  # part of a request has arrived
+        # A client waits for an answer on this connection: from its accept (its
+        # first request is on its way) until an answer leaves it idle, and
+        # from the first byte of the next request. Counted by the server: a
+        # front that dies loses exactly its busy connections' requests.
+        self._busy = False
         self._expect_continue = False
         self._upgrade = False
         # The request being parsed.
@@ -268,10 +284,21 @@ class ClientConnection(asyncio.Protocol):
         # A stream transport (uvloop's are not asyncio.Transport subclasses).
         self._transport = cast(asyncio.Transport, transport)
         self._server.connections.add(self)
+        self._set_busy(True)
         self._arm_timer()
+
+    def claim(self) -> None:
+        """Count this connection as busy from now: it was just accepted."""
+        self._set_busy(True)
+
+    def _set_busy(self, busy: bool) -> None:
+        if busy is not self._busy:
+            self._busy = busy
+            self._server.count_busy(1 if busy else -1)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
+        self._set_busy(False)
         self._server.connections.discard(self)
         self._cancel_timer()
         self._queue.clear()
@@ -369,6 +396,7 @@ class ClientConnection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._partial = True
+        self._set_busy(True)
         self._target = []
         self._headers = []
         self._head_size = 0
@@ -473,6 +501,8 @@ class ClientConnection(asyncio.Protocol):
         if self._refusal is not None:
             self._answer_refusal(self._refusal)
         else:
+            if not self._partial:
+                self._set_busy(False)  # answered; idle until the next request begins
             self._arm_timer()
             self._send_continue()
 
@@ -528,12 +558,22 @@ class Server:
         handler: Handler,
         limits: Limits,
         on_refused: Callable[[int], None] = lambda status: None,
+        on_busy: Callable[[int], None] | None = None,
     ) -> None:
         self.handler = handler
         self.limits = limits
         self.on_refused = on_refused
         self.connections: set[ClientConnection] = set()
         self._servers: list[asyncio.Server] = []
+        self._listening: list[socket.socket] = []  # sockets accepted on by _accept
+        self._connecting: set[asyncio.Task[None]] = set()
+        self.busy = 0  # connections whose client waits for an answer
+        self._on_busy = on_busy
+
+    def count_busy(self, delta: int) -> None:
+        self.busy += delta
+        if self._on_busy is not None:
+            self._on_busy(self.busy)
 
     async def listen(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0: any free port); returns the port."""
@@ -549,9 +589,60 @@ class Server:
         bound: int = server.sockets[0].getsockname()[1]
         return bound
 
-    def close(self) -> None:
-        """Stop accepting, and close every connection (in-flight work is cancelled)."""
+    def serve_on(self, sock: socket.socket, backlog: int) -> None:
+        """Accept on a listening socket made elsewhere (handed over), with a
+        listen ``backlog`` (the socket's, shared with every holder).
+
+        Our own accept loop rather than the loop's server: a connection
+        counts as busy the moment ``accept`` returns it, before anything else
+        runs (the loop's servers announce a connection one turn later), so a
+        front that dies in between has counted every connection it took."""
+        sock.listen(backlog)
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(sock.fileno(), self._accept, sock)
+        self._listening.append(sock)
+
+    def _accept(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        for _ in range(_ACCEPT_BATCH):
+            try:
+                conn, _ = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of descriptors, say: the rest wait in the queue
+                log_event(log, "accept_failed", logging.ERROR, error=str(exc))
+                return
+            proto = ClientConnection(self.handler, self.limits, self)
+            proto.claim()
+            task = loop.create_task(self._connect(loop, proto, conn))
+            self._connecting.add(task)
+            task.add_done_callback(self._connecting.discard)
+
+    async def _connect(
+        self, loop: asyncio.AbstractEventLoop, proto: ClientConnection, conn: socket.socket
+    ) -> None:
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await loop.connect_accepted_socket(lambda: proto, conn)
+        except (OSError, RuntimeError) as exc:  # the client left already
+            log_event(log, "connection_failed", logging.DEBUG, error=str(exc))
+            conn.close()
+            proto.connection_lost(exc if isinstance(exc, OSError) else None)
+
+    def stop_accepting(self) -> None:
+        """Leave new connections to the listening socket's other holders (they
+        wait in its queue for the next front); the ones accepted go on."""
         for server in self._servers:
             server.close()
+        loop = asyncio.get_running_loop()
+        for sock in self._listening:
+            loop.remove_reader(sock.fileno())
+            sock.close()  # our copy: the keeper's stays open
+        self._listening.clear()
+
+    def close(self) -> None:
+        """Stop accepting, and close every connection (in-flight work is cancelled)."""
+        self.stop_accepting()
         for conn in list(self.connections):
             conn.close()

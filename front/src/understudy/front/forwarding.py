@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
@@ -72,7 +72,9 @@ def parse(ex: downstream.Exchange, now: float) -> Request:
     req = Request(method, path, ex.target, headers, ex.body, doc, streaming, now)
     if doc is not None:
         prefix = "chatcmpl" if path.endswith("chat/completions") else "cmpl"
-        req.request_id = f"{prefix}-{uuid.uuid4().hex}"
+        # 128 random bits, as uuid4's hex (the uuid module imports platform:
+        # milliseconds of a restarted front's start).
+        req.request_id = f"{prefix}-{os.urandom(16).hex()}"
         req.created = int(time.time())
     return req
 

@@ -18,6 +18,14 @@ What a request becomes on its way to an engine, and back, is ``forwarding``;
 the probes and metrics are on their own port (``status``), off the
 request's path.
 
+The serving socket is not the front's own: the lock server keeps it and hands
+it to each front that starts (``understudy.wire.handover``), so a front's
+death refuses no connection; they wait in the kernel's queue until the next
+front accepts them. A restarted front accepts first and imports the rest
+after (the lock watch's protocol, the metrics' exposition): its start is
+the clients' wait. What its death loses, the requests inside it, the next
+front counts (``ledger``).
+
 Engines answer ``409`` with ``X-Understudy-Not-Active`` when a request reaches
 them while not Active or under another epoch; the front then waits for the
 route the lock names.
@@ -27,23 +35,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
 import logging
 import os
 import signal
+import socket
 import time
 from typing import Any, assert_never
-
-import prometheus_client as prom
-from aiohttp import web
 
 from understudy.front import continuation, downstream, fsm, upstream
 from understudy.front import forwarding as fw
 from understudy.front import status as status_port
 from understudy.front.config import FrontConfig
+from understudy.front.ledger import LEDGER, Ledger, Predecessor
 from understudy.front.metrics import FrontMetrics
-from understudy.lockserver import Address, LockError, watch
-from understudy.wire import heap
+from understudy.wire import handover, heap
 from understudy.wire.heartbeat import read_beat
 from understudy.wire.obs import log_event
 from understudy.wire.serving import heartbeat_path, serving_socket
@@ -66,6 +73,10 @@ _REFUSED_RETRY_S = 0.25
 # A heartbeat check that comes this much later than asked means the front was
 # not scheduled either: no verdict on the engine from it.
 _STALL_S = 0.25
+# Asking for the serving socket: while the keeper holds the port but does not
+# answer yet (it is restarting too), ask again this often, this long.
+_OBTAIN_RETRY_S = 0.05
+_OBTAIN_FOR_S = 30.0
 
 
 class Front:
@@ -79,9 +90,14 @@ class Front:
         self._watchers: dict[str, asyncio.Task[None]] = {}
         self._routed_at: float | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._runners: list[web.AppRunner] = []
+        self._status: downstream.Server | None = None
+        self._listener: socket.socket | None = None
+        self._ledger: Ledger | None = None
         self._server = downstream.Server(
-            self.handle, downstream.Limits(max_body=cfg.max_body, idle_s=cfg.idle_s), self._refused
+            self.handle,
+            downstream.Limits(max_body=cfg.max_body, idle_s=cfg.idle_s),
+            self._refused,
+            self._on_busy,
         )
         codes = ("2xx", "3xx", "4xx", "5xx")
         self._codes = {c: self.metrics.requests.labels(code=c) for c in codes}
@@ -154,7 +170,17 @@ class Front:
 
     # ------------------------------------------------------------- loops --
 
+    def _on_busy(self, n: int) -> None:
+        if self._ledger is not None:
+            self._ledger.busy(n)
+
     async def _watch_lock(self) -> None:
+        # The lock's protocol (pydantic) is imported only now, off the loop:
+        # the front already accepts, and routes by the keeper's offer.
+        await asyncio.to_thread(importlib.import_module, "understudy.lockserver")
+        from understudy.lockserver import Address, LockError, watch
+
+        heap.freeze()  # start-up is over: what it imported stays
         address = Address.parse(self.cfg.lock_socket)
         while True:
             try:
@@ -530,6 +556,7 @@ class Front:
     def view(self) -> dict[str, Any]:
         s = self.state
         return {
+            "pid": os.getpid(),  # the front's own process (under the respawner)
             "phase": s.phase.value,
             "route": {"engine_id": s.route.engine_id, "epoch": s.route.epoch} if s.route else None,
             "newest_epoch": s.newest_epoch,
@@ -537,29 +564,67 @@ class Front:
             **self.pressure(),
         }
 
-    @property
-    def registry(self) -> prom.CollectorRegistry:
-        return self.metrics.registry
-
     def ready(self) -> tuple[bool, str]:
         if fsm.ready(self.state, self._now(), self.cfg.hold_s):
             return True, "serving" if self.state.route else "failover under way"
         return False, "no active engine"
 
-    async def start(self) -> None:
-        await self._server.listen(self.cfg.host, self.cfg.port)
-        self._runners.append(await status_port.serve(self, self.cfg.host, self.cfg.status_port))
+    async def start(self, listener: socket.socket, offer: handover.Offer | None = None) -> None:
+        """Accept on ``listener`` at once, then start everything else."""
+        if offer is not None and offer.holder is not None:
+            # The keeper's word on the lock until the watch's (the same word).
+            self.feed(fsm.HolderSeen(offer.holder, offer.epoch))
+        self._listener = listener
+        self._ledger = Ledger(self.cfg.run_dir / LEDGER)
+        before = self._ledger.take_over()
+        self._server.serve_on(listener, handover.BACKLOG)
+        self._took_over(before)
+        self._status = await status_port.serve(self, self.cfg.host, self.cfg.status_port)
         self._tasks = [
             asyncio.create_task(self._watch_lock(), name="lock-watch"),
             asyncio.create_task(self._check_beats(), name="heartbeats"),
+            asyncio.create_task(
+                handover.offer_forever(
+                    self.cfg.run_dir / handover.FRONT_SOCKET,
+                    lambda: self._listener,
+                    self._offer,
+                    log,
+                ),
+                name="handover",
+            ),
         ]
         log_event(
             log, "listening", port=self.cfg.port, status_port=self.cfg.status_port,
             hold_s=self.cfg.hold_s, migration_limit=self.cfg.migration_limit,
         )  # fmt: skip
 
+    def _took_over(self, before: Predecessor) -> None:
+        """Count what the previous front lost, and say it."""
+        assert self._ledger is not None
+        m = self.metrics
+        m.lost.inc(self._ledger.lost)
+        m.restarts.inc(self._ledger.starts - 1)
+        if before.pid:
+            log_event(
+                log, "took_over", logging.WARNING if before.busy else logging.INFO,
+                predecessor=before.pid, lost=before.busy if not before.torn else "unknown",
+                lost_total=self._ledger.lost, restarts=self._ledger.starts - 1,
+            )  # fmt: skip
+
+    def _offer(self) -> handover.Offer:
+        route = self.state.route
+        return handover.Offer(
+            port=self.cfg.port,
+            keeper="front",
+            pid=os.getpid(),
+            holder=route.engine_id if route else None,
+            epoch=route.epoch if route else 0,
+        )
+
     async def drain(self) -> None:
-        """Finish in-flight requests (bounded), then close."""
+        """Stop accepting (new connections wait for the next front), finish
+        in-flight requests (bounded), then close."""
+        self._server.stop_accepting()
         self._drained = asyncio.Event()
         if not self._inflight:
             self._drained.set()
@@ -574,10 +639,13 @@ class Front:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._server.close()
-        for runner in self._runners:
-            await runner.cleanup()
+        if self._status is not None:
+            self._status.close()
         for up in self._upstreams.values():
             up.close()
+        if self._ledger is not None:
+            self._ledger.busy(self._server.busy)  # what a drain could not finish
+            self._ledger.close()
 
 
 # An engine's whole answer, to relay as it is.
@@ -586,11 +654,42 @@ _Answer = tuple[upstream.Response, bytes]
 _Sent = tuple[fsm.Route, upstream.Response]
 
 
-async def run(cfg: FrontConfig) -> None:
-    """Serve until SIGTERM/SIGINT, then drain."""
+async def obtain(cfg: FrontConfig) -> tuple[socket.socket, handover.Offer | None, str]:
+    """The pod's serving socket: from the lock server that keeps it, else
+    bound here (nobody keeps it: the front's death will refuse connections)."""
+    keeper = [cfg.run_dir / handover.KEEPER_SOCKET]
+    deadline = time.monotonic() + _OBTAIN_FOR_S
+    while True:
+        try:
+            return handover.obtain(keeper, cfg.host, cfg.port)
+        except OSError as exc:
+            # Taken, but nobody offers it: the keeper restarts too. Ask again.
+            if not handover.in_use(exc) or time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(_OBTAIN_RETRY_S)
+
+
+async def run(cfg: FrontConfig, started: float | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, then drain. ``started``: seconds since this
+    process's exec when it was called (its start time is reported)."""
+    t0 = time.monotonic()
+    listener, offer, source = await obtain(cfg)
     front = Front(cfg)
-    await front.start()
-    heap.freeze()
+    await front.start(listener, offer)
+    seconds = (started or 0.0) + time.monotonic() - t0
+    front.metrics.start_seconds.set(seconds)
+    log_event(
+        log, "accepting", source=source, start_ms=round(seconds * 1000, 1),
+        cpu_ms=round(time.process_time() * 1000, 1),  # of that start: the machine's load aside
+    )  # fmt: skip
+    if source == "bound":
+        log_event(
+            log, "serving_socket_unkept", logging.WARNING, keeper=str(cfg.run_dir),
+            consequence="nobody keeps the serving socket: this front's death refuses connections",
+        )  # fmt: skip
+    from understudy.wire.respawn import notify_ready
+
+    notify_ready()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,22 +1,29 @@
 """The front's status port: probes, its state, and its metrics.
 
-On their own port, served by aiohttp: none of this is on a request's path,
-so the front's lean HTTP path (``downstream``) need not serve it.
+On their own port, off the request's path, served by the front's own HTTP
+server (``downstream``): ``/live`` (the front runs), ``/ready`` (it can
+serve: an Active engine, or a failover within the hold), ``/pressure`` (in
+flight and held, for the autoscaler), ``/state`` (its routing state),
+``/metrics``. A web framework would cost a restarted front more time to
+import than the rest of its start.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Protocol
 
-import prometheus_client as prom
-from aiohttp import web
+from understudy.front import downstream
+from understudy.front.metrics import FrontMetrics
+
+_TEXT = (b"Content-Type", b"text/plain; charset=utf-8")
 
 
 class Source(Protocol):
     """What the status port reports on (the front)."""
 
     @property
-    def registry(self) -> prom.CollectorRegistry: ...
+    def metrics(self) -> FrontMetrics: ...
 
     def ready(self) -> tuple[bool, str]: ...
 
@@ -25,50 +32,33 @@ class Source(Protocol):
     def view(self) -> dict[str, Any]: ...
 
 
-def _text(status: int, text: str) -> web.Response:
-    return web.Response(status=status, text=text + "\n")
+def handler(source: Source) -> downstream.Handler:
+    def handle(ex: downstream.Exchange) -> None:
+        path = ex.target.split(b"?", 1)[0]
+        if ex.method not in (b"GET", b"HEAD"):
+            ex.error(405, "the status port answers GET only")
+        elif path == b"/live":
+            ex.answer(200, [_TEXT], b"ok\n")
+        elif path == b"/ready":
+            ok, why = source.ready()
+            ex.answer(200 if ok else 503, [_TEXT], why.encode() + b"\n")
+        elif path == b"/pressure":
+            ex.answer(200, [downstream.JSON], json.dumps(source.pressure()).encode())
+        elif path == b"/state":
+            ex.answer(200, [downstream.JSON], json.dumps(source.view()).encode())
+        elif path == b"/metrics":
+            from prometheus_client import exposition
+
+            body = exposition.generate_latest(source.metrics.registry)
+            ex.answer(200, [(b"Content-Type", exposition.CONTENT_TYPE_LATEST.encode())], body)
+        else:
+            ex.error(404, f"no such status path: {path.decode(errors='replace')}")
+
+    return handle
 
 
-def app(source: Source) -> web.Application:
-    """``/live`` (the front runs), ``/ready`` (it can serve: an Active engine,
-    or a failover within the hold), ``/pressure`` (in flight and held, for
-    the autoscaler), ``/state`` (its routing state), ``/metrics``."""
-
-    async def live(_: web.Request) -> web.Response:
-        return _text(200, "ok")
-
-    async def ready(_: web.Request) -> web.Response:
-        ok, why = source.ready()
-        return _text(200 if ok else 503, why)
-
-    async def pressure(_: web.Request) -> web.Response:
-        return web.json_response(source.pressure())
-
-    async def view(_: web.Request) -> web.Response:
-        return web.json_response(source.view())
-
-    async def metrics(_: web.Request) -> web.Response:
-        return web.Response(
-            body=prom.generate_latest(source.registry),
-            headers={"Content-Type": prom.CONTENT_TYPE_LATEST},
-        )
-
-    status = web.Application()
-    status.add_routes(
-        [
-            web.get("/live", live),
-            web.get("/ready", ready),
-            web.get("/pressure", pressure),
-            web.get("/state", view),
-            web.get("/metrics", metrics),
-        ]
-    )
-    return status
-
-
-async def serve(source: Source, host: str, port: int) -> web.AppRunner:
-    """Serve the status port until the returned runner is cleaned up."""
-    runner = web.AppRunner(app(source), access_log=None, handle_signals=False)
-    await runner.setup()
-    await web.TCPSite(runner, host, port, reuse_address=True).start()
-    return runner
+async def serve(source: Source, host: str, port: int) -> downstream.Server:
+    """Serve the status port until the returned server is closed."""
+    server = downstream.Server(handler(source), downstream.Limits(max_body=64 * 1024))
+    await server.listen(host, port)
+    return server

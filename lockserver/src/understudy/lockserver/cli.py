@@ -54,6 +54,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             tcp=parse_tcp_address(args.tcp) if args.tcp else None,
             token=_read_token(args.token_file),
             metrics_port=args.metrics_port,
+            serving=(args.serving_host, args.serving_port) if args.serving_port else None,
         )
     except ValueError as exc:
         print(f"understudy lockserver: {exc}", file=sys.stderr)
@@ -151,6 +152,15 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     serve.add_argument("--tcp", metavar="HOST:PORT", help="also serve TCP (needs --token-file)")
     serve.add_argument("--token-file", help="shared token required from TCP clients")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    serve.add_argument(
+        "--serving-port",
+        type=int,
+        metavar="PORT",
+        help="keep the pod's serving port open for the front, and hand it to each front "
+        "that starts (SOCKET's directory/keeper.sock), so connections wait while the "
+        "front restarts instead of being refused",
+    )
+    serve.add_argument("--serving-host", default="0.0.0.0", help="address of --serving-port")
     serve.set_defaults(func=cmd_serve)
 
     lock = sub.add_parser("lock", help="talk to a lock server")

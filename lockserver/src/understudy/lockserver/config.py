@@ -19,6 +19,9 @@ class ServerConfig:
     tcp: tuple[str, int] | None = None
     token: str | None = None
     metrics_port: int | None = None
+    # The pod's serving port, kept open for the front across its restarts
+    # (understudy.wire.handover): (host, port), or None to keep nothing.
+    serving: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
         if self.reconnect_window_s < 0:

@@ -41,6 +41,7 @@ from understudy.lockserver.messages import (
     client_codec,
     server_codec,
 )
+from understudy.wire import handover
 from understudy.wire.heartbeat import read_beat
 from understudy.wire.obs import log_event, start_metrics_server
 from understudy.wire.serving import SERVE_DIR, Beat, heartbeat_path
@@ -151,6 +152,7 @@ class LockServer:
         self._granted_wall: float | None = None  # the holder's grant, for rewrites
         self._collector = TallyCollector(self)
         self._state_file = statefile.StateFile(config.state_file)
+        self._listener: socket.socket | None = None  # the pod's serving socket, kept
 
     # ------------------------------------------------------------ lifecycle
 
@@ -179,6 +181,8 @@ class LockServer:
             log_event(log, "listening", transport="tcp", address=f"{host}:{port}")
         prom.REGISTRY.register(self._collector)
         start_metrics_server(self.config.metrics_port)
+        if self.config.serving is not None:
+            self._spawn(self._keep_serving_socket(*self.config.serving))
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -199,6 +203,8 @@ class LockServer:
             await server.wait_closed()
         with contextlib.suppress(FileNotFoundError):
             self.config.socket_path.unlink()
+        if self._listener is not None:
+            self._listener.close()  # our copy: the front keeps its own
 
     async def serve_forever(self) -> None:
         await asyncio.gather(*(s.serve_forever() for s in self._servers))
@@ -265,6 +271,46 @@ class LockServer:
             self._state_file.repair(result)
         except OSError as exc:
             log_event(log, "state_repair_failed", logging.ERROR, error=str(exc))
+
+    async def _keep_serving_socket(self, host: str, port: int) -> None:
+        """Hold the pod's serving socket and hand it to every front that asks.
+
+        Bound here when the port is free (a new pod). A restarted lock server
+        whose front holds the port takes the front's socket instead (it
+        cannot bind it again, and a second socket would split the queue)."""
+        run_dir = self.config.socket_path.parent
+        said = False
+        while self._listener is None:
+            try:
+                sock, _, source = await asyncio.to_thread(
+                    handover.obtain, [run_dir / handover.FRONT_SOCKET], host, port
+                )
+            except (OSError, handover.HandoverError) as exc:
+                if not said:  # the front may be starting: ask again, say it once
+                    log_event(
+                        log, "serving_socket_unavailable", logging.WARNING, port=port,
+                        error=str(exc), consequence="asking again every 0.2 s",
+                    )  # fmt: skip
+                    said = True
+                await asyncio.sleep(0.2)
+                continue
+            self._listener = sock
+            log_event(log, "serving_socket_kept", port=port, source=source)
+        await handover.offer_forever(
+            run_dir / handover.KEEPER_SOCKET, lambda: self._listener, self._offer, log
+        )
+
+    def _offer(self) -> handover.Offer:
+        s = self.state
+        settled = s.holder is not None and s.pending is None
+        assert self.config.serving is not None
+        return handover.Offer(
+            port=self.config.serving[1],
+            keeper="lockserver",
+            pid=os.getpid(),
+            holder=s.holder.engine_id if settled and s.holder else None,
+            epoch=s.epoch,
+        )
 
     # ----------------------------------------------------------- the core
 

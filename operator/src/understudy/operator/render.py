@@ -181,6 +181,10 @@ def lockserver_container(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]
             str(window),
             "--metrics-port",
             str(api.LOCKSERVER_METRICS_PORT),
+            # It keeps the serving socket and hands it to each front that
+            # starts: a front's death refuses no connection (docs/pod.md).
+            "--serving-port",
+            str(inst.spec.serving_port),
         ],
         "ports": [
             {
@@ -249,7 +253,12 @@ def gms_container(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]:
 
 
 def front_container(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]:
-    """The pod's front door: it owns the serving port for the pod's whole life."""
+    """The pod's front door: it serves the pod's port for the pod's whole life.
+
+    Under the respawner, which restarts it in place at once (kubelet's
+    CrashLoopBackOff would cost the second death in ten minutes 10 s), and as
+    ``python -m understudy.front``: the dispatcher's entry-point scan is time
+    that connections wait in the lock server's queue."""
     f = inst.spec.failover
 
     def http(path: str) -> dict[str, Any]:
@@ -262,7 +271,11 @@ def front_container(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]:
         "restartPolicy": "Always",
         "command": ["understudy"],
         "args": [
-            "front",
+            "respawn",
+            "--",
+            "python",
+            "-m",
+            "understudy.front",
             "serve",
             "--run-dir",
             RUN_DIR,

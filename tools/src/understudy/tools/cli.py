@@ -269,9 +269,29 @@ def _emit(args: argparse.Namespace, result: dict[str, Any]) -> None:
         Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
 
 
+def _front_drill(args: argparse.Namespace, target: Any, observer: Any) -> int:
+    from understudy.tools import drill_front
+
+    load_start = os.getloadavg()
+    try:
+        result = drill_front.front_drill(
+            target, args.kills or 5, args.clients, timeout=args.timeout
+        )
+    finally:
+        _stop(observer)
+    result["host"] = {"loadavg_start": list(load_start), "loadavg_end": list(os.getloadavg())}
+    if observer is not None:
+        result["cluster"] = observer.report()
+    _emit(args, result)
+    print(json.dumps(result) if args.json else drill_front.render(result))
+    return 0 if result["passed"] else 1
+
+
 def _sidecar_drill(args: argparse.Namespace, target: Any, observer: Any) -> int:
     from understudy.tools import drill as drill_mod
 
+    if args.sidecar == "front":
+        return _front_drill(args, target, observer)
     try:
         result = drill_mod.sidecar_drill(
             target, args.sidecar, timeout=args.timeout, clients=args.sidecar_clients
@@ -297,7 +317,7 @@ def _kill_drill(args: argparse.Namespace, target: Any, observer: Any) -> int:
     try:
         report = drill_mod.drill(
             target,
-            args.kills,
+            args.kills or 10,
             sig,
             timeout=args.timeout,
             log=say,
@@ -464,7 +484,9 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     down.set_defaults(func=cmd_local_down)
 
     dr = sub.add_parser("drill", help="kill the active engine under load and measure failovers")
-    dr.add_argument("--kills", type=int, default=10)
+    dr.add_argument(
+        "--kills", type=int, default=None, help="rounds (default 10; --sidecar front: 5)"
+    )
     dr.add_argument(
         "--signal",
         default="KILL",
@@ -486,8 +508,10 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     dr.add_argument("--kubeconfig", help="kubeconfig for --kube (default: $KUBECONFIG)")
     dr.add_argument(
         "--sidecar",
-        choices=tuple(SIDECAR_COMMANDS),
-        help="instead: kill this sidecar once under load and report what happened",
+        choices=(*SIDECAR_COMMANDS, "front"),
+        help="instead: kill this sidecar once under load and report what happened; "
+        "front: kill the front --kills times under --clients streams (no connection may "
+        "be refused; losses only inside the dying front, as it reports them)",
     )
     dr.add_argument(
         "--sidecar-clients",

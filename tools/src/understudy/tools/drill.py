@@ -110,6 +110,21 @@ class LocalTarget:
 
         os.kill(read_state(self.directory)["containers"][which]["pid"], signal.SIGKILL)
 
+    def front_status_urls(self) -> list[str]:
+        from understudy.tools.local import read_state
+
+        return [read_state(self.directory)["front_status_url"]]
+
+    def kill_fronts(self) -> list[int]:
+        """The front's own process: its container's process is the respawner."""
+        url = urllib.parse.urlsplit(self.front_status_urls()[0])
+        conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=2)
+        conn.request("GET", "/state")
+        pid = int(json.loads(conn.getresponse().read())["pid"])
+        conn.close()
+        os.kill(pid, signal.SIGKILL)
+        return [pid]
+
     def serving_listeners(self) -> set[int] | None:
         return unix_listeners(self.run_dir / "serve")
 

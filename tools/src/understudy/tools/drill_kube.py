@@ -35,6 +35,18 @@ def _environ(pid: str) -> dict[str, str]:
     return out
 
 
+def _commands(pod: str) -> list[tuple[int, str]]:
+    """(pid, command line) of every process of ``pod`` on this node."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if _environ(pid).get("HOSTNAME") != pod:
+                continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                out.append((int(pid), f.read().replace(b"\0", b" ").decode(errors="replace")))
+    return out
+
+
 def host_pid(pod: str, namespace: str, container: str) -> int | None:
     """The node-level pid of the engine process of ``container`` in ``pod``."""
     candidates: dict[int, int] = {}  # pid -> ppid
@@ -123,6 +135,31 @@ class KubeTarget:
 
         for pod in self.pods():
             self.kill_container(pod.metadata.name, SIDECAR_COMMANDS[which], signal.SIGKILL)
+
+    def front_status_urls(self) -> list[str]:
+        out = []
+        for pod in self.pods():
+            for c in pod.spec.init_containers or []:
+                for p in c.ports or []:
+                    if p.name == "front-status" and pod.status.pod_ip:
+                        out.append(f"http://{pod.status.pod_ip}:{p.container_port}")
+        return out
+
+    def kill_fronts(self) -> list[int]:
+        """Each pod's front process, not the respawner above it (whose command
+        line names the front's too)."""
+        killed = []
+        for pod in self.pods():
+            found = [
+                pid
+                for pid, cmd in _commands(pod.metadata.name)
+                if "understudy.front serve" in cmd and "respawn" not in cmd
+            ]
+            if len(found) != 1:
+                raise RuntimeError(f"{len(found)} front processes in pod {pod.metadata.name}")
+            os.kill(found[0], signal.SIGKILL)
+            killed.append(found[0])
+        return killed
 
     def serving_listeners(self) -> set[int] | None:
         return None  # checked by the local drill, which sees the pod's sockets

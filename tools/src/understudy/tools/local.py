@@ -158,6 +158,9 @@ def containers(cfg: LocalConfig) -> list[Container]:
                 f"{cfg.reconnect_window_s:g}",
                 "--metrics-port",
                 str(cfg.lock_metrics_port),
+                # It keeps the serving socket for the front (docs/pod.md).
+                "--serving-port",
+                str(cfg.serve_port),
             ),
             {},
         ),
@@ -179,8 +182,13 @@ def containers(cfg: LocalConfig) -> list[Container]:
         ),
         Container(
             "front",
-            _understudy(
-                "front",
+            # As in the pod: the respawner restarts the front in place at
+            # once; its serving socket waits in the lock server meanwhile.
+            [
+                *_understudy("respawn", "--"),
+                sys.executable,
+                "-m",
+                "understudy.front",
                 "serve",
                 "--run-dir",
                 str(run),
@@ -196,7 +204,7 @@ def containers(cfg: LocalConfig) -> list[Container]:
                 f"{cfg.hang_after_s:g}",
                 "--drain",
                 "25",
-            ),
+            ],
             {},
         ),
     ]

@@ -1,10 +1,12 @@
 """What the daemons speak: length-prefix framing (``framing``), message codecs
 (``messages``), the one shape of every state machine (``machine``), the
-engine/front contract and its heartbeat (``serving``, ``heartbeat``),
-Unix-socket helpers with peer credentials and fd passing (``uds``),
-observability plumbing (``obs``) and the collector's start-up freeze
-(``heap``). Only the framing codec is re-exported here; the rest is imported
-from its module."""
+engine/front contract and its heartbeat (``serving``, ``heartbeat``), the
+lock's persisted record (``lockrecord``), Unix-socket helpers with peer
+credentials and fd passing (``uds``), the serving socket's handover
+(``handover``), observability plumbing (``obs``), the collector's start-up
+freeze (``heap``), failpoints (``failpoints``) and a container's restarter
+(``restart``, ``respawn``). Only the framing codec is re-exported here; the
+rest is imported from its module."""
 
 from understudy.wire.framing import (
     DEFAULT_MAX_FRAME,
