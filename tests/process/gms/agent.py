@@ -22,6 +22,7 @@ import devmem
 import numpy as np
 
 from understudy.gms.client import GmsClient
+from understudy.gms.kvclient import KvSession
 from understudy.gms.messages import Mode
 
 _out = threading.Lock()
@@ -67,6 +68,7 @@ class Agent:
         self.client: GmsClient | None = None
         self.kept: list[np.ndarray] = []  # views built from raw addresses
         self.kept_ptrs: list[tuple[int, int]] = []  # cuda: (index, device pointer) kept alike
+        self.kv: KvSession | None = None
 
     def c(self) -> GmsClient:
         assert self.client is not None
@@ -196,6 +198,35 @@ class Agent:
 
     def op_close(self, cmd: dict[str, Any]) -> dict[str, Any]:
         self.c().close()
+        return {}
+
+    # --- the KV pool (a session of its own) --------------------------------------
+
+    def op_kv_acquire(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        self.kv = KvSession.acquire(
+            cmd["path"],
+            epoch=cmd["epoch"],
+            size=cmd["size"],
+            spec=cmd.get("spec", "spec"),
+            timeout=cmd["timeout"],
+            name=cmd["name"],
+            on_lost=lambda exc: emit({"event": "kv_lost", "error": str(exc)}),
+        )
+        kv = self.kv
+        return {"created": kv.created, "previous_epoch": kv.previous_epoch, "size": kv.size}
+
+    def op_kv_fill(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        assert self.kv is not None
+        devmem.fill(self.kv, self.kv, cmd["seed"])  # type: ignore[arg-type]  # address, size, backend
+        return {}
+
+    def op_kv_verify(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        assert self.kv is not None
+        return {"equal": devmem.verify(self.kv, self.kv, cmd["seed"])}  # type: ignore[arg-type]
+
+    def op_kv_close(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        assert self.kv is not None
+        self.kv.close()
         return {}
 
 

@@ -73,12 +73,42 @@ def orphaned_state(digest: str = ADOPTED, deadline: float = 10.0) -> fsm.GmsStat
     return fsm.initial_state(INFO, fsm.Orphan(digest, deadline))
 
 
+def kv_ask(
+    sid: int, epoch: int, client: str, timeout: float = 5.0, size: int = 100
+) -> fsm.Received:
+    return req(sid, m.KvAcquire(epoch=epoch, size=size, spec="s", timeout_s=timeout, client=client))
+
+
+def kv_checked(sid: int, holder: str | None, epoch: int) -> fsm.LockChecked:
+    return fsm.LockChecked(sid, fsm.LockWord(holder, epoch))
+
+
+def kv_held_by_other(epoch: int = 5) -> fsm.GmsState:
+    """OTHER, the lock's holder under ``epoch``, maps the KV pool."""
+    st, _ = run(
+        fsm.initial_state(INFO),
+        fsm.Connected(OTHER),
+        kv_ask(OTHER, epoch, "old"),
+        kv_checked(OTHER, "old", epoch),
+    )
+    return st
+
+
 def state_in(phase: Phase) -> fsm.GmsState:
     """A state where session S is in ``phase``, with allocation 0 and key "k"
-    present whenever S could see them."""
+    present whenever S could see them (for the KV phases: the pool is
+    allocation 0)."""
     base = fsm.initial_state(INFO)
     if phase is Phase.NONE:
         return base
+    if phase is Phase.KV_CHECKING:
+        return run(base, fsm.Connected(S), kv_ask(S, 7, "e"))[0]
+    if phase is Phase.KV:
+        return run(base, fsm.Connected(S), kv_ask(S, 7, "e"), kv_checked(S, "e", 7))[0]
+    if phase is Phase.KV_WAITING:
+        return run(kv_held_by_other(), fsm.Connected(S), kv_ask(S, 7, "e"), kv_checked(S, "e", 7))[
+            0
+        ]
     if phase is Phase.PENDING:
         return run(base, fsm.Connected(S))[0]
     if phase is Phase.WAITING:
@@ -120,6 +150,8 @@ EVENTS: dict[type, Callable[[], fsm.Event]] = {
     m.Commit: lambda: req(S, m.Commit()),
     m.GetLayoutHash: lambda: req(S, m.GetLayoutHash()),
     m.GetState: lambda: req(S, m.GetState()),
+    m.KvAcquire: lambda: kv_ask(S, 7, "e"),
+    fsm.LockChecked: lambda: kv_checked(S, "e", 7),
 }
 
 P = Phase
@@ -148,6 +180,13 @@ LANDS: dict[tuple[Phase, type], Phase] = {
     **{(P.RO, k): P.RO for k in (*READS, *QUERIES)},
     # The adoption window's end is the server's, not a session's.
     (P.NONE, fsm.AdoptionOver): P.NONE,
+    # The KV pool, on a connection of its own: asked, the lock's record read, mapped.
+    (P.PENDING, m.KvAcquire): P.KV_CHECKING,
+    (P.KV_CHECKING, fsm.LockChecked): P.KV,  # the holder, and the pool free
+    **{(p, fsm.Disconnected): P.NONE for p in (P.KV_CHECKING, P.KV_WAITING, P.KV)},
+    **{(p, fsm.Expire): p for p in (P.KV_CHECKING, P.KV_WAITING, P.KV)},
+    (P.KV, fsm.CreateFailed): P.PENDING,  # the pool could not be created
+    (P.KV, m.GetState): P.KV,
 }
 
 
@@ -206,6 +245,9 @@ def test_each_entry_declares_the_phases_it_reaches() -> None:
     # Hello lands by the grant rules; an expiry at the deadline ends the wait.
     reached[(P.PENDING, m.Hello)] |= {P.WAITING, P.RO, P.ADOPTING}
     reached[(P.WAITING, fsm.Expire)].add(P.PENDING)
+    # A KV request waits for an older holder, or is refused (test_kv_*).
+    reached[(P.KV_CHECKING, fsm.LockChecked)] |= {P.KV_WAITING, P.PENDING}
+    reached[(P.KV_WAITING, fsm.Expire)].add(P.PENDING)
     for key, entry in fsm.TRANSITIONS.items():
         assert entry.targets == reached[key], key
 
@@ -547,3 +589,168 @@ def test_adopt_goes_with_a_layout_hash_and_only_adopt() -> None:
         m.Hello(mode=Mode.ADOPT, timeout_s=1)
     with pytest.raises(ValueError, match="layout_hash goes with mode ADOPT"):
         m.Hello(mode=Mode.RO, timeout_s=1, layout_hash=ADOPTED)
+
+
+# --- the KV pool: granted read-write to the lock's holder only, under its
+# epoch, to one session at a time, and handed on as it is ---------------------
+
+
+def grants(actions: list[fsm.Action]) -> list[fsm.GrantKv]:
+    return [a for a in actions if isinstance(a, fsm.GrantKv)]
+
+
+def refusal(actions: list[fsm.Action], sid: int = S) -> m.ErrorReply:
+    (err,) = replies(actions, sid)
+    assert isinstance(err, m.ErrorReply)
+    return err
+
+
+def test_the_holder_gets_a_new_pool_after_the_lock_is_read() -> None:
+    st, actions = run(fsm.initial_state(INFO), fsm.Connected(S), kv_ask(S, 3, "e", size=5000))
+    assert actions[-1] == fsm.ReadLock(S) and st.phase(S) is Phase.KV_CHECKING
+    st, actions = run(st, kv_checked(S, "e", 3))
+    (grant,) = grants(actions)
+    assert grant.created and grant.previous_epoch is None
+    assert grant.allocation.tag == "kv" and grant.allocation.size == 8192  # aligned
+    assert st.phase(S) is Phase.KV and st.newest_epoch == 3
+    assert st.kv is not None and (st.kv.holder, st.kv.holder_epoch) == (S, 3)
+    assert st.allocations == ()  # not part of the weights' layout, nor of its hash
+
+
+@pytest.mark.parametrize(
+    ("word", "why"),
+    [
+        (fsm.LockWord("e", 4), "epoch 4"),  # the lock moved on
+        (fsm.LockWord("someone", 3), "'someone'"),  # another engine holds it
+        (fsm.LockWord(None, 3), "nobody holds"),  # released: the holder is gone
+    ],
+)
+def test_anyone_but_the_holder_under_its_epoch_is_refused(word: fsm.LockWord, why: str) -> None:
+    st, _ = run(fsm.initial_state(INFO), fsm.Connected(S), kv_ask(S, 3, "e"))
+    st, actions = run(st, fsm.LockChecked(S, word))
+    err = refusal(actions)
+    assert err.code is ErrorCode.STALE_EPOCH and why in err.message
+    assert st.phase(S) is Phase.PENDING and st.kv is None
+    assert st.session(S) == fsm.Session(S, Phase.PENDING, since=0.0)
+
+
+def test_without_the_locks_record_an_older_epoch_than_seen_is_refused() -> None:
+    st, _ = run(
+        fsm.initial_state(INFO),
+        fsm.Connected(OTHER),
+        req(OTHER, m.Hello(mode=Mode.RO, timeout_s=1, epoch=9)),
+        fsm.Connected(S),
+        kv_ask(S, 8, "e"),
+    )
+    st, actions = run(st, fsm.LockChecked(S, None, "no lock record"))
+    assert refusal(actions).code is ErrorCode.STALE_EPOCH
+    st, actions = run(st, kv_ask(S, 9, "e"), fsm.LockChecked(S, None, "no lock record"))
+    assert grants(actions) and st.phase(S) is Phase.KV
+
+
+def test_the_same_epoch_twice_is_refused_the_pool_is_never_mapped_twice() -> None:
+    st = kv_held_by_other(epoch=5)
+    st, actions = run(st, fsm.Connected(S), kv_ask(S, 5, "old"), kv_checked(S, "old", 5))
+    assert refusal(actions).code is ErrorCode.STALE_EPOCH
+    assert st.kv is not None and st.kv.holder == OTHER
+
+
+def test_a_newer_epoch_waits_for_the_old_holders_end_and_gets_the_pool_as_it_was() -> None:
+    st = kv_held_by_other(epoch=5)
+    st, actions = run(st, fsm.Connected(S), kv_ask(S, 6, "e", timeout=2.0), kv_checked(S, "e", 6))
+    assert st.phase(S) is Phase.KV_WAITING and fsm.ArmTimer(S, 2.0) in actions
+    assert not grants(actions)
+    st, actions = run(st, fsm.Disconnected(OTHER), now=0.5)  # the old holder's death
+    (grant,) = grants(actions)
+    assert not grant.created and grant.previous_epoch == 5
+    assert not any(isinstance(a, fsm.ReleaseMemory) for a in actions)
+    assert st.phase(S) is Phase.KV and st.kv is not None and st.kv.grants == 2
+    kv_grant = [a for a in actions if isinstance(a, fsm.Transition) and a.event == "kv_grant"]
+    assert kv_grant[0].waited_s == 0.5
+
+
+def test_of_two_waiters_the_newest_epoch_gets_the_pool() -> None:
+    st = kv_held_by_other(epoch=5)
+    st, _ = run(
+        st,
+        fsm.Connected(S),
+        kv_ask(S, 6, "a"),
+        kv_checked(S, "a", 6),
+        fsm.Connected(2),
+        kv_ask(2, 7, "b"),
+        kv_checked(2, "b", 7),
+    )
+    st, actions = run(st, fsm.Disconnected(OTHER))
+    assert st.phase(2) is Phase.KV and st.phase(S) is Phase.PENDING
+    assert refusal(actions, S).code is ErrorCode.STALE_EPOCH
+
+
+def test_a_wait_for_the_pool_expires_at_its_deadline() -> None:
+    st = kv_held_by_other(epoch=5)
+    st, _ = run(st, fsm.Connected(S), kv_ask(S, 6, "e", timeout=2.0), kv_checked(S, "e", 6))
+    early, actions = fsm.step(st, fsm.Expire(S), 1.0)
+    assert early.phase(S) is Phase.KV_WAITING and actions == [fsm.ArmTimer(S, 2.0)]
+    late, actions = fsm.step(st, fsm.Expire(S), 2.0)
+    assert late.phase(S) is Phase.PENDING and refusal(actions).code is ErrorCode.TIMEOUT
+    late, actions = fsm.step(late, fsm.Disconnected(OTHER), 3.0)
+    assert not grants(actions) and late.kv is not None and late.kv.holder is None
+
+
+def test_a_zero_timeout_does_not_wait() -> None:
+    st = kv_held_by_other(epoch=5)
+    st, actions = run(st, fsm.Connected(S), kv_ask(S, 6, "e", timeout=0), kv_checked(S, "e", 6))
+    assert refusal(actions).code is ErrorCode.TIMEOUT and st.phase(S) is Phase.PENDING
+
+
+def test_another_geometry_replaces_a_free_pool() -> None:
+    st = kv_held_by_other(epoch=5)
+    st, _ = run(st, fsm.Disconnected(OTHER))
+    assert st.kv is not None
+    old = st.kv.allocation
+    st, actions = run(st, fsm.Connected(S), kv_ask(S, 6, "e", size=99999), kv_checked(S, "e", 6))
+    assert fsm.ReleaseMemory((old.id,)) in actions
+    (grant,) = grants(actions)
+    assert grant.created and grant.allocation.id != old.id
+
+
+def test_a_failed_create_forgets_the_pool() -> None:
+    st, actions = run(fsm.initial_state(INFO), fsm.Connected(S), kv_ask(S, 1, "e"))
+    st, actions = run(st, kv_checked(S, "e", 1))
+    (grant,) = grants(actions)
+    st, actions = run(st, fsm.CreateFailed(S, grant.allocation.id, "ENOMEM"))
+    assert refusal(actions).code is ErrorCode.NO_MEMORY
+    assert st.kv is None and st.phase(S) is Phase.PENDING
+    with pytest.raises(fsm.InvalidTransition):
+        run(kv_held_by_other(), fsm.CreateFailed(OTHER, 12345, "ENOMEM"))
+
+
+def test_the_weights_being_replaced_leave_the_pool_alone() -> None:
+    st = kv_held_by_other(epoch=5)
+    st, actions = run(
+        st,
+        fsm.Connected(S),
+        req(S, m.Hello(mode=Mode.RW, timeout_s=1)),
+        req(S, m.Allocate(size=10)),
+        fsm.Disconnected(S),  # a writer that dies aborts its layout
+    )
+    assert st.kv is not None and st.kv.holder == OTHER
+    released = [a for a in actions if isinstance(a, fsm.ReleaseMemory)]
+    assert released and st.kv.allocation.id not in released[0].ids
+
+
+def test_the_report_shows_the_pool() -> None:
+    st = kv_held_by_other(epoch=5)
+    rep = fsm.report(st)
+    assert rep.kv == m.KvReport(bytes=4096, spec="s", holder_epoch=5, last_epoch=5, grants=1)
+    assert rep.bytes == 0  # the weights' bytes only
+    st, _ = run(st, fsm.Disconnected(OTHER))
+    assert fsm.report(st).kv == m.KvReport(
+        bytes=4096, spec="s", holder_epoch=None, last_epoch=5, grants=1
+    )
+
+
+def test_a_lock_check_without_a_request_is_a_shell_bug() -> None:
+    st, _ = run(fsm.initial_state(INFO), fsm.Connected(S), kv_ask(S, 1, "e"))
+    st = dataclasses.replace(st, sessions=(fsm.Session(S, Phase.KV_CHECKING),))
+    with pytest.raises(fsm.InvalidTransition):
+        fsm.step(st, kv_checked(S, "e", 1), 0.0)

@@ -22,6 +22,9 @@ class GmsLock(RuleBasedStateMachine):
         self.now = 0.0
         self.live_memory: set[int] = set()  # created and not released (the backend's view)
         self.committed_hashes: list[str] = []
+        # The pod's lock, as its record would say: holder "e<epoch>" under epoch.
+        self.lock_epoch = 0
+        self.kv_grants: list[int] = []  # the epochs the pool was granted to, in order
 
     def feed(self, event: fsm.Event) -> list[fsm.Action] | None:
         try:
@@ -35,6 +38,13 @@ class GmsLock(RuleBasedStateMachine):
             elif isinstance(a, fsm.ReleaseMemory):
                 assert set(a.ids) <= self.live_memory
                 self.live_memory -= set(a.ids)
+            elif isinstance(a, fsm.GrantKv):
+                if a.created:
+                    assert a.allocation.id not in self.live_memory
+                    self.live_memory.add(a.allocation.id)
+                session = self.state.session(a.sid)
+                assert session is not None and session.kv is not None
+                self.kv_grants.append(session.kv.epoch)
         return actions
 
     @rule(sid=SIDS)
@@ -48,7 +58,23 @@ class GmsLock(RuleBasedStateMachine):
         if was_writer and actions is not None:
             # an abort leaves nothing behind
             assert self.state.allocations == () and self.state.metadata == ()
-            assert not self.state.committed and self.live_memory == set()
+            assert not self.state.committed and self.live_memory == self.kv_memory()
+
+    def kv_memory(self) -> set[int]:
+        return set() if self.state.kv is None else {self.state.kv.allocation.id}
+
+    @rule()
+    def lock_moves_on(self) -> None:
+        self.lock_epoch += 1
+
+    @rule(sid=SIDS, behind=st.sampled_from([0, 0, 1]), size=st.sampled_from([100, 9000]))
+    def kv_acquire(self, sid: int, behind: int, size: int) -> None:
+        """The lock's current holder asks (or, ``behind`` > 0, an older one)."""
+        epoch = max(0, self.lock_epoch - behind)
+        request = m.KvAcquire(epoch=epoch, size=size, spec="s", timeout_s=1.0, client=f"e{epoch}")
+        if self.feed(fsm.Received(sid, request)) is not None:
+            word = fsm.LockWord(f"e{self.lock_epoch}", self.lock_epoch)
+            self.feed(fsm.LockChecked(sid, word))
 
     @rule(
         sid=SIDS,
@@ -112,7 +138,21 @@ class GmsLock(RuleBasedStateMachine):
 
     @invariant()
     def backend_matches_the_records(self) -> None:
-        assert {a.id for a in self.state.allocations} == self.live_memory
+        assert {a.id for a in self.state.allocations} | self.kv_memory() == self.live_memory
+
+    @invariant()
+    def the_kv_pool_is_mapped_once_by_the_newest_epoch_granted(self) -> None:
+        holders = [s for s in self.state.sessions if s.phase is Phase.KV]
+        assert len(holders) <= 1
+        pool = self.state.kv
+        if holders:
+            assert pool is not None and pool.holder == holders[0].sid
+            assert holders[0].kv is not None and pool.holder_epoch == holders[0].kv.epoch
+        else:
+            assert pool is None or pool.holder is None
+        # Grants never go back to an older epoch (the holder may map it again).
+        assert all(a <= b for a, b in zip(self.kv_grants, self.kv_grants[1:], strict=False))
+        assert all(s.phase is not Phase.KV_CHECKING for s in self.state.sessions)
 
     @invariant()
     def no_waiter_could_be_granted(self) -> None:

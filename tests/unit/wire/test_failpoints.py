@@ -99,3 +99,37 @@ def test_every_listed_point_is_hit_by_the_code_and_armed_by_a_test() -> None:
     tests = "\n".join(_sources("tests", exclude=Path(__file__)).values())
     unarmed = {name for name in failpoints.POINTS if not re.search(rf"{re.escape(name)}=", tests)}
     assert not unarmed, f"listed but armed by no test: {unarmed}"
+
+
+def _run_code(spec: str, code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", "from understudy.wire import failpoints\n" + code],
+        env={"UNDERSTUDY_FAILPOINTS": spec, "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def test_kill_is_a_sigkill_at_the_point() -> None:
+    done = _run_code("engine.init=kill", "failpoints.hit('engine.init'); print('after')")
+    assert done.returncode == -9 and "after" not in done.stdout
+
+
+def test_return_hands_the_harm_to_the_caller_and_at_n_counts_hits() -> None:
+    code = "print([failpoints.hit('kv.block.corrupt') for _ in range(5)])"
+    assert _run_code("", code).stdout == "[False, False, False, False, False]\n"
+    assert _run_code("kv.block.corrupt=return", code).stdout == "[True, True, True, True, True]\n"
+    assert _run_code("kv.block.corrupt=return@4", code).stdout == (
+        "[False, False, False, True, True]\n"
+    )
+    done = _run_code(
+        "kv.seal.torn=exit(3)@3",
+        "for i in range(5): failpoints.hit('kv.seal.torn'); print(i, flush=True)",
+    )
+    assert done.returncode == 3 and done.stdout == "0\n1\n"
+    assert failpoints.parse("kv.seal.torn=kill@40")["kv.seal.torn"] == failpoints.Action(
+        "kill", 0, 40
+    )
+    with pytest.raises(ValueError, match="count from 1"):
+        failpoints.parse("kv.seal.torn=kill@0")

@@ -373,6 +373,7 @@ class Shim:
         try:
             failpoints.hit("engine.wake")
             self.weights.wake(self.cfg.remap_timeout_s, self.s.epoch)
+            self.weights.acquire_kv(self.engine, self.cfg.remap_timeout_s, self.s.epoch)
             self.engine.wake()
         except Exception as exc:  # a failed remap is fatal: restart and re-init
             return self.feed(fsm.Fatal(f"wake failed: {type(exc).__name__}: {exc}"))

@@ -14,9 +14,10 @@ import logging
 import time
 from collections.abc import Callable
 
-from understudy.engine_shim.adapters.base import Engine
+from understudy.engine_shim.adapters.base import Engine, UsesKvPool
 from understudy.engine_shim.config import EngineConfig
-from understudy.gms.client import GmsClient, GmsError, query_state
+from understudy.gms.client import GmsClient, GmsError, GmsTimeoutError, query_state
+from understudy.gms.kvclient import KvSession
 from understudy.gms.messages import Granted, LockState, Mode
 from understudy.wire.obs import log_event
 
@@ -34,6 +35,7 @@ class Weights:
         self.sessions: dict[int, GmsClient] = {}
         self.loaded: list[int] = []  # devices this engine wrote
         self.imported: list[int] = []  # devices it imported read-only
+        self.kv: KvSession | None = None  # the KV pool, while this engine holds the lock
 
     def _lost(self, device: int) -> Callable[[BaseException], None]:
         def report(exc: BaseException) -> None:
@@ -127,6 +129,50 @@ class Weights:
             log_event(log, "gms_readopted", device=device, how=how, layout=session.layout_hash)
         return done
 
+    def acquire_kv(self, engine: Engine, timeout: float, epoch: int | None) -> None:
+        """Map the KV pool for an engine that keeps its cache there, as the lock's
+        holder under ``epoch``, and hand it over (docs/kv-pool.md).
+
+        GMS refusing this epoch means the lock has moved on: that is fatal
+        (WakeError). A pool still mapped by the previous holder past
+        ``timeout`` is not: the engine then keeps a cache of its own, as
+        without a pool, and recomputes what a continuation needs.
+        """
+        if not isinstance(engine, UsesKvPool) or epoch is None:
+            return
+        want = engine.kv_pool_request()
+        if want is None:
+            return
+        device = min(self.cfg.devices)
+        t0 = time.monotonic()
+        try:
+            session = KvSession.acquire(
+                self.cfg.gms_socket(device),
+                epoch=epoch,
+                size=want.size,
+                spec=want.spec,
+                timeout=timeout,
+                name=self.cfg.engine_id,
+                on_lost=self._lost(device),
+            )
+        except GmsTimeoutError as exc:
+            log_event(log, "kv_pool_unavailable", logging.WARNING, epoch=epoch, reason=exc)
+            return
+        except GmsError as exc:
+            raise WakeError(f"KV pool refused: {type(exc).__name__}: {exc}") from exc
+        self.kv = session
+        engine.attach_kv_pool(session.view(), epoch)
+        log_event(
+            log,
+            "kv_pool",
+            device=device,
+            epoch=epoch,
+            bytes=session.size,
+            created=session.created,
+            previous_epoch=session.previous_epoch,
+            seconds=round(time.monotonic() - t0, 4),
+        )
+
     def _fail_fast(self, device: int, timeout: float) -> None:
         """A GMS that restarted while we slept has nothing committed and, with
         nobody loading, never will: say so now instead of after the whole
@@ -146,5 +192,8 @@ class Weights:
             )
 
     def close(self) -> None:
+        if self.kv is not None:
+            self.kv.close()
+            self.kv = None
         for session in self.sessions.values():
             session.close()

@@ -36,6 +36,10 @@ from understudy.gms.config import (
 from understudy.gms.messages import GmsError
 
 _PR_SET_PDEATHSIG = 1
+_LOCK_STATE_HELP = (
+    "the lock server's record, read to check who may map the KV pool "
+    "(default: lock.state beside the socket directory; 'none': the epoch alone fences)"
+)
 
 
 def _devices(text: str) -> tuple[int, ...]:
@@ -69,6 +73,7 @@ def cmd_server(args: argparse.Namespace) -> int:
         granularity=args.granularity,
         metrics_port=args.metrics_port,
         adopt_window_s=args.adopt_window,
+        lock_state=_lock_state(args.lock_state, Path(args.socket).parent),
     )
     try:
         return asyncio.run(server.run(config))
@@ -92,8 +97,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         grace_s=args.grace,
         adopt_window_s=args.adopt_window,
+        lock_state=_lock_state(args.lock_state, Path(args.socket_dir)),
     )
     return supervisor.run(config)
+
+
+def _lock_state(given: str | None, socket_dir: Path) -> Path | None:
+    """The lock server's record: as given ("none": do not read one), else beside
+    the GMS socket directory, where the pod keeps it (/run/understudy/lock.state)."""
+    if given is None:
+        return socket_dir.parent / "lock.state"
+    return None if given == "none" else Path(given)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -156,6 +170,7 @@ def _add(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--metrics-port", type=int, default=None)
     p.add_argument("--grace", type=float, default=5.0, help="seconds before SIGKILL")
     p.add_argument("--adopt-window", type=float, default=5.0, help=_ADOPT_HELP)
+    p.add_argument("--lock-state", default=None, help=_LOCK_STATE_HELP)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("server", help="one GMS server (one device, one tag)")
@@ -167,6 +182,7 @@ def _add(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--metrics-port", type=int, default=None)
     p.add_argument("--adopt-window", type=float, default=5.0, help=_ADOPT_HELP)
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--lock-state", default=None, help=_LOCK_STATE_HELP)
     p.set_defaults(func=cmd_server)
 
     p = sub.add_parser("status", help="print the server's state as one JSON line")

@@ -38,6 +38,9 @@ class ServerConfig:
     # After a restart over a committed layout: how long every hello waits for
     # the engine that still maps it to give it back (fsm, re-adoption).
     adopt_window_s: float = 5.0
+    # The lock server's record, asked who holds the lock before the KV pool is
+    # granted (lockword.py); None: the epoch alone fences.
+    lock_state: Path | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +53,7 @@ class SupervisorConfig:
     metrics_port: int | None = None
     grace_s: float = 5.0  # after a child dies or SIGTERM: SIGTERM, then SIGKILL
     adopt_window_s: float = 5.0
+    lock_state: Path | None = None  # passed to every server (ServerConfig.lock_state)
 
 
 @dataclass(frozen=True, slots=True)

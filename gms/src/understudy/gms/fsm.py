@@ -83,6 +83,11 @@ class Phase(enum.Enum):
     RW = "rw"
     ADOPTING = "adopting"  # re-sending a layout it still maps (after a GMS restart)
     RO = "ro"
+    # The KV pool (docs/kv-pool.md): asked for, and GMS is reading the lock's
+    # record; waiting for an older holder's connection to end; mapped RW.
+    KV_CHECKING = "kv_checking"
+    KV_WAITING = "kv_waiting"
+    KV = "kv"
 
 
 class Decision(enum.Enum):
@@ -143,6 +148,7 @@ class Session:
     since: float = 0.0  # when the current wait started
     deadline: float | None = None
     layout_hash: str | None = None  # ADOPTING: the layout it re-sends
+    kv: m.KvAcquire | None = None  # what a KV session asked for
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +157,20 @@ class Orphan:
 
     layout_hash: str
     deadline: float  # the end of the adoption window
+
+
+@dataclass(frozen=True, slots=True)
+class KvPool:
+    """The device's KV pool: one allocation outside the weights' layout (not in
+    its hash, not released when the weights are replaced), handed from one
+    lock holder to the next."""
+
+    allocation: AllocationRecord
+    spec: str
+    holder: int | None = None  # the session that maps it now
+    holder_epoch: int | None = None
+    last_epoch: int = 0
+    grants: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +184,7 @@ class GmsState:
     next_id: int = 0
     newest_epoch: int = 0  # the highest lock epoch any hello carried
     orphan: Orphan | None = None
+    kv: KvPool | None = None
 
     def session(self, sid: int) -> Session | None:
         for s in self.sessions:
@@ -234,6 +255,17 @@ def report(state: GmsState) -> m.StateReport:
         device=state.info.device,
         tag=state.info.tag,
         backend=state.info.backend,
+        kv=None if state.kv is None else kv_report(state.kv),
+    )
+
+
+def kv_report(pool: KvPool) -> m.KvReport:
+    return m.KvReport(
+        bytes=pool.allocation.size,
+        spec=pool.spec,
+        holder_epoch=pool.holder_epoch,
+        last_epoch=pool.last_epoch,
+        grants=pool.grants,
     )
 
 
@@ -287,7 +319,35 @@ class CreateFailed:
     reason: str
 
 
-Event = Connected | Disconnected | Received[m.Request] | Expire | CreateFailed | AdoptionOver
+@dataclass(frozen=True, slots=True)
+class LockWord:
+    """What the lock server's record says: who holds the pod's lock, under which
+    epoch (``holder`` None: released, nobody holds it)."""
+
+    holder: str | None
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class LockChecked:
+    """The shell read the lock's record for a KV request (``ReadLock``).
+    ``word`` None: there is no record to read (no lock server on this node, or
+    its record unreadable; ``detail`` says which)."""
+
+    sid: int
+    word: LockWord | None
+    detail: str = ""
+
+
+Event = (
+    Connected
+    | Disconnected
+    | Received[m.Request]
+    | Expire
+    | CreateFailed
+    | AdoptionOver
+    | LockChecked
+)
 
 # --- actions ------------------------------------------------------------------
 
@@ -362,6 +422,24 @@ class Transition:
     detail: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class ReadLock:
+    """Read the lock server's record and feed ``LockChecked`` for ``sid``."""
+
+    sid: int
+
+
+@dataclass(frozen=True, slots=True)
+class GrantKv:
+    """Create the pool's memory first if ``created``, then export it writable and
+    send it with ``kv_granted``; on a failed create feed ``CreateFailed``."""
+
+    sid: int
+    allocation: AllocationRecord
+    created: bool
+    previous_epoch: int | None
+
+
 Action = (
     Reply
     | CreateMemory
@@ -371,6 +449,8 @@ Action = (
     | ArmTimer
     | ArmAdoptionTimer
     | Transition
+    | ReadLock
+    | GrantKv
 )
 Result = tuple[GmsState, list[Action]]
 
@@ -469,6 +549,9 @@ def _disconnect(state: GmsState, ev: Disconnected, now: float) -> Result:
         event = "abort" if s.phase is Phase.RW else "adopt_aborted"
         actions.append(Transition(event, ev.sid, detail=f"released={len(ids)}"))
         state = replace(_cleared(state), orphan=None)
+    if s.phase is Phase.KV:
+        state, more = _kv_released(state, s, now)
+        actions += more
     state, more = _reevaluate(state, now)
     return state, actions + more
 
@@ -524,13 +607,14 @@ def _hello_adopt(state: GmsState, s: Session, hello: m.Hello, now: float) -> Res
 
 def _expire(state: GmsState, ev: Expire, now: float) -> Result:
     s = _live(state, ev.sid)
-    if s.phase is not Phase.WAITING or s.deadline is None or now < s.deadline:
-        if s.phase is Phase.WAITING and s.deadline is not None:
+    waits = s.phase in (Phase.WAITING, Phase.KV_WAITING)
+    if not waits or s.deadline is None or now < s.deadline:
+        if waits and s.deadline is not None:
             return state, [ArmTimer(s.sid, s.deadline)]  # fired early: re-arm
         return state, []  # stale timer
-    state = _set(state, replace(s, phase=Phase.PENDING, mode=None, deadline=None))
+    state = _set(state, replace(s, phase=Phase.PENDING, mode=None, deadline=None, kv=None))
     waited = now - s.since
-    mode = s.mode.value if s.mode else None
+    mode = s.mode.value if s.mode else ("KV" if s.kv else None)
     return state, [
         Transition("expire", s.sid, mode=mode, waited_s=waited, detail=lock_state(state).value),
         Reply(
@@ -677,10 +761,138 @@ def _get_state(state: GmsState, ev: Received[m.GetState], now: float) -> Result:
     return state, [Reply(ev.sid, report(state))]
 
 
+# --- the KV pool (docs/kv-pool.md) ----------------------------------------------
+#
+# One pool a device, read-write to one session at a time: the pod lock's
+# holder, under the epoch the lock server granted it. A request is checked
+# against the lock server's own record (the shell reads it: ``ReadLock`` →
+# ``LockChecked``); where there is none, against the newest epoch GMS has seen.
+# The pool passes on only when its holder's connection ends (the process's
+# death, in a failover), so it is never mapped by two processes at once; a
+# newer epoch that asks meanwhile waits for that, within its timeout.
+
+
+def _kv_acquire(state: GmsState, ev: Received[m.KvAcquire], now: float) -> Result:
+    s = _live(state, ev.sid)
+    state = _set(state, replace(s, phase=Phase.KV_CHECKING, kv=ev.request, since=now))
+    return state, [ReadLock(ev.sid)]
+
+
+def _kv_refuse(state: GmsState, s: Session, code: ErrorCode, message: str) -> Result:
+    state = _set(state, replace(s, phase=Phase.PENDING, kv=None, deadline=None))
+    return state, [
+        Transition("kv_refuse", s.sid, mode="KV", detail=f"{code.value}: {message}"),
+        Reply(s.sid, m.ErrorReply(code=code, message=message)),
+    ]
+
+
+def _not_the_holder(want: m.KvAcquire, word: LockWord | None, newest: int) -> str | None:
+    """Why ``want`` is not from the lock's holder, or None if it is."""
+    if word is None:  # no record to ask: the epoch is a fencing token only
+        if want.epoch < newest:
+            return f"epoch {want.epoch} is older than {newest}, the newest this GMS has seen"
+        return None
+    if word.holder is None:
+        return f"the lock's record says nobody holds the lock (epoch {word.epoch} ended)"
+    if word.epoch != want.epoch or (want.client and want.client != word.holder):
+        return (
+            f"the lock's record says {word.holder!r} holds it under epoch {word.epoch}; "
+            f"this is {want.client or 'a client'!r} under epoch {want.epoch}"
+        )
+    return None
+
+
+def _lock_checked(state: GmsState, ev: LockChecked, now: float) -> Result:
+    s = _live(state, ev.sid)
+    want = s.kv
+    if want is None:
+        raise InvalidTransition(f"session {ev.sid} checks the lock without a KV request")
+    why = _not_the_holder(want, ev.word, state.newest_epoch)
+    if why is not None:
+        return _kv_refuse(state, s, ErrorCode.STALE_EPOCH, why)
+    state = replace(state, newest_epoch=max(state.newest_epoch, want.epoch))
+    pool = state.kv
+    if pool is None or pool.holder is None:
+        return _kv_grant(state, s, now)
+    assert pool.holder_epoch is not None
+    if want.epoch <= pool.holder_epoch:
+        message = f"epoch {pool.holder_epoch} maps the KV pool; epoch {want.epoch} may not"
+        return _kv_refuse(state, s, ErrorCode.STALE_EPOCH, message)
+    if want.timeout_s <= 0:
+        message = f"the KV pool is still mapped by epoch {pool.holder_epoch}"
+        return _kv_refuse(state, s, ErrorCode.TIMEOUT, message)
+    deadline = now + want.timeout_s
+    state = _set(state, replace(s, phase=Phase.KV_WAITING, since=now, deadline=deadline))
+    return state, [
+        Transition("kv_wait", s.sid, mode="KV", detail=f"held by epoch {pool.holder_epoch}"),
+        ArmTimer(s.sid, deadline),
+    ]
+
+
+def _kv_grant(state: GmsState, s: Session, now: float) -> Result:
+    want = s.kv
+    assert want is not None
+    size = align_up(want.size, state.info.granularity)
+    pool = state.kv
+    actions: list[Action] = []
+    created = pool is None or pool.allocation.size != size or pool.spec != want.spec
+    if created:
+        if pool is not None:  # another geometry: nobody maps the old one, so free it
+            actions.append(ReleaseMemory((pool.allocation.id,)))
+            actions.append(Transition("kv_replace", s.sid, mode="KV", detail=pool.spec))
+        record = AllocationRecord(state.next_id, size, want.size, "kv")
+        pool = KvPool(record, want.spec)
+        state = replace(state, next_id=state.next_id + 1)
+    assert pool is not None
+    previous = None if created else pool.last_epoch
+    pool = replace(
+        pool,
+        holder=s.sid,
+        holder_epoch=want.epoch,
+        last_epoch=want.epoch,
+        grants=pool.grants + 1,
+    )
+    state = replace(state, kv=pool)
+    state = _set(state, replace(s, phase=Phase.KV, deadline=None))
+    detail = f"epoch={want.epoch} created={created} previous={previous}"
+    return state, [
+        *actions,
+        Transition("kv_grant", s.sid, mode="KV", waited_s=max(0.0, now - s.since), detail=detail),
+        GrantKv(s.sid, pool.allocation, created, previous),
+    ]
+
+
+def _kv_released(state: GmsState, s: Session, now: float) -> Result:
+    """The holder's connection ended: the pool stays, as it is, for the next
+    holder; of the sessions waiting for it the newest epoch gets it."""
+    assert state.kv is not None and state.kv.holder == s.sid
+    epoch = state.kv.holder_epoch
+    state = replace(state, kv=replace(state.kv, holder=None, holder_epoch=None))
+    actions: list[Action] = [Transition("kv_release", s.sid, mode="KV", detail=f"epoch={epoch}")]
+    waiting = [w for w in state.sessions if w.phase is Phase.KV_WAITING and w.kv is not None]
+    waiting.sort(key=lambda w: w.kv.epoch if w.kv else 0, reverse=True)
+    for i, w in enumerate(waiting):
+        if i == 0:
+            state, more = _kv_grant(state, w, now)
+        else:
+            message = f"epoch {waiting[0].kv.epoch if waiting[0].kv else '?'} got the KV pool"
+            state, more = _kv_refuse(state, w, ErrorCode.STALE_EPOCH, message)
+        actions += more
+    return state, actions
+
+
+def _kv_create_failed(state: GmsState, ev: CreateFailed, now: float) -> Result:
+    s = _live(state, ev.sid)
+    if state.kv is None or state.kv.allocation.id != ev.id:
+        raise InvalidTransition(f"create failed for {ev.id}, which is not the KV pool")
+    state = replace(state, kv=None)
+    return _kv_refuse(state, s, ErrorCode.NO_MEMORY, ev.reason)
+
+
 Kind = type
 P = Phase
 
-_LIVE = (P.PENDING, P.WAITING, P.RW, P.ADOPTING, P.RO)
+_LIVE = (P.PENDING, P.WAITING, P.RW, P.ADOPTING, P.RO, P.KV_CHECKING, P.KV_WAITING, P.KV)
 _GRANTED = (P.RW, P.RO)
 
 
@@ -721,6 +933,13 @@ TRANSITIONS: dict[tuple[Phase, Kind], Entry[GmsState, Action, Phase]] = {
     **{(p, m.ListMetadata): _stays(_list_metadata, p) for p in _GRANTED},
     **{(p, m.GetLayoutHash): _stays(_get_layout_hash, p) for p in _GRANTED},
     **{(p, m.GetState): _stays(_get_state, p) for p in _GRANTED},
+    # The KV pool: its own connection, from PENDING.
+    (P.PENDING, m.KvAcquire): Entry(_kv_acquire, frozenset({P.KV_CHECKING})),
+    (P.KV_CHECKING, LockChecked): Entry(_lock_checked, frozenset({P.KV, P.KV_WAITING, P.PENDING})),
+    (P.KV_WAITING, Expire): Entry(_expire, frozenset({P.KV_WAITING, P.PENDING})),
+    **{(p, Expire): _stays(_expire, p) for p in (P.KV_CHECKING, P.KV)},
+    (P.KV, CreateFailed): Entry(_kv_create_failed, frozenset({P.PENDING})),
+    (P.KV, m.GetState): _stays(_get_state, P.KV),
 }
 
 

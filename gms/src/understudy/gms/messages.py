@@ -175,6 +175,27 @@ class GetState(_Msg):
     type: Literal["get_state"] = "get_state"
 
 
+class KvAcquire(_Msg):
+    """Map the device's KV pool read-write (docs/kv-pool.md).
+
+    Only the pod lock's holder may, under the epoch it was granted: GMS checks
+    ``epoch`` and ``client`` against the lock server's record. The pool is
+    one allocation (tag ``kv``) that outlives its holders: it is created the
+    first time (zeroed), handed on as it is after the holder's connection
+    ends, and replaced only when an engine asks for another ``size`` or
+    ``spec``. Answered by ``kv_granted`` with the pool's fd, or an error.
+    """
+
+    type: Literal["kv_acquire"] = "kv_acquire"
+    epoch: Annotated[int, pydantic.Field(ge=0, le=2**53 - 1)]
+    size: Annotated[int, pydantic.Field(gt=0, le=1 << 48)]
+    # What the pool holds, in the engine's words (its layout's digest): a pool
+    # made for another model or geometry is replaced, never handed on.
+    spec: Annotated[str, pydantic.StringConstraints(min_length=1, max_length=256)]
+    timeout_s: Annotated[float, pydantic.Field(ge=0, le=MAX_TIMEOUT_S)]
+    client: Annotated[str, pydantic.StringConstraints(max_length=128)] = ""
+
+
 Request = Annotated[
     Hello
     | Allocate
@@ -187,7 +208,8 @@ Request = Annotated[
     | ListMetadata
     | Commit
     | GetLayoutHash
-    | GetState,
+    | GetState
+    | KvAcquire,
     pydantic.Field(discriminator="type"),
 ]
 
@@ -264,6 +286,28 @@ class DeviceReport(_Msg):
     reason: str  # why not healthy; "" when healthy
 
 
+class KvGranted(_Msg):
+    """Carries the pool's fd (SCM_RIGHTS, writable) in the same sendmsg."""
+
+    type: Literal["kv_granted"] = "kv_granted"
+    allocation: AllocationInfo
+    created: bool  # fresh zeroed memory; False: the pool as its last holder left it
+    previous_epoch: int | None  # the epoch that held it last (None: created now)
+    granularity: int
+    backend: str
+    device: int
+
+
+class KvReport(_Msg):
+    """The KV pool in a state report."""
+
+    bytes: int
+    spec: str
+    holder_epoch: int | None  # None: nobody maps it now
+    last_epoch: int  # the epoch of its last grant
+    grants: int  # how many times it was granted
+
+
 class StateReport(_Msg):
     type: Literal["state"] = "state"
     state: LockState
@@ -278,6 +322,7 @@ class StateReport(_Msg):
     tag: str
     backend: str
     gpu: DeviceReport | None = None  # filled in by the server's shell (health.py)
+    kv: KvReport | None = None  # the KV pool, if one was created
 
 
 class ErrorReply(_Msg):
@@ -297,6 +342,7 @@ Reply = Annotated[
     | Committed
     | LayoutHash
     | StateReport
+    | KvGranted
     | ErrorReply,
     pydantic.Field(discriminator="type"),
 ]

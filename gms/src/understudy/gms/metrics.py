@@ -51,6 +51,18 @@ WAITING_WRITERS = Gauge(
 COMMITTED = Gauge(
     "understudy_gms_committed", "1 if a layout is committed", _LABELS, multiprocess_mode="livesum"
 )
+KV_POOL_BYTES = Gauge(
+    "understudy_gms_kv_pool_bytes",
+    "Bytes of the KV pool (0: none created since this server started)",
+    _LABELS,
+    multiprocess_mode="livesum",
+)
+KV_POOL_EPOCH = Gauge(
+    "understudy_gms_kv_pool_holder_epoch",
+    "Lock epoch of the engine that maps the KV pool now (0: nobody)",
+    _LABELS,
+    multiprocess_mode="livemax",
+)
 LOCK_WAIT = Histogram(
     "understudy_gms_lock_wait_seconds",
     "Time from hello to grant or expiry",

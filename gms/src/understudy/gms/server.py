@@ -58,6 +58,7 @@ from understudy.gms.backends import ServerBackend, make_server_backend
 from understudy.gms.config import ServerConfig
 from understudy.gms.health import DeviceMonitor
 from understudy.gms.layout import AllocationRecord
+from understudy.gms.lockword import read_lock_word
 from understudy.wire.framing import RemoteFrameError, encode
 from understudy.wire.messages import MessageCodec
 from understudy.wire.obs import log_event, start_metrics_server
@@ -70,6 +71,10 @@ from understudy.wire.uds import (
 )
 
 log = logging.getLogger("understudy.gms.server")
+
+_MemoryAction = (
+    fsm.CreateMemory | fsm.AdoptMemory | fsm.SendExport | fsm.ReleaseMemory | fsm.GrantKv
+)
 
 _RECV_SIZE = 256 * 1024
 _REPORT_MAX_AGE_S = 1.0  # a get_state reuses a device report this fresh
@@ -421,20 +426,31 @@ class GmsServer:
         match action:
             case fsm.Reply(sid, message):
                 self._reply(sid, message)
+            case fsm.ArmTimer(sid, deadline):
+                self._arm(sid, deadline)
+            case fsm.ArmAdoptionTimer(deadline):
+                self._arm_adoption(deadline)
+            case fsm.Transition():
+                self._observe(action)
+            case fsm.ReadLock(sid):
+                word, why = read_lock_word(self.config.lock_state)
+                self._feed(fsm.LockChecked(sid, word, why))
+            case _:
+                self._do_memory(action)
+
+    def _do_memory(self, action: _MemoryAction) -> None:
+        """The actions that touch the backend's memory."""
+        match action:
             case fsm.CreateMemory(sid, record):
                 self._create(sid, record)
             case fsm.AdoptMemory(sid, record):
                 self._adopt(sid, record)
-            case fsm.ArmAdoptionTimer(deadline):
-                self._arm_adoption(deadline)
             case fsm.SendExport(sid, record, writable):
                 self._send_export(sid, record, writable)
             case fsm.ReleaseMemory(ids):
                 self._release(ids)
-            case fsm.ArmTimer(sid, deadline):
-                self._arm(sid, deadline)
-            case fsm.Transition():
-                self._observe(action)
+            case fsm.GrantKv(sid, record, created, previous):
+                self._grant_kv(sid, record, created, previous)
             case _:
                 assert_never(action)
 
@@ -485,6 +501,35 @@ class GmsServer:
             self._adoption_timer.cancel()
         loop = asyncio.get_running_loop()
         self._adoption_timer = loop.call_at(deadline, self._feed, fsm.AdoptionOver())
+
+    def _grant_kv(
+        self, sid: int, record: AllocationRecord, created: bool, previous: int | None
+    ) -> None:
+        """Create the KV pool if it is new, then send it writable with ``kv_granted``."""
+        if created:
+            try:
+                self.backend.create(record.id, record.size)
+            except Exception as exc:
+                reason = f"{self.backend.name} could not allocate {record.size}: {exc}"
+                self._feed(fsm.CreateFailed(sid, record.id, reason))
+                return
+        conn = self._conns.get(sid)
+        if conn is None:
+            return  # gone meanwhile: its Disconnected hands the pool on
+        try:
+            fd = self.backend.export(record.id, True)
+        except Exception as exc:
+            self._send(conn, m.ErrorReply(code=m.ErrorCode.NO_MEMORY, message=str(exc)))
+            return
+        granted = m.KvGranted(
+            allocation=fsm.allocation_info(record),
+            created=created,
+            previous_epoch=previous,
+            granularity=self.backend.granularity,
+            backend=self.backend.name,
+            device=self.config.device,
+        )
+        self._send(conn, granted, fd)
 
     def _send_export(self, sid: int, record: AllocationRecord, writable: bool) -> None:
         conn = self._conns.get(sid)
@@ -569,6 +614,10 @@ class GmsServer:
         metrics.WAITING.labels(**self._labels).set(st.count(fsm.Phase.WAITING))
         metrics.WAITING_WRITERS.labels(**self._labels).set(st.waiting_writers)
         metrics.COMMITTED.labels(**self._labels).set(1 if st.committed else 0)
+        kv = st.kv
+        metrics.KV_POOL_BYTES.labels(**self._labels).set(0 if kv is None else kv.allocation.size)
+        holder = 0 if kv is None or kv.holder_epoch is None else kv.holder_epoch
+        metrics.KV_POOL_EPOCH.labels(**self._labels).set(holder)
 
 
 def _open_monitor(device: int, backend: ServerBackend) -> tuple[DeviceMonitor | None, str]:

@@ -59,6 +59,7 @@ def child_command(config: SupervisorConfig, device: int) -> list[str]:
     ]
     if config.granularity is not None:
         cmd += ["--granularity", str(config.granularity)]
+    cmd += ["--lock-state", str(config.lock_state) if config.lock_state else "none"]
     return cmd
 
 

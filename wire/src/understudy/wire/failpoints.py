@@ -18,7 +18,16 @@ Actions:
 - ``hang``: block the calling thread for ever;
 - ``sleep(S)``: block it for S seconds, then carry on;
 - ``exit(N)``: end the process at once with code N (``os._exit``: no cleanup,
-  as a crash).
+  as a crash);
+- ``kill``: SIGKILL the process itself (what a kill -9 from outside does, at
+  exactly this point);
+- ``return``: :func:`hit` returns True, and the code at the point does the
+  harm that point is named for (gofail's ``return``: a block corrupted on
+  purpose, say); unarmed, or armed otherwise, it returns False.
+
+Any action may end in ``@N``: the point lets its first N-1 hits pass and acts
+from the N-th on (``kv.seal.torn=kill@40``: die in the 40th seal-log write,
+in the middle of a stream rather than at its first write).
 
 Off and free unless set: the environment is read once, at import; with
 nothing armed, :func:`hit` returns at its first test of a module global. An
@@ -35,6 +44,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import threading
 import time
 from collections.abc import Mapping
@@ -52,9 +62,17 @@ POINTS: Final[Mapping[str, str]] = {
     "hangs ends at the wake timeout",
     "gms.readopt": "Active engine, before it gives its weights back to a restarted GMS: "
     "a re-adoption that fails ends the engine, and the pod falls back to a reload",
+    "kv.seal.torn": "the KV pool's seal log, between the two halves of a record: a death "
+    "there leaves a torn record, and the next engine reads the log up to it and adopts "
+    "what it says (kill)",
+    "kv.block.corrupt": "the KV pool, as the next engine adopts it: a sealed block's bytes "
+    "are changed under its seal (memory corrupted between two holders), and the engine "
+    "finds the checksum wrong and recomputes the block instead of serving it (return)",
 }
 
-_ACTION = re.compile(r"^(raise|hang|sleep\((\d+(?:\.\d+)?)\)|exit\((\d+)\))$")
+_ACTION = re.compile(
+    r"^(raise|hang|kill|return|sleep\((\d+(?:\.\d+)?)\)|exit\((\d+)\))(?:@(\d+))?$"
+)
 
 
 class FailpointError(RuntimeError):
@@ -63,8 +81,9 @@ class FailpointError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class Action:
-    kind: str  # raise, hang, sleep, exit
+    kind: str  # raise, hang, sleep, exit, kill, return
     arg: float = 0.0
+    nth: int = 1  # acts from this hit on
 
 
 def parse(spec: str) -> dict[str, Action]:
@@ -78,32 +97,50 @@ def parse(spec: str) -> dict[str, Action]:
         match = _ACTION.match(action)
         if match is None:
             raise ValueError(
-                f"{ENV}: {name}: {action!r} is not raise, hang, sleep(SECONDS) or exit(CODE)"
+                f"{ENV}: {name}: {action!r} is not raise, hang, kill, return, "
+                "sleep(SECONDS) or exit(CODE), with an optional @N"
             )
-        kind = action.split("(")[0]
+        kind = action.split("(")[0].split("@")[0]
         arg = float(match.group(2) or match.group(3) or 0.0)
-        armed[name] = Action(kind, arg)
+        nth = int(match.group(4) or 1)
+        if nth < 1:
+            raise ValueError(f"{ENV}: {name}: @{nth}: hits count from 1")
+        armed[name] = Action(kind, arg, nth)
     return armed
 
 
 _armed: dict[str, Action] = parse(os.environ.get(ENV, ""))
+_hits: dict[str, int] = {}
+_count = threading.Lock()
 
 
-def hit(name: str) -> None:
-    """The failpoint ``name``: nothing unless armed (see the module)."""
+def hit(name: str) -> bool:
+    """The failpoint ``name``: nothing unless armed (see the module). True only
+    for a point armed with ``return`` (the caller then does the harm)."""
     if not _armed:
-        return
+        return False
     action = _armed.get(name)
     if action is None:
-        return
+        return False
+    if action.nth > 1:
+        with _count:
+            _hits[name] = seen = _hits.get(name, 0) + 1
+        if seen < action.nth:
+            return False
     if action.kind == "raise":
         raise FailpointError(f"failpoint {name} (raise)")
+    if action.kind == "return":
+        return True
     if action.kind == "sleep":
         time.sleep(action.arg)
     elif action.kind == "hang":
         threading.Event().wait()
+    elif action.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+        threading.Event().wait()  # the signal is on its way
     else:  # exit
         os._exit(int(action.arg))
+    return False
 
 
 def armed() -> Mapping[str, Action]:

@@ -21,6 +21,7 @@ process's death frees it.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from aiohttp import web
@@ -52,6 +53,33 @@ class FailsFast(Protocol):
     it reports that through ``on_fatal`` and the shim ends the process."""
 
     def set_on_fatal(self, on_fatal: Callable[[str], None]) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class KvPoolRequest:
+    """The KV pool an engine wants from GMS: its size and what it holds (an
+    engine with another ``spec`` gets a fresh pool, never this one's bytes)."""
+
+    size: int
+    spec: str
+
+
+@runtime_checkable
+class UsesKvPool(Protocol):
+    """An engine whose KV cache lives in GMS's KV pool (docs/kv-pool.md).
+
+    When the engine wakes as the lock's holder, the shim asks GMS for the pool
+    under the lock's epoch, maps it read-write, hands it over with
+    ``attach_kv_pool`` and then calls ``wake``: the engine adopts what the
+    previous holder sealed in it. A standby never touches the pool. The
+    mapping ends with the process, which is what hands the pool on.
+    """
+
+    def kv_pool_request(self) -> KvPoolRequest | None:
+        """None: this engine keeps its cache to itself (the pool is off)."""
+        ...
+
+    def attach_kv_pool(self, memory: memoryview, epoch: int) -> None: ...
 
 
 class AdapterError(RuntimeError):

@@ -23,6 +23,7 @@ side through ``loop.call_soon_threadsafe`` into one queue per request.
 from __future__ import annotations
 
 import argparse
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -33,9 +34,9 @@ import numpy as np
 import numpy.typing as npt
 from aiohttp import web
 
-from understudy.engine_shim import openai_api
+from understudy.engine_shim import kvlog, openai_api
 from understudy.engine_shim.adapters import models, tiny_llama
-from understudy.engine_shim.adapters.base import AdapterError, Engine
+from understudy.engine_shim.adapters.base import AdapterError, Engine, KvPoolRequest, UsesKvPool
 from understudy.engine_shim.adapters.llama_model import (
     KVCache,
     LlamaConfig,
@@ -60,10 +61,15 @@ from understudy.engine_shim.generation import (
     Step,
     finish_of,
 )
+from understudy.engine_shim.kvlog import PoolSpec
+from understudy.engine_shim.kvpool import KvPool
 from understudy.engine_shim.step_thread import StepThread, send
 from understudy.gms.client import GmsClient
+from understudy.wire.obs import log_event
 
 __all__ = ["Batcher", "LlamaEngine", "NotServing", "Request"]
+
+log = logging.getLogger("understudy.engine_shim.llama")
 
 META_KEY: Final = "llama"
 DEFAULT_MAX_NUM_SEQS: Final = 8
@@ -84,6 +90,11 @@ PREFILL_BUDGET: Final = 256
 DECODE_BUDGET: Final = 32
 STOP_TIMEOUT_S: Final = 60.0
 WARMUP_IDS: Final = (0, 5, 6, 7)
+# With the KV pool, prompts run in chunks at multiples of this (of the pool's
+# block size): a continuation that reuses blocks recomputes the same chunks,
+# so the same bits. 64 positions ran as fast as one batch (measured: 8.2 s vs
+# 10.5 s for 512 positions of smollm2-135m, loaded machine); 16 took 3x longer.
+PREFILL_CHUNK: Final = 64
 
 F32 = npt.NDArray[np.float32]
 Deliver = Callable[[Step | BaseException], None]
@@ -105,16 +116,20 @@ class Request:
     position: int = 0  # the next cache position to fill
     feed: list[int] = field(default_factory=list)  # ids to append before sampling
     logits: F32 | None = None  # ready to sample from
+    ids: list[int] = field(default_factory=list)  # the ids at cache positions 0..position-1
 
 
 class Batcher(StepThread[Request]):
     """Continuous batching of `Request`s over a model and its cache, on one thread
     (``steps``: decode calls so far)."""
 
-    def __init__(self, model: LlamaModel, cache: KVCache, max_model_len: int) -> None:
+    def __init__(
+        self, model: LlamaModel, cache: KVCache, max_model_len: int, pool: KvPool | None = None
+    ) -> None:
         super().__init__("llama-batcher")
         self.model = model
         self.cache = cache
+        self.pool = pool  # the cache lives in GMS's KV pool: claim slots, seal blocks
         self.max_model_len = min(max_model_len, cache.max_len)
         self._running: list[Request] = []
         self._free = list(range(cache.slots - 1, -1, -1))  # pop() hands out slot 0 first
@@ -151,13 +166,16 @@ class Batcher(StepThread[Request]):
             self._drop(r for r in self._running if r.cancelled)
             admitted: list[Request] = []
             budget = PREFILL_BUDGET
-            while self._waiting and self._free and (budget > 0 or not admitted):
+            while (
+                self._waiting and len(admitted) < len(self._free) and (budget > 0 or not admitted)
+            ):
                 req = self._waiting.popleft()
                 if req.cancelled:
                     continue
-                req.slot = self._free.pop()
                 admitted.append(req)
                 budget -= len(req.prompt) + len(req.resume)
+            for req in admitted:
+                self._take_slot(req)
             self._running.extend(admitted)
             running = list(self._running)
         self.busy_since = time.monotonic()
@@ -179,14 +197,55 @@ class Batcher(StepThread[Request]):
                     self._running.remove(req)
                     self._free.append(req.slot)
 
+    def _take_slot(self, req: Request) -> None:
+        """A free slot for ``req``. With the KV pool, the one whose sealed blocks
+        hold the longest prefix of its ids (an inherited cache, or a prefix this
+        engine computed before); its computing starts after them."""
+        if self.pool is None:
+            req.slot = self._free.pop()
+            return
+        tokens = req.prompt + req.resume
+        claim = self.pool.claim(tokens, self._free, len(req.prompt), PREFILL_CHUNK)
+        self._free.remove(claim.slot)
+        req.slot, req.position = claim.slot, claim.start
+        if claim.start or claim.corrupt:
+            log_event(
+                log,
+                "kv_reused",
+                slot=claim.slot,
+                positions=claim.start,
+                of=len(tokens),
+                corrupt=claim.corrupt or None,
+            )
+
     def _prefill(self, req: Request) -> None:
-        logits = self.model.prefill(req.prompt, self.cache, req.slot)
-        req.position = len(req.prompt)
+        """Fill the cache with the prompt (after what a claim reused), then hand
+        the resumed ids to ``decode``, as the first engine fed them."""
+        n, start = len(req.prompt), req.position
+        logits: F32 | None = None
+        if self.pool is None:
+            logits = self.model.prefill(req.prompt, self.cache, req.slot)
+            req.position, req.feed = n, list(req.resume)
+        elif start < n:
+            logits = self.model.prefill_chunks(
+                req.prompt, self.cache, req.slot, start, PREFILL_CHUNK, self._progress
+            )
+            req.position, req.feed = n, list(req.resume)
+        else:  # the reused blocks reach into the resumed ids
+            req.feed = list(req.resume[start - n :])
+        req.ids = list(req.prompt + req.resume)[: req.position]
+        self._seal(req, start)
         req.generated = len(req.resume)
-        if req.resume:
-            req.feed = list(req.resume)  # through decode, as the first engine did
-        else:
+        if not req.feed:
             req.logits = logits
+
+    def _progress(self) -> None:
+        """A chunk of a long prompt is done: the worker is busy, not stuck."""
+        self.busy_since = time.monotonic()
+
+    def _seal(self, req: Request, before: int) -> None:
+        if self.pool is not None:
+            self.pool.seal(req.slot, req.ids, before, req.position)
 
     def _sample(self, req: Request) -> None:
         """Pick the next token and deliver it. A finished request leaves its slot
@@ -210,6 +269,7 @@ class Batcher(StepThread[Request]):
     def _decode(self, requests: Sequence[Request]) -> None:
         rows: list[Row] = []
         done: list[tuple[Request, int]] = []  # fed completely: its logits' row
+        fed: list[tuple[Request, int]] = []  # fed this step, from which position
         budget = max(DECODE_BUDGET, self.cache.slots)
         # One-token feeds (streams generating) first, then the resumed ids.
         for req in sorted(requests, key=lambda r: len(r.feed) > 1):
@@ -217,7 +277,9 @@ class Batcher(StepThread[Request]):
             if not take:
                 break
             rows.extend(Row(req.slot, req.position + i, t) for i, t in enumerate(take))
+            fed.append((req, req.position))
             req.position += len(take)
+            req.ids += take
             req.feed = req.feed[len(take) :]
             budget -= len(take)
             if not req.feed:
@@ -226,6 +288,10 @@ class Batcher(StepThread[Request]):
             return
         logits = self.model.decode(rows, self.cache)
         self.steps += 1
+        # The positions just written are in the cache: seal what they completed
+        # (a part-fed continuation too, so a death mid-feed loses only this step).
+        for req, was in fed:
+            self._seal(req, was)
         for req, row in done:
             req.logits = logits[row]
 
@@ -236,6 +302,18 @@ def _parse_args(args: Sequence[str], context: int) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=context)
     # Requests generating or waiting beyond this get 429 (OpenAI's "slow down").
     parser.add_argument("--max-pending", type=int, default=openai_api.MAX_PENDING)
+    # The KV cache in GMS's KV pool, sealed and adopted by the next Active
+    # engine (docs/kv-pool.md); off: engine-owned, recomputed after a failover.
+    parser.add_argument("--kv-pool", choices=("on", "off"), default="on")
+    # With the pool: whether the next engine adopts what the last one sealed
+    # (off: it starts the pool's log afresh and recomputes; for measuring what
+    # adoption saves with everything else equal).
+    parser.add_argument("--kv-adopt", choices=("on", "off"), default="on")
+    # One worker iteration longer than this makes the engine unhealthy (its
+    # liveness fails): a hung engine. A prompt of thousands of positions on
+    # this CPU engine takes longer than the default in one batch (--kv-pool
+    # off); with the pool a prompt is run in chunks and each counts.
+    parser.add_argument("--stuck-after", type=float, default=STUCK_AFTER_S)
     try:
         ns, unknown = parser.parse_known_args(list(args))
     except (argparse.ArgumentError, SystemExit) as exc:
@@ -246,6 +324,8 @@ def _parse_args(args: Sequence[str], context: int) -> argparse.Namespace:
         raise AdapterError("--max-num-seqs must be at least 1")
     if ns.max_pending < 1:
         raise AdapterError("--max-pending must be at least 1")
+    if ns.stuck_after <= 0:
+        raise AdapterError("--stuck-after must be positive")
     if not 1 < ns.max_model_len <= context:
         raise AdapterError(f"--max-model-len must be in 2..{context} (the model's context)")
     return ns
@@ -278,10 +358,26 @@ class LlamaEngine:
         self.eos_ids: frozenset[int] = self.text.eos_ids
         self.max_num_seqs: int = args.max_num_seqs
         self.max_pending: int = args.max_pending
+        self.stuck_after_s: float = args.stuck_after
         self.model: LlamaModel | None = None
         self._digest = config_digest(self.model_dir)
         self._private: bytearray | None = None
         self._batcher: Batcher | None = None
+        self.kv_spec: PoolSpec | None = None
+        if args.kv_pool == "on":
+            c, block = self.config, kvlog.BLOCK_TOKENS
+            self.kv_spec = PoolSpec(
+                model=self._digest,
+                layers=c.num_layers,
+                kv_heads=c.num_kv_heads,
+                head_dim=c.head_dim,
+                dtype="float32",
+                slots=self.max_num_seqs,
+                max_len=-(-self.max_model_len // block) * block,
+                block_tokens=block,
+            )
+        self.kv_pool: KvPool | None = None
+        self.kv_adopt: bool = args.kv_adopt == "on"
 
     # --- weights ----------------------------------------------------------------
 
@@ -346,10 +442,28 @@ class LlamaEngine:
     def wake(self) -> None:
         if self.model is None:
             raise AdapterError("wake before attach")
-        cache = KVCache(self.config, self.max_num_seqs, self.max_model_len)
-        batcher = Batcher(self.model, cache, self.max_model_len)
+        pool = self.kv_pool
+        if pool is None:
+            cache = KVCache(self.config, self.max_num_seqs, self.max_model_len)
+        else:  # the cache is the pool's arena: nothing is allocated, nothing copied
+            spec = pool.spec
+            cache = KVCache(self.config, spec.slots, spec.max_len, pool.k, pool.v)
+        batcher = Batcher(self.model, cache, self.max_model_len, pool)
         batcher.start()
         self._batcher = batcher
+
+    # --- the KV pool (UsesKvPool) ---------------------------------------------------
+
+    def kv_pool_request(self) -> KvPoolRequest | None:
+        spec = self.kv_spec
+        if spec is None:
+            return None
+        return KvPoolRequest(size=spec.pool_bytes, spec=spec.digest().hex())
+
+    def attach_kv_pool(self, memory: memoryview, epoch: int) -> None:
+        """Adopt the pool the shim mapped (before ``wake``): read its seal log."""
+        assert self.kv_spec is not None
+        self.kv_pool = KvPool(memory, self.kv_spec, epoch, adopt=self.kv_adopt)
 
     def close(self) -> None:
         self.sleep()
@@ -358,7 +472,7 @@ class LlamaEngine:
         batcher = self._batcher
         if batcher is None or self.model is None:
             return False, "not awake"
-        return batcher.health(STUCK_AFTER_S, time.monotonic())
+        return batcher.health(self.stuck_after_s, time.monotonic())
 
     def routes(self) -> list[web.RouteDef]:
         # The OpenAI surface (completions, chat completions, streaming, the
@@ -433,5 +547,5 @@ class LlamaEngine:
 
 if TYPE_CHECKING:  # mypy holds the engine to both of its contracts
 
-    def _conforms(engine: LlamaEngine) -> tuple[Engine, Generator]:
-        return engine, engine
+    def _conforms(engine: LlamaEngine) -> tuple[Engine, Generator, UsesKvPool]:
+        return engine, engine, engine

@@ -39,7 +39,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -247,13 +247,24 @@ def sample(
 
 class KVCache:
     """Keys and values of every layer for ``slots`` sequences of up to ``max_len``
-    positions: engine-owned working memory, never in GMS. ``np.zeros`` maps
-    pages lazily, so untouched slots and positions cost no RAM."""
+    positions. Engine-owned working memory (``np.zeros`` maps pages lazily, so
+    untouched slots and positions cost no RAM), or, given ``k`` and ``v``,
+    arrays over memory someone else owns: the KV pool in GMS (``kvpool``)."""
 
-    def __init__(self, config: LlamaConfig, slots: int, max_len: int) -> None:
+    def __init__(
+        self,
+        config: LlamaConfig,
+        slots: int,
+        max_len: int,
+        k: F32 | None = None,
+        v: F32 | None = None,
+    ) -> None:
         shape = (config.num_layers, slots, config.num_kv_heads, max_len, config.head_dim)
-        self.k: Final = np.zeros(shape, dtype=np.float32)
-        self.v: Final = np.zeros(shape, dtype=np.float32)
+        for given in (k, v):
+            if given is not None and (given.shape != shape or given.dtype != np.float32):
+                raise ValueError(f"a cache array must be float32{shape}")
+        self.k: Final = np.zeros(shape, dtype=np.float32) if k is None else k
+        self.v: Final = np.zeros(shape, dtype=np.float32) if v is None else v
         self.slots: Final = slots
         self.max_len: Final = max_len
 
@@ -388,6 +399,64 @@ class LlamaModel:
             x = x[-1:]
         out: F32 = rms_norm(x, self._norm, self._eps) @ self._head.T
         return out
+
+    def prefill_chunks(
+        self,
+        tokens: Sequence[int],
+        cache: KVCache,
+        slot: int,
+        start: int,
+        chunk: int,
+        progress: Callable[[], None] | None = None,
+    ) -> F32:
+        """Run ``tokens[start:]`` into ``slot``, whose positions 0..start-1 already
+        hold the KV of ``tokens[:start]``, in chunks of ``chunk`` positions that
+        start at multiples of ``chunk``; the logits after the last token.
+
+        Chunk boundaries never depend on ``start`` or on the prompt's length, so
+        a position's KV is the same bits whether a prompt was run from 0 or
+        continued from a block boundary of an inherited cache (the KV pool:
+        ``chunk`` is its block size). Only the last row goes through the head.
+        ``progress`` is called after every chunk (a long prompt is work under
+        way, not a stuck engine).
+        """
+        if start % chunk or not 0 <= start < len(tokens):
+            raise ValueError(f"start {start} is not a chunk boundary before {len(tokens)}")
+        x: F32 | None = None
+        for begin in range(start, len(tokens), chunk):
+            x = self._extend(tokens[begin : begin + chunk], cache, slot, begin)
+            if progress is not None:
+                progress()
+        assert x is not None
+        out: F32 = (rms_norm(x[-1:], self._norm, self._eps) @ self._head.T)[0]
+        return out
+
+    def _extend(self, tokens: Sequence[int], cache: KVCache, slot: int, start: int) -> F32:
+        """Positions ``start``.. of ``slot`` from ``tokens``, attending to the cache
+        before them; the hidden states after the last layer (before the norm)."""
+        c = self.config
+        ids = self._check_tokens(tokens)
+        n, end = ids.size, start + ids.size
+        if end > min(cache.max_len, c.max_position_embeddings):
+            raise ValueError(f"{end} positions exceed the context of {cache.max_len}")
+        kvh, rep, d = c.num_kv_heads, self._rep, c.head_dim
+        cos, sin = self._cos[start:end], self._sin[start:end]
+        causal = np.triu(np.full((n, end), -np.inf, dtype=np.float32), k=start + 1)
+        x = self._embed[ids]
+        for li, layer in enumerate(self._layers):
+            h = rms_norm(x, layer.attn_norm, self._eps)
+            q = (h @ layer.wq.T).reshape(n, kvh, rep, d).transpose(1, 2, 0, 3)
+            k = (h @ layer.wk.T).reshape(n, kvh, d).transpose(1, 0, 2)
+            v = (h @ layer.wv.T).reshape(n, kvh, d).transpose(1, 0, 2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            cache.k[li, slot, :, start:end] = k
+            cache.v[li, slot, :, start:end] = v
+            keys, values = cache.k[li, slot, :, :end], cache.v[li, slot, :, :end]
+            scores = (q @ keys[:, None].transpose(0, 1, 3, 2)) * self._scale + causal
+            context = _softmax(scores) @ values[:, None]  # (kv, rep, n, d)
+            x += context.transpose(2, 0, 1, 3).reshape(n, c.num_heads * d) @ layer.wo.T
+            x += self._mlp(x, layer, lambda a, w: a @ w.T)
+        return x
 
     def decode(self, rows: Sequence[Row], cache: KVCache) -> F32:
         """Append ``rows`` to their sequences' caches; the logits after each row.

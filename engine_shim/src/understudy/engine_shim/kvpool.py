@@ -1,0 +1,216 @@
+"""The KV cache in the GMS pool, with its seal log: the shell around ``kvlog``.
+
+The pool's bytes (one GMS allocation, tag ``kv``, mapped read-write while
+this engine holds the pod's lock) are laid out by ``kvlog.PoolSpec``: a
+header, the seal log's ring, then the arena, which is the engine's KV cache
+itself (keys, then values). Numpy arrays over the mapping are the cache: the
+model writes into GMS memory directly, and nothing is copied at a failover.
+
+On attach, the pool is **adopted**: the log is read up to its last complete
+record and replayed into an index of sealed blocks (blocks written under
+epochs newer than ours are ignored). A request then ``claim``s a slot: the
+free slot whose sealed blocks hold the longest prefix of its tokens (by hash
+chain), each of those blocks checked against its checksum before it is used;
+a block that fails is recomputed with everything after it. Before the first
+byte of a slot changes, the blocks about to be overwritten are retired in the
+log. After every step, the blocks the step wrote into are ``seal``ed (a
+sequence's last block as far as it is filled, sealed again as it grows).
+
+Writes to the log go in two halves, with the ``kv.seal.torn`` failpoint
+between them, so a test can kill the engine in the middle of one; the
+``kv.block.corrupt`` failpoint changes an adopted block's bytes under its seal.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from understudy.engine_shim import kvlog
+from understudy.engine_shim.kvlog import HEADER_SIZE, RECORD_SIZE, PoolSpec
+from understudy.wire import failpoints
+from understudy.wire.obs import log_event
+
+log = logging.getLogger("understudy.engine_shim.kvpool")
+
+__all__ = ["Claim", "KvPool"]
+
+_HALF = RECORD_SIZE // 2
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    slot: int
+    start: int  # positions 0..start-1 of the slot already hold the request's KV
+    reused: int  # whole blocks reused (start // block_tokens)
+    corrupt: int  # sealed blocks found with a wrong checksum (recomputed)
+
+
+@dataclass(slots=True)
+class Stats:
+    """Counts since attach (for logs and the engine's /state)."""
+
+    records: int = 0  # log records read at adoption
+    torn: int = 0
+    dropped: int = 0
+    sealed_at_adoption: int = 0
+    claims: int = 0
+    reused_blocks: int = 0
+    corrupt_blocks: int = 0
+    sealed: int = 0
+    retired: int = 0
+    by_epoch: dict[int, int] = field(default_factory=dict)  # sealed blocks adopted per epoch
+
+
+class KvPool:
+    def __init__(
+        self, memory: memoryview, spec: PoolSpec, epoch: int, *, adopt: bool = True
+    ) -> None:
+        if len(memory) < spec.pool_bytes:
+            raise ValueError(f"the pool has {len(memory)} bytes; the spec needs {spec.pool_bytes}")
+        self.spec = spec
+        self.epoch = epoch
+        self._mem = memory
+        cap = spec.log_capacity
+        self._log = memory[spec.log_offset : spec.log_offset + cap * RECORD_SIZE]
+        self.stats = Stats()
+        header = kvlog.decode_header(memory[:HEADER_SIZE])
+        if adopt and header == (spec.digest(), cap):
+            read = kvlog.read_log(self._log, cap)
+        else:  # a fresh pool, a header never written, or adoption off: start empty
+            self._log[:] = bytes(len(self._log))
+            memory[:HEADER_SIZE] = bytes(HEADER_SIZE)
+            raw = kvlog.encode_header(spec)
+            memory[: len(raw)] = raw
+            read = kvlog.LogRead((), 1, 0, 0)
+        self.index = kvlog.Index.replay(spec, read.records, epoch)
+        self.writer = kvlog.Writer(self.index, epoch, read.next_gen)
+        st = self.stats
+        st.records, st.torn, st.dropped = len(read.records), read.torn, read.dropped
+        st.sealed_at_adoption = len(self.index.sealed)
+        for sealed in self.index.sealed.values():
+            st.by_epoch[sealed.epoch] = st.by_epoch.get(sealed.epoch, 0) + 1
+        count = spec.cache_bytes // spec.itemsize
+        arena = np.frombuffer(memory, dtype=spec.dtype, count=2 * count, offset=spec.arena_offset)
+        self.k: npt.NDArray[np.float32] = arena[:count].reshape(spec.cache_shape)
+        self.v: npt.NDArray[np.float32] = arena[count:].reshape(spec.cache_shape)
+        self._chains: dict[int, list[bytes]] = {s: [] for s in range(spec.slots)}
+        if self.index.sealed and failpoints.hit("kv.block.corrupt"):
+            self._corrupt_one()
+        log_event(
+            log,
+            "kv_adopted",
+            epoch=epoch,
+            records=st.records,
+            sealed=st.sealed_at_adoption,
+            torn=st.torn,
+            dropped=st.dropped,
+            ignored=self.index.ignored,
+            epochs=",".join(f"{e}:{n}" for e, n in sorted(st.by_epoch.items())) or None,
+        )
+
+    def _corrupt_one(self) -> None:
+        """Test only (the failpoint): change a byte of an adopted block under its
+        seal, as memory corrupted between two holders would. Block 2 of the
+        first slot that has one (else the first sealed block)."""
+        keys = sorted(self.index.sealed)
+        slot, block = next((k for k in keys if k[1] == 2), keys[0])
+        self.k[0, slot, 0, block * self.spec.block_tokens, 0] += np.float32(1.0)
+        log_event(log, "kv_failpoint_corrupted", logging.WARNING, slot=slot, block=block)
+
+    # --- a request takes a slot -------------------------------------------------
+
+    def claim(self, tokens: Sequence[int], free: Sequence[int], prompt: int, chunk: int) -> Claim:
+        """The free slot to run ``tokens`` in, and the position its computing starts at.
+
+        The slot whose verified sealed blocks hold the longest prefix of
+        ``tokens``. The last token is always computed (its logits are what the
+        request needs), even when a sealed block holds it. A start inside the
+        first ``prompt`` tokens moves back to a multiple of ``chunk``: the
+        prompt is computed in chunks at fixed boundaries, and only the same
+        chunks give the same bits. The blocks from the start's on are retired
+        before anything is written there.
+        """
+        if not free:
+            raise ValueError("no free slot")
+        b = self.spec.block_tokens
+        if chunk % b:
+            raise ValueError(f"a prefill chunk of {chunk} is not a multiple of {b}")
+        match = self.index.match(tokens, free)
+        corrupt = 0
+        if match is not None:
+            slot = match.slot
+            trusted = self._verified(slot, match.blocks, match.positions)
+            corrupt = int(trusted < match.positions)
+        else:  # none holds a prefix: take the one with the least worth keeping
+            slot = min(free, key=lambda s: (len(self.index.blocks_from(s, 0)), s))
+            trusted = 0
+        start = min(trusted, len(tokens) - 1)
+        if start < prompt:
+            start -= start % chunk
+        retire = self.writer.retire(slot, start // b)
+        self._write(retire)
+        self._chains[slot] = kvlog.chains(tokens[: start // b * b], b)
+        st = self.stats
+        st.claims += 1
+        st.reused_blocks += start // b
+        st.corrupt_blocks += corrupt
+        st.retired += len(retire)
+        return Claim(slot, start, start // b, corrupt)
+
+    def _verified(self, slot: int, blocks: int, positions: int) -> int:
+        """How many of the ``positions`` that ``slot``'s first ``blocks`` sealed
+        blocks cover hold the bytes their seals say: up to the first block that
+        does not."""
+        for block in range(blocks):
+            sealed = self.index.sealed[(slot, block)]
+            if self.checksum(slot, block, sealed.count) != sealed.checksum:
+                log_event(
+                    log,
+                    "kv_corrupt_block",
+                    logging.WARNING,
+                    slot=slot,
+                    block=block,
+                    epoch=sealed.epoch,
+                )
+                return block * self.spec.block_tokens
+        return positions
+
+    # --- after a step ----------------------------------------------------------
+
+    def seal(self, slot: int, tokens: Sequence[int], before: int, after: int) -> None:
+        """Seal the blocks of ``slot`` written into when its filled positions went
+        from ``before`` to ``after``; ``tokens`` are the ids at positions 0.."""
+        b = self.spec.block_tokens
+        chain = self._chains[slot]
+        for block, count in kvlog.touched(self.spec, before, after):
+            if len(chain) != block:
+                raise AssertionError(f"slot {slot}: sealing block {block} after {len(chain)}")
+            parent = chain[-1] if chain else kvlog.ROOT
+            digest = kvlog.chain(parent, tokens[block * b : block * b + count])
+            checksum = self.checksum(slot, block, count)
+            self._write(self.writer.seal(slot, block, digest, checksum, count))
+            if count == b:
+                chain.append(digest)
+            self.stats.sealed += 1
+
+    def checksum(self, slot: int, block: int, count: int) -> int:
+        """Of the block's first ``count`` positions, in every layer and head."""
+        span = slice(block * self.spec.block_tokens, block * self.spec.block_tokens + count)
+        pieces = [
+            arr[layer, slot, head, span].data
+            for arr in (self.k, self.v)
+            for layer in range(self.spec.layers)
+            for head in range(self.spec.kv_heads)
+        ]
+        return kvlog.block_checksum(pieces)
+
+    def _write(self, writes: list[kvlog.Write]) -> None:
+        for w in writes:
+            self._log[w.offset : w.offset + _HALF] = w.data[:_HALF]
+            failpoints.hit("kv.seal.torn")
+            self._log[w.offset + _HALF : w.offset + RECORD_SIZE] = w.data[_HALF:]

@@ -1,0 +1,182 @@
+"""The llama engine's KV cache in a pool: what one engine seals, the next adopts,
+and a continuation gives the same tokens as the uninterrupted run, whatever
+the prompt's length and wherever the first engine stopped; a corrupt block
+or a torn log record costs a recompute, never a wrong token.
+
+The pool here is a bytearray both engines map in turn (the processes and GMS
+around it are in tests/process/test_kv_failover.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from understudy.engine_shim import kvlog
+from understudy.engine_shim.adapters.llama import LlamaEngine
+from understudy.engine_shim.generation import SamplingParams, Step
+from understudy.engine_shim.kvlog import RECORD_SIZE
+
+GREEDY = SamplingParams(max_tokens=30, temperature=0)
+SEEDED = SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, seed=7)
+ARGS = ("--max-num-seqs", "3", "--max-model-len", "512")
+
+
+class Pod:
+    """One pool, and the engines that hold it one after the other."""
+
+    def __init__(self, model_dir: Path, *args: str) -> None:
+        self.model_dir = model_dir
+        self.args = args or ARGS
+        probe = LlamaEngine(str(model_dir), self.args)
+        assert probe.kv_spec is not None
+        self.spec = probe.kv_spec
+        self.memory = bytearray(self.spec.pool_bytes)
+        self.epoch = 0
+        self.engines: list[LlamaEngine] = []
+
+    def next_engine(self) -> LlamaEngine:
+        """The previous holder stops (its thread, as a death would) and the next wakes."""
+        for old in self.engines:
+            old.close()
+        self.epoch += 1
+        e = LlamaEngine(str(self.model_dir), self.args)
+        e.attach_private()
+        e.attach_kv_pool(memoryview(self.memory), self.epoch)
+        e.wake()
+        self.engines.append(e)
+        return e
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.close()
+
+
+@pytest.fixture
+def pod(tiny_llama_dir: Path) -> Iterator[Pod]:
+    p = Pod(tiny_llama_dir)
+    yield p
+    p.close()
+
+
+async def run(
+    engine: LlamaEngine, prompt: list[int], params: SamplingParams, resume: list[int] | None = None
+) -> list[int]:
+    async with asyncio.timeout(120):
+        steps: list[Step] = [s async for s in engine.generate(prompt, params, resume or [])]
+    return [s.token_id for s in steps]
+
+
+def prompt_of(engine: LlamaEngine, n: int) -> list[int]:
+    words = engine.encode("The shadow engine wakes when the lock is granted, and then " * 40)
+    return words[:n]
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 63, 64, 65, 100])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+async def test_the_next_engine_continues_exactly_from_the_adopted_cache(
+    pod: Pod, n: int, params: SamplingParams
+) -> None:
+    first = pod.next_engine()
+    prompt = prompt_of(first, n)
+    whole = await run(first, prompt, params)
+    assert len(whole) == params.max_tokens
+    for k in (1, 5, 16, 17, 29):
+        nxt = pod.next_engine()
+        assert nxt.kv_pool is not None
+        reused = nxt.kv_pool.stats.reused_blocks
+        assert await run(nxt, prompt, params, whole[:k]) == whole[k:], k
+        assert nxt.kv_pool.stats.reused_blocks - reused == reusable(n, k, 29), k
+
+
+def reusable(n: int, k: int, filled: int) -> int:
+    """Blocks a continuation after ``k`` of a prompt of ``n`` reuses, the last
+    engine having filled and sealed ``n + filled`` positions (its last block in
+    part): the whole blocks the continuation's ids cover, or everything if they
+    cover the part too; never the last position; in the prompt, back to a
+    chunk boundary of 64."""
+    total = n + k
+    trusted = n + filled if total >= n + filled else min((n + filled) // 16, total // 16) * 16
+    start = min(trusted, total - 1)
+    if start < n:
+        start -= start % 64
+    return start // 16
+
+
+async def test_prefix_blocks_are_reused_within_one_engine_and_change_nothing(pod: Pod) -> None:
+    engine = pod.next_engine()
+    prompt = prompt_of(engine, 100)
+    a = await run(engine, prompt, GREEDY)
+    b = await run(engine, prompt, GREEDY)
+    assert a == b
+    assert engine.kv_pool is not None and engine.kv_pool.stats.reused_blocks == 4  # 64 of 99
+
+
+async def test_without_the_pool_the_engine_recomputes_and_agrees(
+    pod: Pod, tiny_llama_dir: Path
+) -> None:
+    with_pool = pod.next_engine()
+    prompt = prompt_of(with_pool, 70)
+    a = await run(with_pool, prompt, GREEDY)
+    plain = LlamaEngine(str(tiny_llama_dir), (*ARGS, "--kv-pool", "off"))
+    assert plain.kv_pool_request() is None
+    plain.attach_private()
+    plain.wake()
+    try:
+        assert await run(plain, prompt, GREEDY) == a
+    finally:
+        plain.close()
+
+
+async def test_a_corrupt_block_is_recomputed_never_served(pod: Pod) -> None:
+    first = pod.next_engine()
+    prompt = prompt_of(first, 80)
+    whole = await run(first, prompt, GREEDY)
+    spec = pod.spec
+    keys = np.frombuffer(pod.memory, np.float32, spec.cache_bytes // 4, spec.arena_offset)
+    keys = keys.reshape(spec.cache_shape)
+    keys[3, 0, 0, 2 * 16 + 5, 7] += 1.0  # block 2 of slot 0, under its seal
+    nxt = pod.next_engine()
+    assert await run(nxt, prompt, GREEDY, whole[:10]) == whole[10:]
+    assert nxt.kv_pool is not None
+    assert nxt.kv_pool.stats.corrupt_blocks == 1
+    assert nxt.kv_pool.stats.reused_blocks == 0  # block 2 sits in the first chunk of 64
+
+
+async def test_a_torn_record_costs_only_itself(pod: Pod) -> None:
+    first = pod.next_engine()
+    prompt = prompt_of(first, 40)
+    whole = await run(first, prompt, GREEDY)
+    assert first.kv_pool is not None
+    last = first.kv_pool.writer.next_gen - 1
+    spec = pod.spec
+    at = spec.log_offset + (last % spec.log_capacity) * RECORD_SIZE
+    pod.memory[at + 40 : at + RECORD_SIZE] = bytes(RECORD_SIZE - 40)  # died half-way
+    nxt = pod.next_engine()
+    assert nxt.kv_pool is not None
+    assert nxt.kv_pool.stats.torn == 1 and nxt.kv_pool.stats.records == last - 1
+    assert await run(nxt, prompt, GREEDY, whole[:20]) == whole[20:]
+
+
+async def test_a_pool_made_for_another_geometry_is_not_adopted(
+    pod: Pod, tiny_llama_dir: Path
+) -> None:
+    first = pod.next_engine()
+    await run(first, prompt_of(first, 40), GREEDY)
+    first.close()
+    other = LlamaEngine(str(tiny_llama_dir), ("--max-num-seqs", "2", "--max-model-len", "512"))
+    assert other.kv_spec is not None and other.kv_spec.digest() != pod.spec.digest()
+    other.attach_private()
+    other.attach_kv_pool(memoryview(bytearray(other.kv_spec.pool_bytes)), 5)
+    assert other.kv_pool is not None and other.kv_pool.stats.records == 0
+    # The same bytes under another spec read as an empty log too.
+    mem = memoryview(pod.memory)[: other.kv_spec.pool_bytes]
+    other.attach_kv_pool(mem, 6)
+    assert other.kv_pool.stats.sealed_at_adoption == 0
+    assert kvlog.decode_header(mem[: kvlog.HEADER_SIZE]) == (
+        other.kv_spec.digest(),
+        other.kv_spec.log_capacity,
+    )
