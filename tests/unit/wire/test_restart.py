@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from understudy.wire import restart
 from understudy.wire.restart import (
     ArmTimer,
-    BackoffOver,
     Exit,
     Exited,
     Phase,
@@ -23,16 +22,19 @@ from understudy.wire.restart import (
     Signal,
     Start,
     Stop,
+    TimerFired,
 )
 
 P = Phase
 POLICY = Policy(initial_s=1.0, max_s=8.0, give_up_after=3)
-SPARE = Policy(initial_s=1.0, max_s=8.0, give_up_after=3, spare=True)
+SPARE = Policy(initial_s=1.0, max_s=8.0, give_up_after=3, spare=True, spare_after_s=0.0)
+# The default: the spare starts a while after the child said it started.
+LATE_SPARE = Policy(initial_s=1.0, max_s=8.0, give_up_after=3, spare=True, spare_after_s=5.0)
 EVENTS: list[restart.Event] = [
     Ready(),
     Exited(137),
     restart.SpareExited(9),
-    BackoffOver(),
+    TimerFired(),
     Stop(15),
 ]
 
@@ -45,7 +47,8 @@ LANDS: dict[tuple[Phase, type], Phase] = {
     (P.STARTING, Stop): P.STOPPING,
     (P.RUNNING, Exited): P.STARTING,
     (P.RUNNING, Stop): P.STOPPING,
-    (P.BACKOFF, BackoffOver): P.STARTING,
+    (P.RUNNING, TimerFired): P.RUNNING,  # the spare's time (or a stale timer)
+    (P.BACKOFF, TimerFired): P.STARTING,
     (P.BACKOFF, Stop): P.DONE,
     (P.STOPPING, Exited): P.DONE,
     (P.STOPPING, Stop): P.STOPPING,
@@ -60,7 +63,8 @@ ACTIONS: dict[tuple[Phase, type], list[type]] = {
     (P.STARTING, Stop): [Signal],
     (P.RUNNING, Exited): [restart.Note, Start],
     (P.RUNNING, Stop): [Signal],
-    (P.BACKOFF, BackoffOver): [Start],
+    (P.RUNNING, TimerFired): [],  # no spare in this policy: nothing is due
+    (P.BACKOFF, TimerFired): [Start],
     (P.BACKOFF, Stop): [Exit],
     (P.STOPPING, Exited): [Exit],
     (P.STOPPING, Stop): [Signal],
@@ -131,11 +135,11 @@ def test_a_restart_that_cannot_start_is_backed_off_then_handed_to_kubelet() -> N
     s, _ = restart.step(s, Exited(137), 0.15)  # and died: restarted at once
     s, actions = restart.step(s, Exited(1), 0.2)  # the restart fails to start
     assert s.phase is P.BACKOFF and ArmTimer(1.2) in actions and s.deadline == 1.2
-    s, actions = restart.step(s, BackoffOver(), 1.2)
+    s, actions = restart.step(s, TimerFired(), 1.2)
     assert actions == [Start(2)]
     s, actions = restart.step(s, Exited(1), 1.5)
     assert ArmTimer(3.5) in actions  # 2 s: doubled
-    s, _ = restart.step(s, BackoffOver(), 3.5)
+    s, _ = restart.step(s, TimerFired(), 3.5)
     s, actions = restart.step(s, Exited(2), 3.6)
     assert s.phase is P.DONE and actions == [Exit(2, actions[0].reason)]  # type: ignore[union-attr]
     assert "3 times" in actions[0].reason  # type: ignore[union-attr]
@@ -146,7 +150,7 @@ def test_a_start_resets_the_failures() -> None:
     s, _ = restart.step(s, Ready(), 0.05)
     s, _ = restart.step(s, Exited(137), 0.07)
     s, _ = restart.step(s, Exited(1), 0.1)
-    s, _ = restart.step(s, BackoffOver(), 1.1)
+    s, _ = restart.step(s, TimerFired(), 1.1)
     s, _ = restart.step(s, Ready(), 2.0)
     assert s.failures == 0
     s, _ = restart.step(s, Exited(137), 3.0)
@@ -208,6 +212,25 @@ def test_with_a_spare_the_next_process_is_prepared_and_then_goes_on() -> None:
         assert actions[-1] == restart.Go(i) and not s.spare  # the spare goes on
         s, actions = restart.step(s, Ready(), 10.0 * i + 0.5)
         assert restart.StartSpare() in actions and s.spare  # and a new one is prepared
+
+
+def test_the_spare_starts_a_while_after_the_child_said_it_started() -> None:
+    s, _ = restart.initial(0.0, LATE_SPARE)
+    s, actions = restart.step(s, Ready(), 2.0)
+    assert actions[-1] == ArmTimer(7.0) and not s.spare  # not during the failover
+    s, actions = restart.step(s, TimerFired(), 6.9)  # early: nothing yet
+    assert actions == [] and not s.spare
+    s, actions = restart.step(s, TimerFired(), 7.0)
+    assert actions == [restart.StartSpare()] and s.spare and s.deadline is None
+    s, actions = restart.step(s, TimerFired(), 8.0)  # a stale timer starts no second one
+    assert actions == []
+    # A death before the spare's time: a cold start, and the timer is forgotten.
+    s, _ = restart.step(s, Exited(137), 20.0)
+    s, _ = restart.step(s, Ready(), 21.0)
+    s, actions = restart.step(s, Exited(137), 22.0)
+    assert actions[-1] == Start(2) and s.deadline is None
+    s, actions = restart.step(s, Ready(), 23.0)
+    assert actions[-1] == ArmTimer(28.0)
 
 
 def test_a_spare_that_dies_is_not_replaced_until_the_next_start() -> None:

@@ -375,7 +375,7 @@ class Respawner:
             self.child = None
         deadline = self.state.deadline if self.state else None
         if deadline is not None and now >= deadline:
-            events.append(restart.BackoffOver())
+            events.append(restart.TimerFired())
         return events
 
     def run(self) -> int:
@@ -405,7 +405,9 @@ class Respawner:
 
 
 def _policy(args: argparse.Namespace) -> restart.Policy:
-    return restart.Policy(args.backoff_initial, args.backoff_max, args.give_up_after, args.spare)
+    return restart.Policy(
+        args.backoff_initial, args.backoff_max, args.give_up_after, args.spare, args.spare_after
+    )
 
 
 def cmd_respawn(args: argparse.Namespace) -> int:
@@ -449,6 +451,14 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         action="store_true",
         help="keep the next process started ahead of time, waiting for its turn "
         "(wait_turn()), so a restart skips the command's slow preparation",
+    )
+    p.add_argument(
+        "--spare-after",
+        type=float,
+        default=d.spare_after_s,
+        metavar="S",
+        help="start the spare this long after the child said it started, so its "
+        "preparation does not compete with the failover that the last death began",
     )
     p.add_argument(
         "--listen",
