@@ -223,6 +223,7 @@ def _our_args(args: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="vllm engine", add_help=False, exit_on_error=False)
     parser.add_argument("--max-pending", type=int, default=openai_api.MAX_PENDING)
     parser.add_argument("--kv-at-wake", choices=KV_AT_WAKE, default="lazy")
+    parser.add_argument("--huge-pages", choices=("on", "off"), default="on")
     try:
         ns, rest = parser.parse_known_args(list(args))
     except (argparse.ArgumentError, SystemExit) as exc:
@@ -302,6 +303,7 @@ class VllmEngine:
         ours, self.vllm_args = _our_args(engine_args)
         self.max_pending: int = ours.max_pending
         self.kv_at_wake: str = ours.kv_at_wake
+        self.huge_pages = ours.huge_pages == "on"
         self.model_id: str = models.served_name(model)
         self.gpu = backend == "cuda"
         self.builtin = models.is_builtin(model)
@@ -429,7 +431,7 @@ class VllmEngine:
             self._engine = self._build(publish=False)
             self.timings["build_s"] = time.monotonic() - t0
         _one_token(self._engine, f"us-init-{next(_ids)}")
-        if not self.gpu:
+        if not self.gpu and self.huge_pages:
             self._huge_pages()
         self.timings["attach_s"] = time.monotonic() - t0
 
