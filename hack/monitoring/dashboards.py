@@ -299,7 +299,7 @@ def failover() -> dash.Dashboard:
                     )
                 ],
                 one_active,
-                width=8,
+                width=6,
                 instant=True,
             )
         )
@@ -317,7 +317,28 @@ def failover() -> dash.Dashboard:
                     )
                 ],
                 armed,
-                width=8,
+                width=6,
+                instant=True,
+            )
+        )
+        .with_panel(
+            _stat(
+                "Time without a standby",
+                "Seconds of the dashboard's time range in which a GpuInstance had no "
+                "engine in Standby (sampled every 10 s): while a killed engine restarts, "
+                "the next death would find no shadow. A vLLM engine takes a minute or two "
+                "to start again (its imports), so a vLLM GpuInstance wants two shadows.",
+                "s",
+                [
+                    (
+                        "sum_over_time(((sum by (namespace, understudy_dev_instance) "
+                        f'(understudy_engine_state{{state="Standby", {sel}}})) == bool 0)'
+                        "[$__range:10s]) * 10",
+                        "{{understudy_dev_instance}}",
+                    )
+                ],
+                _steps((None, "green"), (1, "yellow"), (60, "red")),
+                width=6,
                 instant=True,
             )
         )
@@ -329,7 +350,7 @@ def failover() -> dash.Dashboard:
                 "none",
                 [(f"min by (namespace, pod) (understudy_front_routing{{{sel}}})", "{{pod}}")],
                 armed,
-                width=8,
+                width=6,
                 instant=True,
             )
         )
