@@ -138,32 +138,3 @@ def test_wake_before_the_engine_was_built_is_an_error(model: Path) -> None:
     e = VllmEngine(str(model))
     with pytest.raises(AdapterError, match="before the engine was built"):
         e.wake()
-
-
-def test_a_crashing_engine_writes_no_core_unless_asked(model: Path) -> None:
-    """A core file is written before the dying process's sockets close, so it
-    delays the lock's release, the start of the failover."""
-    import resource
-    import subprocess
-    import sys
-
-    code = (
-        "import resource, sys\n"
-        "from understudy.engine_shim.adapters.vllm import VllmEngine\n"
-        "VllmEngine(sys.argv[1], sys.argv[2:])\n"
-        "print(resource.getrlimit(resource.RLIMIT_CORE)[0])\n"
-    )
-    limit = resource.getrlimit(resource.RLIMIT_CORE)
-
-    def core_limit(*args: str) -> int:
-        out = subprocess.run(
-            [sys.executable, "-c", code, str(model), *args],
-            capture_output=True,
-            text=True,
-            check=True,
-            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_CORE, (limit[1], limit[1])),
-        )
-        return int(out.stdout.strip())
-
-    assert core_limit() == 0
-    assert core_limit("--core-dumps", "on") == limit[1]

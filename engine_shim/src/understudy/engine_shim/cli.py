@@ -98,7 +98,32 @@ def _early_status() -> EarlyStatus | None:
         return None
 
 
+_PR_SET_DUMPABLE = 4
+
+
+def _no_core_dumps() -> None:
+    """No core dump when the engine crashes (SIGSEGV, SIGABRT), unless
+    ``UNDERSTUDY_CORE_DUMPS=on``. The kernel writes the core before the dying
+    process closes its files, so the lock connection, whose end starts the
+    failover, stays open until gigabytes are written: SIGSEGV to the next
+    grant took 2.0-3.1 s for a vLLM engine on the cluster against 0.12 s for
+    SIGKILL, and on a node whose kernel pipes cores to a collector (systemd's,
+    apport) a zero size limit alone does not stop the dump. Not dumpable
+    also means no debugger can attach; that is what the switch is for."""
+    if os.environ.get("UNDERSTUDY_CORE_DUMPS", "off") == "on":
+        return
+    import ctypes
+    import ctypes.util
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_CORE)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, hard))
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+
+
 def cmd_engine_run(args: argparse.Namespace) -> int:
+    _no_core_dumps()
     try:
         _reexec_for_vllm(args)
     except (OSError, subprocess.CalledProcessError) as exc:
@@ -153,7 +178,8 @@ def cmd_engine_run(args: argparse.Namespace) -> int:
         from understudy.engine_shim import fsm
 
         # An engine that dies inside (vLLM's engine core) ends the process
-        # through the state machine, with its exit code (Decision 2).
+        # through the state machine, with its exit code: fail fast, never sit
+        # waiting for a probe to notice (docs/architecture.md).
         engine.set_on_fatal(lambda why: shim.report(fsm.Fatal(why)))
     shim.run()
     return 0

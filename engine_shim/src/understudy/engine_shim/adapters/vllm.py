@@ -224,7 +224,6 @@ def _our_args(args: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--max-pending", type=int, default=openai_api.MAX_PENDING)
     parser.add_argument("--kv-at-wake", choices=KV_AT_WAKE, default="lazy")
     parser.add_argument("--huge-pages", choices=("on", "off"), default="on")
-    parser.add_argument("--core-dumps", choices=("on", "off"), default="off")
     try:
         ns, rest = parser.parse_known_args(list(args))
     except (argparse.ArgumentError, SystemExit) as exc:
@@ -232,19 +231,6 @@ def _our_args(args: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     if ns.max_pending < 1:
         raise AdapterError("--max-pending must be at least 1")
     return ns, rest
-
-
-def _no_core_dumps() -> None:
-    """No core file when the engine crashes (SIGSEGV, SIGABRT): the kernel
-    writes it before the dying process closes its sockets, so the lock, whose
-    release starts the failover, waited for 2 GB to be written: SIGSEGV to
-    the next engine's grant took 2.0-3.1 s on the cluster against 0.12-0.13 s
-    for SIGKILL, and each crash left its core in the pod. ``--core-dumps on``
-    keeps the limit the container was given."""
-    import resource
-
-    _, hard = resource.getrlimit(resource.RLIMIT_CORE)
-    resource.setrlimit(resource.RLIMIT_CORE, (0, hard))
 
 
 def given(args: Sequence[str], *flags: str) -> bool:
@@ -318,8 +304,6 @@ class VllmEngine:
         self.max_pending: int = ours.max_pending
         self.kv_at_wake: str = ours.kv_at_wake
         self.huge_pages = ours.huge_pages == "on"
-        if ours.core_dumps == "off":
-            _no_core_dumps()
         self.model_id: str = models.served_name(model)
         self.gpu = backend == "cuda"
         self.builtin = models.is_builtin(model)
