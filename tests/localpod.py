@@ -145,6 +145,13 @@ class LocalPod:
     def pid(self, container: str) -> int:
         return self.local_state()["containers"][container]["pid"]
 
+    def process(self, container: str) -> int:
+        """The process the container runs: under its respawner, the child (a
+        death of it is restarted in place, the container's pid stays)."""
+        from understudy.tools.drill import container_process
+
+        return container_process(self.pid(container))
+
     def front_pid(self) -> int | None:
         """The front's own process (its container's is the respawner); None
         while no front answers its status port."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -293,12 +294,32 @@ def _restarts(pod: dict[str, Any], name: str) -> int:
     return next(s["restartCount"] for s in statuses if s["name"] == name)
 
 
+def _lockserver_started(pod: dict[str, Any]) -> float | None:
+    """The lock server process's start time, from its /metrics (prometheus-client's
+    process collector), or None while it does not answer."""
+    url = f"http://{pod['status']['podIP']}:9101/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    found = re.search(r"^process_start_time_seconds (\S+)$", text, re.M)
+    return float(found.group(1)) if found else None
+
+
 @pytest.mark.timeout(600)
 def test_lockserver_sidecar_killed_no_failover(instance: Instance) -> None:
+    """The lock server's process dies: its respawner starts it again in place
+    (no container restart, so no kubelet back-off), and the Active engine
+    resumes its grant within the reconnect window."""
     instance.wait_ready()
+    started = _lockserver_started(instance.pod())
+    assert started is not None
     before = _restarts(instance.pod(), "lockserver")
     report = instance.drill("--sidecar", "lockserver")
-    assert _restarts(instance.pod(), "lockserver") > before  # it really died
+    now = _wait("the lock server back", lambda: _lockserver_started(instance.pod()), 30)
+    assert now > started  # it really died, and a new process serves
+    assert _restarts(instance.pod(), "lockserver") == before  # in place
     # the holder resumed its grant: same engine process, same epoch
     assert not report["failover"], report
     assert report["active_after"] == report["active_before"]

@@ -224,7 +224,7 @@ def test_a_restarted_lock_server_takes_the_socket_from_the_front(pod):
     again, so it takes the front's socket (a client of the front's
     front.sock), and keeps it for the front's next death."""
     pod.wait_armed()
-    old = pod.pid("lockserver")
+    old = pod.process("lockserver")
     os.kill(old, signal.SIGKILL)
     wait_for(lambda: pod.log("lockserver").count("event=serving_socket_kept") == 2, 20,
              what="the restarted lock server keeps the socket")  # fmt: skip

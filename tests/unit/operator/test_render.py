@@ -98,6 +98,9 @@ def test_lockserver_sidecar() -> None:
     ls = _pod(make(failover={"lockReconnectWindowSeconds": 7}))["spec"]["initContainers"][0]
     assert ls["command"] + ls["args"] == [
         "understudy",
+        "respawn",
+        "--",
+        "understudy",
         "lockserver",
         "serve",
         "--socket",

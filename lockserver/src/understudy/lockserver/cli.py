@@ -25,6 +25,7 @@ from understudy.lockserver.config import (
     DEFAULT_RECONNECT_WINDOW_S,
     ServerConfig,
 )
+from understudy.wire import respawn
 from understudy.wire.obs import setup_logging
 from understudy.wire.uds import parse_tcp_address
 
@@ -67,6 +68,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         async with LockServer(config) as server:
+            # Listening, with its state restored: its respawner (the pod runs
+            # it under one) restarts it at once from now on.
+            respawn.notify_ready()
             serving = asyncio.ensure_future(server.serve_forever())
             await stop.wait()
             serving.cancel()

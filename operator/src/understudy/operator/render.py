@@ -169,8 +169,16 @@ def lockserver_container(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]
         "image": cfg.image,
         "imagePullPolicy": cfg.image_pull_policy,
         "restartPolicy": "Always",
+        # Under the respawner, as every process of the pod: a lock server
+        # that dies is back at once, not after kubelet's back-off, within the
+        # reconnect window in which its holder resumes its grant. Through a
+        # back-off (10 s, then 20 s, 40 s …) the holder's wait runs out and a
+        # healthy Active engine gives up the lock.
         "command": ["understudy"],
         "args": [
+            "respawn",
+            "--",
+            "understudy",
             "lockserver",
             "serve",
             "--socket",

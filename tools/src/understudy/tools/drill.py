@@ -118,16 +118,25 @@ class LocalTarget:
 
     def kill_fronts(self) -> list[int]:
         """The front's own process: its container's process is the respawner."""
-        url = urllib.parse.urlsplit(self.front_status_urls()[0])
-        conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=2)
-        conn.request("GET", "/state")
-        pid = int(json.loads(conn.getresponse().read())["pid"])
-        conn.close()
+        pid = front_pid(self.front_status_urls()[0])
         os.kill(pid, signal.SIGKILL)
         return [pid]
 
     def serving_listeners(self) -> set[int] | None:
         return unix_listeners(self.run_dir / "serve")
+
+
+def front_pid(status_url: str) -> int:
+    """The serving front's pid, as its ``/state`` reports it (in the pod's PID
+    namespace). Its command line cannot tell: the respawner's spare runs the
+    same one, waiting for its turn."""
+    url = urllib.parse.urlsplit(status_url)
+    conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=2)
+    try:
+        conn.request("GET", "/state")
+        return int(json.loads(conn.getresponse().read())["pid"])
+    finally:
+        conn.close()
 
 
 def container_process(pid: int) -> int:

@@ -162,27 +162,39 @@ class KubeTarget:
         for pod in self.pods():
             self.kill_container(pod.metadata.name, SIDECAR_COMMANDS[which], signal.SIGKILL)
 
+    def _front_status_url(self, pod: Any) -> str | None:
+        for c in pod.spec.init_containers or []:
+            for p in c.ports or []:
+                if p.name == "front-status" and pod.status.pod_ip:
+                    return f"http://{pod.status.pod_ip}:{p.container_port}"
+        return None
+
     def front_status_urls(self) -> list[str]:
-        out = []
-        for pod in self.pods():
-            for c in pod.spec.init_containers or []:
-                for p in c.ports or []:
-                    if p.name == "front-status" and pod.status.pod_ip:
-                        out.append(f"http://{pod.status.pod_ip}:{p.container_port}")
-        return out
+        return [u for u in map(self._front_status_url, self.pods()) if u is not None]
 
     def kill_fronts(self) -> list[int]:
-        """Each pod's front process, not the respawner above it (whose command
-        line names the front's too)."""
+        """Each pod's serving front: the process whose pid in the pod is the one
+        its ``/state`` reports (not the respawner above it, whose command line
+        names the front's too, nor the spare beside it, which runs the same)."""
+        from understudy.tools.drill import front_pid
+
         killed = []
         for pod in self.pods():
+            url = self._front_status_url(pod)
+            if url is None:
+                raise RuntimeError(f"pod {pod.metadata.name} has no front status port")
+            serving = front_pid(url)
             found = [
                 pid
                 for pid, cmd in _commands(pod.metadata.name)
-                if "understudy.front serve" in cmd and "respawn" not in cmd
+                if "understudy.front serve" in cmd
+                and "respawn" not in cmd
+                and ns_pid(str(pid)) == serving
             ]
             if len(found) != 1:
-                raise RuntimeError(f"{len(found)} front processes in pod {pod.metadata.name}")
+                raise RuntimeError(
+                    f"{len(found)} front processes with pid {serving} in pod {pod.metadata.name}"
+                )
             os.kill(found[0], signal.SIGKILL)
             killed.append(found[0])
         return killed

@@ -150,7 +150,13 @@ def containers(cfg: LocalConfig) -> list[Container]:
     out = [
         Container(
             "lockserver",
+            # As in the pod: under the respawner, back at once after a death.
             _understudy(
+                "respawn",
+                "--",
+                sys.executable,
+                "-m",
+                "understudy.cli",
                 "lockserver",
                 "serve",
                 "--socket",
