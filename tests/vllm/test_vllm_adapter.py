@@ -251,3 +251,20 @@ def test_published_then_mapped_then_continued_on_another_engine(
     assert len({tuple(ids) for ids in streamed[:2]}) == 2
     assert ours == _plain_vllm_greedy(model_dir, prompts)
     assert all(len(a) == MAX_TOKENS for a in ours)
+
+
+def test_a_crash_signal_kills_the_engine_at_once() -> None:
+    """vLLM imports tvm-ffi, whose native SIGSEGV handler prints a symbolized
+    backtrace before the process dies (seconds, during which the dead
+    engine still holds the lock); the adapter gives the signal back its
+    default action. In a child process: this one's handlers are pytest's."""
+    code = (
+        "import signal, tvm_ffi\n"
+        "from understudy.engine_shim.adapters import vllm as a\n"
+        "before = signal.SIGSEGV in a._caught_signals()\n"
+        "reset = a._die_at_once_on_a_crash()\n"
+        "print(before, reset >= 1, signal.SIGSEGV in a._caught_signals())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True", "False"]

@@ -166,4 +166,4 @@ def test_a_crashing_engine_writes_no_core_unless_asked(model: Path) -> None:
         return int(out.stdout.strip())
 
     assert core_limit() == 0
-    assert core_limit("--core-dumps", "on") == limit[1]
+    assert core_limit("--crash-reports", "on") == limit[1]
