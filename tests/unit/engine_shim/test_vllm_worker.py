@@ -2,7 +2,7 @@
 vLLM's LLMEngine (vLLM itself is in tests/vllm and the process tier): tokens
 reach their requests with the right finish reason, a request vLLM refuses is
 that request's error only, and an engine step that raises ends the engine
-through ``on_fatal`` (Decision 2: fail fast) and fails what was in flight."""
+through ``on_fatal`` (fail fast: a dead engine, not a sick one) and fails what was in flight."""
 
 from __future__ import annotations
 

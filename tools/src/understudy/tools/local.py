@@ -352,69 +352,77 @@ class Supervisor:
             dir=str(self.cfg.dir),
         )
 
-    def tick(self) -> None:  # noqa: C901
+    def tick(self) -> None:
         now = time.monotonic()
         for c in self.containers:
             assert c.proc is not None
             code = c.proc.poll()
             if code is not None:
-                if c.exited_at is None:
-                    # A container's end takes every process in it along, as
-                    # the container runtime does (its cgroup is torn down).
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(c.proc.pid, signal.SIGKILL)
-                    c.exited_at, c.last_exit = now, code
-                    c.backoff, c.restart_at = backoff.exited(c.backoff, self.policy, now)
-                    if not c.startup_passed:
-                        c.failures += 1
-                    c.last_error = last_error_line(c.log_path)
-                    c.history.append({"exit": code, "at": time.time(), "pid": c.proc.pid})
-                    log_event(
-                        log,
-                        "container_exited",
-                        logging.WARNING,
-                        container=c.name,
-                        pid=c.proc.pid,
-                        code=code,
-                        restarts=c.restarts,
-                        restart_in_s=round(c.restart_at - now, 3),
-                        last_line=c.last_error,
-                    )
-                    self._save()
-                assert c.restart_at is not None
-                if now >= c.restart_at and not self.stopping:
-                    c.restarts += 1
-                    self._start(c)
-                continue
-            if c.kill_deadline is not None:
+                self._exited(c, code, now)
+            elif c.kill_deadline is not None:
                 if now >= c.kill_deadline:
                     self._signal(c, signal.SIGKILL)
-                continue
-            if c.status_port is None or now < c.next_probe:
-                continue
-            c.next_probe = now + self.cfg.probe_period_s
+            elif c.status_port is not None and now >= c.next_probe:
+                c.next_probe = now + self.cfg.probe_period_s
+                self._probe(c, now)
+
+    def _exited(self, c: Container, code: int, now: float) -> None:
+        """A container whose process ended: recorded once, restarted after its back-off."""
+        assert c.proc is not None
+        if c.exited_at is None:
+            # A container's end takes every process in it along, as
+            # the container runtime does (its cgroup is torn down).
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(c.proc.pid, signal.SIGKILL)
+            c.exited_at, c.last_exit = now, code
+            c.backoff, c.restart_at = backoff.exited(c.backoff, self.policy, now)
             if not c.startup_passed:
-                c.startup_passed = probe(c.status_port, "/startup")
-                if c.startup_passed:
-                    c.failures = 0
-                    self._save()  # the drill waits for it: liveness is watching now
-                continue
-            if probe(c.status_port, "/live", timeout=self.cfg.probe_period_s):
-                c.live_failures = 0
-                continue
-            c.live_failures += 1
-            if c.live_failures >= self.cfg.liveness_failures:
-                log_event(
-                    log,
-                    "liveness_failed",
-                    logging.WARNING,
-                    container=c.name,
-                    pid=c.proc.pid,
-                    failures=c.live_failures,
-                )
-                self._signal(c, signal.SIGTERM)
-                self._signal(c, signal.SIGCONT)  # a stopped process must see its SIGTERM
-                c.kill_deadline = now + self.cfg.liveness_grace_s
+                c.failures += 1
+            c.last_error = last_error_line(c.log_path)
+            c.history.append({"exit": code, "at": time.time(), "pid": c.proc.pid})
+            log_event(
+                log,
+                "container_exited",
+                logging.WARNING,
+                container=c.name,
+                pid=c.proc.pid,
+                code=code,
+                restarts=c.restarts,
+                restart_in_s=round(c.restart_at - now, 3),
+                last_line=c.last_error,
+            )
+            self._save()
+        assert c.restart_at is not None
+        if now >= c.restart_at and not self.stopping:
+            c.restarts += 1
+            self._start(c)
+
+    def _probe(self, c: Container, now: float) -> None:
+        """kubelet's probes: startup until it passes, then liveness, whose
+        failures end the container (SIGTERM, then SIGKILL after the grace)."""
+        assert c.proc is not None and c.status_port is not None
+        if not c.startup_passed:
+            c.startup_passed = probe(c.status_port, "/startup")
+            if c.startup_passed:
+                c.failures = 0
+                self._save()  # the drill waits for it: liveness is watching now
+            return
+        if probe(c.status_port, "/live", timeout=self.cfg.probe_period_s):
+            c.live_failures = 0
+            return
+        c.live_failures += 1
+        if c.live_failures >= self.cfg.liveness_failures:
+            log_event(
+                log,
+                "liveness_failed",
+                logging.WARNING,
+                container=c.name,
+                pid=c.proc.pid,
+                failures=c.live_failures,
+            )
+            self._signal(c, signal.SIGTERM)
+            self._signal(c, signal.SIGCONT)  # a stopped process must see its SIGTERM
+            c.kill_deadline = now + self.cfg.liveness_grace_s
 
     def run_forever(self) -> None:
         stop = []
