@@ -131,7 +131,8 @@ def test_front_sidecar_serves_the_port_under_the_respawner() -> None:
     inst = make(failover={"holdSeconds": 12, "migrationLimit": 2, "hangAfterSeconds": 1.5})
     front = _pod(inst)["spec"]["initContainers"][2]
     assert front["command"] + front["args"] == [
-        "understudy", "respawn", "--spare", "--", "python", "-m", "understudy.front",
+        "understudy", "respawn", "--spare", "--spare-after", "0", "--",
+        "python", "-m", "understudy.front",
         "serve", "--run-dir", "/run/understudy", "--port", "8000",
         "--status-port", "8090", "--hold", "12", "--migration-limit", "2",
         "--hang-after", "1.5", "--drain", "25",

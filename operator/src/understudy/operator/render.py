@@ -288,6 +288,11 @@ def front_container(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]:
         "args": [
             "respawn",
             "--spare",
+            # The spare at once: a front's start is the whole time new
+            # connections wait, and a front dies alone (no failover runs
+            # beside it for the spare's imports to slow down).
+            "--spare-after",
+            "0",
             "--",
             "python",
             "-m",

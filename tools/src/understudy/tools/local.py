@@ -200,7 +200,7 @@ def containers(cfg: LocalConfig) -> list[Container]:
             # once, from a spare that has done its imports; its serving
             # socket waits in the lock server meanwhile.
             [
-                *_understudy("respawn", "--spare", "--"),
+                *_understudy("respawn", "--spare", "--spare-after", "0", "--"),
                 sys.executable,
                 "-m",
                 "understudy.front",
