@@ -49,6 +49,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, summary, write_results
 
+from understudy.tools.drill import stream_events
+
 PY = sys.executable
 # Any text: its token ids are repeated to the context wanted (the prompt is sent
 # as ids, so its length is exact).
@@ -178,16 +180,7 @@ def stream(
     killed_at: float | None = None
     killed_pid: int | None = None
     try:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            data = line.removeprefix("data: ")
-            if data == "[DONE]":
-                break
-            doc = json.loads(data)
-            if "error" in doc:
-                raise RuntimeError(f"stream error: {doc}")
+        for doc in stream_events(resp):
             parts.append(doc["choices"][0]["text"])
             times.append(time.monotonic())
             if kill_after is not None and len(parts) == kill_after and killed_at is None:

@@ -32,6 +32,7 @@ from procs import wait_for
 from understudy.engine_shim.adapters import tiny_llama
 from understudy.engine_shim.adapters.llama import LlamaEngine
 from understudy.engine_shim.generation import SamplingParams
+from understudy.tools.drill import stream_events
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
@@ -73,15 +74,7 @@ def stream(port: int, on_chunk: Callable[[int], None]) -> tuple[str, list[float]
     parts: list[str] = []
     times: list[float] = []
     try:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            data = line.removeprefix("data: ")
-            if data == "[DONE]":
-                break
-            doc = json.loads(data)
-            assert "error" not in doc, doc
+        for doc in stream_events(resp):
             parts.append(doc["choices"][0]["text"])
             times.append(time.monotonic())
             on_chunk(len(parts))

@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -258,6 +258,22 @@ def _answer(kind: Kind, data: bytes) -> bytes:
             parts.append(delta.get("content") or choice.get("text") or "")
             finish = choice.get("finish_reason") or finish
     return json.dumps(["".join(parts), finish]).encode()
+
+
+def stream_events(lines: Iterable[bytes]) -> Iterator[dict[str, Any]]:
+    """The JSON events of an OpenAI-style stream as they arrive (an
+    ``http.client`` response iterates by line), up to ``[DONE]``; an error
+    event raises ``ValueError``."""
+    for raw in lines:
+        line = raw.strip()
+        if not line.startswith(b"data: "):
+            continue
+        if line == b"data: [DONE]":
+            return
+        doc = json.loads(line[6:])
+        if "error" in doc:
+            raise ValueError(f"error event: {doc['error']}")
+        yield doc
 
 
 class Client(threading.Thread):
@@ -778,6 +794,33 @@ def _sidecar_kill(
     }
 
 
+@contextlib.contextmanager
+def settled_under_load(
+    target: Target, clients: int, timeout: float
+) -> Iterator[tuple[Watcher, list[Client]]]:
+    """A sidecar drill's stage: a watcher on the pod and ``clients`` request
+    streams, started once the pod is settled, all stopped on the way out."""
+    watcher = Watcher(target)
+    watcher.start()
+    pool: list[Client] = []
+    try:
+        first = watcher.until(figures.settled, timeout)
+        if first is None:
+            raise RuntimeError(f"pod not armed within {timeout}s")
+        kinds = kinds_for(first.get("adapter", "reference"))
+        pool = [Client(target.serve_url, kinds, i) for i in range(clients)]
+        for c in pool:
+            c.start()
+        yield watcher, pool
+    finally:
+        for c in pool:
+            c.stop.set()
+        for c in pool:
+            c.join(5)
+        watcher.stop.set()
+        watcher.join(5)
+
+
 def sidecar_drill(
     target: Any,
     which: str,
@@ -797,18 +840,8 @@ def sidecar_drill(
     Reports what happened rather than judging it; the top-level figures are
     over every kill (the first kill's fields as they were, for one kill).
     """
-    watcher = Watcher(target)
-    watcher.start()
-    first = watcher.until(figures.settled, timeout)
-    if first is None:
-        watcher.stop.set()
-        raise RuntimeError(f"pod not armed within {timeout}s")
-    kinds = kinds_for(first.get("adapter", "reference"))
-    pool = [Client(target.serve_url, kinds, i) for i in range(clients)]
-    for c in pool:
-        c.start()
     rounds: list[dict[str, Any]] = []
-    try:
+    with settled_under_load(target, clients, timeout) as (watcher, pool):
         time.sleep(0.5)
         for _ in range(kills):
             if watcher.until(figures.whole, timeout) is None:
@@ -816,13 +849,6 @@ def sidecar_drill(
             time.sleep(0.5)  # steady traffic before the kill
             rounds.append(_sidecar_kill(target, which, watcher, timeout, settle))
         time.sleep(0.5)
-    finally:
-        for c in pool:
-            c.stop.set()
-        for c in pool:
-            c.join(5)
-        watcher.stop.set()
-        watcher.join(5)
     samples = [s for c in pool for s in c.samples]
     t_first = rounds[0]["t_kill"] if rounds else time.monotonic()
     after_kill = [s for s in samples if s.start >= t_first]

@@ -25,8 +25,7 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from understudy.tools import figures
-from understudy.tools.drill import Client, Target, Watcher, kinds_for
+from understudy.tools.drill import Client, Target, settled_under_load
 from understudy.tools.series import Sample
 
 
@@ -95,18 +94,8 @@ def front_drill(
     timeout: float = 60.0,
     pause: float = 1.0,
 ) -> dict[str, Any]:
-    watcher = Watcher(target)
-    watcher.start()
-    before = watcher.until(figures.settled, timeout)
-    if before is None:
-        watcher.stop.set()
-        raise RuntimeError(f"pod not armed within {timeout}s")
-    kinds = kinds_for(before.get("adapter", "reference"))
-    pool = [Client(target.serve_url, kinds, i) for i in range(clients)]
-    for c in pool:
-        c.start()
     rounds: list[dict[str, Any]] = []
-    try:
+    with settled_under_load(target, clients, timeout) as (watcher, pool):
         for _ in range(kills):
             time.sleep(pause)
             lost = _wait(lambda: _total(target, "understudy_front_lost_requests_total"), timeout)
@@ -128,13 +117,6 @@ def front_drill(
                 }
             )
         time.sleep(pause)
-    finally:
-        for c in pool:
-            c.stop.set()
-        for c in pool:
-            c.join(5)
-        watcher.stop.set()
-        watcher.join(5)
     return _judge(rounds, [s for c in pool for s in c.samples], len(watcher.split_brain))
 
 
