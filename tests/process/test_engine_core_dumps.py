@@ -38,10 +38,42 @@ def _crash(cwd: Path, **env: str) -> tuple[int, list[str]]:
     return proc.returncode, sorted(os.listdir(cwd))
 
 
+STATE = (
+    "import ctypes, ctypes.util, resource\n"
+    "from understudy.engine_shim.cli import _no_core_dumps\n"
+    "_no_core_dumps()\n"
+    "libc = ctypes.CDLL(ctypes.util.find_library('c'))\n"
+    "print(resource.getrlimit(resource.RLIMIT_CORE)[0], libc.prctl(3, 0, 0, 0, 0))\n"
+)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_engine_is_not_dumpable_unless_asked(keep: bool) -> None:
+    """What the kernel looks at, on any node: a core size limit of 0 and a
+    process that is not dumpable (PR_GET_DUMPABLE, 3), which also stops a
+    core piped to a collector (systemd-coredump, apport), where the crash
+    test below cannot look. Asked to keep cores, the engine changes neither."""
+    hard = resource.getrlimit(resource.RLIMIT_CORE)[1]
+    env = {"UNDERSTUDY_CORE_DUMPS": "on"} if keep else {}
+    proc = subprocess.run(
+        [sys.executable, "-c", STATE],
+        env={**os.environ, **env},
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_CORE, (hard, hard)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    limit, dumpable = map(int, proc.stdout.split())
+    assert (limit, dumpable) == ((hard, 1) if keep else (0, 0))
+
+
 def test_a_crashing_engine_leaves_no_core_unless_asked(tmp_path: Path) -> None:
     pattern = Path("/proc/sys/kernel/core_pattern").read_text().strip()
     no_limit = resource.getrlimit(resource.RLIMIT_CORE)[1] == 0
     if pattern.startswith("|") or "/" in pattern or no_limit:
+        # The test above still checks what the kernel decides by.
         pytest.skip(f"cores are not written to the crash's directory here ({pattern!r})")
     off, on = tmp_path / "off", tmp_path / "on"
     off.mkdir()
