@@ -466,13 +466,18 @@ class GmsServer:
             message = message.model_copy(update={"gpu": self._device_report()})
         self._send(conn, message)
 
-    def _create(self, sid: int, record: AllocationRecord) -> None:
+    def _created(self, sid: int, record: AllocationRecord) -> bool:
         """Create the memory the core recorded; a failure goes back to the core."""
         try:
             self.backend.create(record.id, record.size)
         except Exception as exc:
             reason = f"{self.backend.name} could not allocate {record.size}: {exc}"
             self._feed(fsm.CreateFailed(sid, record.id, reason))
+            return False
+        return True
+
+    def _create(self, sid: int, record: AllocationRecord) -> None:
+        if not self._created(sid, record):
             return
         log_event(log, "allocate", logging.DEBUG, sid=sid, id=record.id, size=record.size)
         conn = self._conns.get(sid)
@@ -506,13 +511,8 @@ class GmsServer:
         self, sid: int, record: AllocationRecord, created: bool, previous: int | None
     ) -> None:
         """Create the KV pool if it is new, then send it writable with ``kv_granted``."""
-        if created:
-            try:
-                self.backend.create(record.id, record.size)
-            except Exception as exc:
-                reason = f"{self.backend.name} could not allocate {record.size}: {exc}"
-                self._feed(fsm.CreateFailed(sid, record.id, reason))
-                return
+        if created and not self._created(sid, record):
+            return
         conn = self._conns.get(sid)
         if conn is None:
             return  # gone meanwhile: its Disconnected hands the pool on
