@@ -1,6 +1,6 @@
 """An engine that crashes writes no core unless asked: the kernel writes the
 core before the dying process closes its files, so the lock's release (the
-start of the failover) would wait for it (engine_shim/cli.py)."""
+start of the failover) would wait for it (engine_shim/crash.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ pytestmark = pytest.mark.process
 
 CRASH = (
     "import os, signal\n"
-    "from understudy.engine_shim.cli import _no_core_dumps\n"
-    "_no_core_dumps()\n"
+    "from understudy.engine_shim.crash import no_core_dumps\n"
+    "no_core_dumps()\n"
     "os.kill(os.getpid(), signal.SIGSEGV)\n"
 )
 
@@ -40,8 +40,8 @@ def _crash(cwd: Path, **env: str) -> tuple[int, list[str]]:
 
 STATE = (
     "import ctypes, ctypes.util, resource\n"
-    "from understudy.engine_shim.cli import _no_core_dumps\n"
-    "_no_core_dumps()\n"
+    "from understudy.engine_shim.crash import no_core_dumps\n"
+    "no_core_dumps()\n"
     "libc = ctypes.CDLL(ctypes.util.find_library('c'))\n"
     "print(resource.getrlimit(resource.RLIMIT_CORE)[0], libc.prctl(3, 0, 0, 0, 0))\n"
 )

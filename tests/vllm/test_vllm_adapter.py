@@ -257,13 +257,14 @@ def test_a_crash_signal_kills_the_engine_at_once() -> None:
     """vLLM imports tvm-ffi, whose native SIGSEGV handler prints a symbolized
     backtrace before the process dies (seconds, during which the dead
     engine still holds the lock); the adapter gives the signal back its
-    default action. In a child process: this one's handlers are pytest's."""
+    default action once the engine is built (engine_shim/crash.py). In a
+    child process: this one's handlers are pytest's."""
     code = (
         "import signal, tvm_ffi\n"
-        "from understudy.engine_shim.adapters import vllm as a\n"
-        "before = signal.SIGSEGV in a._caught_signals()\n"
-        "reset = a._die_at_once_on_a_crash()\n"
-        "print(before, reset >= 1, signal.SIGSEGV in a._caught_signals())\n"
+        "from understudy.engine_shim import crash\n"
+        "before = signal.SIGSEGV in crash.caught_signals()\n"
+        "reset = crash.die_at_once()\n"
+        "print(before, reset >= 1, signal.SIGSEGV in crash.caught_signals())\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

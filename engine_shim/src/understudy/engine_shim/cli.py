@@ -98,32 +98,10 @@ def _early_status() -> EarlyStatus | None:
         return None
 
 
-_PR_SET_DUMPABLE = 4
-
-
-def _no_core_dumps() -> None:
-    """No core dump when the engine crashes (SIGSEGV, SIGABRT), unless
-    ``UNDERSTUDY_CORE_DUMPS=on``. The kernel writes the core before the dying
-    process closes its files, so the lock connection, whose end starts the
-    failover, stays open until gigabytes are written: SIGSEGV to the next
-    grant took 2.0-3.1 s for a vLLM engine on the cluster against 0.12 s for
-    SIGKILL, and on a node whose kernel pipes cores to a collector (systemd's,
-    apport) a zero size limit alone does not stop the dump. Not dumpable
-    also means no debugger can attach; that is what the switch is for."""
-    if os.environ.get("UNDERSTUDY_CORE_DUMPS", "off") == "on":
-        return
-    import ctypes
-    import ctypes.util
-    import resource
-
-    _, hard = resource.getrlimit(resource.RLIMIT_CORE)
-    resource.setrlimit(resource.RLIMIT_CORE, (0, hard))
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
-
-
 def cmd_engine_run(args: argparse.Namespace) -> int:
-    _no_core_dumps()
+    from understudy.engine_shim import crash
+
+    crash.no_core_dumps()
     try:
         _reexec_for_vllm(args)
     except (OSError, subprocess.CalledProcessError) as exc:

@@ -21,7 +21,7 @@ from typing import Any, assert_never
 
 import prometheus_client as prom
 
-from understudy.engine_shim import fsm
+from understudy.engine_shim import crash, fsm
 from understudy.engine_shim.adapters.base import Engine
 from understudy.engine_shim.config import EngineConfig
 from understudy.engine_shim.early_status import EarlyStatus
@@ -309,6 +309,9 @@ class Shim:
         except Exception as exc:  # any init error ends the process now
             self.feed(fsm.Fatal(f"init failed: {type(exc).__name__}: {exc}"))
         heap.freeze()  # before Standby: no full collection in a failover's path
+        reset = crash.die_at_once()  # the adapter's libraries are loaded now
+        if reset:
+            log_event(log, "crash_handlers_reset", signals=reset)
         self.durations["init"] = time.monotonic() - t0
         source = "imported" if self.weights.imported else "loaded"
         self.metrics.init_s.labels(**self.metrics.labels, weights=source).observe(

@@ -224,7 +224,6 @@ def _our_args(args: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--max-pending", type=int, default=openai_api.MAX_PENDING)
     parser.add_argument("--kv-at-wake", choices=KV_AT_WAKE, default="lazy")
     parser.add_argument("--huge-pages", choices=("on", "off"), default="on")
-    parser.add_argument("--crash-reports", choices=("on", "off"), default="off")
     try:
         ns, rest = parser.parse_known_args(list(args))
     except (argparse.ArgumentError, SystemExit) as exc:
@@ -232,40 +231,6 @@ def _our_args(args: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     if ns.max_pending < 1:
         raise AdapterError("--max-pending must be at least 1")
     return ns, rest
-
-
-# A crash ends the engine at once: the lock, whose release starts the
-# failover, is released only when the process is gone.
-CRASH_SIGNALS: Final = ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT")
-
-
-def _die_at_once_on_a_crash() -> int:
-    """Give the crash signals back their default action where a library
-    installed a handler of its own; how many it reset.
-
-    vLLM imports tvm-ffi, whose native handler prints a symbolized backtrace
-    of every thread on SIGSEGV before the process dies: 2.0-2.2 s here
-    (2.0-3.1 s on the cluster) from SIGSEGV to the dead engine's socket
-    closing, against 0.13 s for SIGKILL. ``--crash-reports on`` keeps it."""
-    import signal
-
-    caught = _caught_signals()
-    reset = 0
-    for name in CRASH_SIGNALS:
-        sig = getattr(signal, name)
-        # Python cannot see a handler installed by native code (getsignal
-        # still says SIG_DFL): the kernel's view is /proc's.
-        if sig in caught and not callable(signal.getsignal(sig)):
-            signal.signal(sig, signal.SIG_DFL)
-            reset += 1
-    return reset
-
-
-def _caught_signals() -> set[int]:
-    """The signals this process has a handler for (SigCgt of /proc/self/status)."""
-    with open("/proc/self/status") as f:
-        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
-    return {n for n in range(1, 65) if mask >> (n - 1) & 1}
 
 
 def given(args: Sequence[str], *flags: str) -> bool:
@@ -339,7 +304,6 @@ class VllmEngine:
         self.max_pending: int = ours.max_pending
         self.kv_at_wake: str = ours.kv_at_wake
         self.huge_pages = ours.huge_pages == "on"
-        self.crash_reports = ours.crash_reports == "on"
         self.model_id: str = models.served_name(model)
         self.gpu = backend == "cuda"
         self.builtin = models.is_builtin(model)
@@ -469,8 +433,6 @@ class VllmEngine:
         _one_token(self._engine, f"us-init-{next(_ids)}")
         if not self.gpu and self.huge_pages:
             self._huge_pages()
-        if not self.crash_reports:
-            self.timings["crash_handlers_reset"] = float(_die_at_once_on_a_crash())
         self.timings["attach_s"] = time.monotonic() - t0
 
     def _huge_pages(self) -> None:
