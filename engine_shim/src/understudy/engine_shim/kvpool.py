@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -95,9 +96,12 @@ class KvPool:
         for sealed in self.index.sealed.values():
             st.by_epoch[sealed.epoch] = st.by_epoch.get(sealed.epoch, 0) + 1
         count = spec.cache_bytes // spec.itemsize
-        arena = np.frombuffer(memory, dtype=spec.dtype, count=2 * count, offset=spec.arena_offset)
-        self.k: npt.NDArray[np.float32] = arena[:count].reshape(spec.cache_shape)
-        self.v: npt.NDArray[np.float32] = arena[count:].reshape(spec.cache_shape)
+        # numpy has no bfloat16: its bytes are held as uint16 (the checksums
+        # are over bytes; an engine views them in its own dtype).
+        storage = "uint16" if spec.dtype == "bfloat16" else spec.dtype
+        arena = np.frombuffer(memory, dtype=storage, count=2 * count, offset=spec.arena_offset)
+        self.k: npt.NDArray[Any] = arena[:count].reshape(spec.cache_shape)
+        self.v: npt.NDArray[Any] = arena[count:].reshape(spec.cache_shape)
         self._chains: dict[int, list[bytes]] = {s: [] for s in range(spec.slots)}
         if self.index.sealed and failpoints.hit("kv.block.corrupt"):
             self._corrupt_one()
@@ -119,7 +123,8 @@ class KvPool:
         first slot that has one (else the first sealed block)."""
         keys = sorted(self.index.sealed)
         slot, block = next((k for k in keys if k[1] == 2), keys[0])
-        self.k[0, slot, 0, block * self.spec.block_tokens, 0] += np.float32(1.0)
+        row = self.k[0, slot, 0, block * self.spec.block_tokens]
+        row.view(np.uint8)[-1] ^= 0x40  # an exponent bit of the row's last value
         log_event(log, "kv_failpoint_corrupted", logging.WARNING, slot=slot, block=block)
 
     # --- a request takes a slot -------------------------------------------------

@@ -45,9 +45,9 @@ from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import web
 
-from understudy.engine_shim import openai_api
-from understudy.engine_shim.adapters import models, tiny_llama, vllm_kv, vllm_loader
-from understudy.engine_shim.adapters.base import AdapterError, Engine
+from understudy.engine_shim import kvlog, openai_api
+from understudy.engine_shim.adapters import models, tiny_llama, vllm_kv, vllm_kvconn, vllm_loader
+from understudy.engine_shim.adapters.base import AdapterError, Engine, KvPoolRequest, UsesKvPool
 from understudy.engine_shim.adapters.model_cache import cache_dir
 from understudy.engine_shim.generation import (
     Generator,
@@ -56,6 +56,7 @@ from understudy.engine_shim.generation import (
     Step,
     finish_of,
 )
+from understudy.engine_shim.kvpool import KvPool
 from understudy.engine_shim.step_thread import StepThread, send
 from understudy.gms.client import GmsClient
 from understudy.wire import heap
@@ -79,6 +80,10 @@ VLLM_ENV_DEFAULTS: Final = {
 # when a request first writes it (nothing to pay at wake); "populate" commits
 # the whole cache before serving (~0.1-0.3 s per GiB).
 KV_AT_WAKE: Final = ("lazy", "populate")
+# Sequences the GMS KV pool keeps (each max_model_len positions of every
+# layer's keys and values): the running requests a failover continues without
+# recomputing, and the prefixes later requests can reuse.
+KV_POOL_SLOTS: Final = 4
 
 Deliver = Callable[[Step | BaseException], None]
 _ids = itertools.count()
@@ -224,12 +229,17 @@ def _our_args(args: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--max-pending", type=int, default=openai_api.MAX_PENDING)
     parser.add_argument("--kv-at-wake", choices=KV_AT_WAKE, default="lazy")
     parser.add_argument("--huge-pages", choices=("on", "off"), default="on")
+    parser.add_argument("--kv-pool", choices=("on", "off"), default="on")
+    parser.add_argument("--kv-adopt", choices=("on", "off"), default="on")
+    parser.add_argument("--kv-pool-slots", type=int, default=KV_POOL_SLOTS)
     try:
         ns, rest = parser.parse_known_args(list(args))
     except (argparse.ArgumentError, SystemExit) as exc:
         raise AdapterError(f"vllm engine arguments {list(args)}: {exc}") from None
     if ns.max_pending < 1:
         raise AdapterError("--max-pending must be at least 1")
+    if ns.kv_pool_slots < 1:
+        raise AdapterError("--kv-pool-slots must be at least 1")
     return ns, rest
 
 
@@ -304,6 +314,10 @@ class VllmEngine:
         self.max_pending: int = ours.max_pending
         self.kv_at_wake: str = ours.kv_at_wake
         self.huge_pages = ours.huge_pages == "on"
+        self.kv_pool_on = ours.kv_pool == "on"
+        self.kv_adopt = ours.kv_adopt == "on"
+        self.kv_slots: int = ours.kv_pool_slots
+        self.kv_spec: kvlog.PoolSpec | None = None  # known once the config is built (prepare)
         self.model_id: str = models.served_name(model)
         self.gpu = backend == "cuda"
         self.builtin = models.is_builtin(model)
@@ -344,6 +358,7 @@ class VllmEngine:
         self._layout_key = vllm_loader.layout_key(
             self.model_dir, str(model_config.dtype), vllm.__version__
         )
+        self.kv_spec = self._kv_spec()
         # torch's and vLLM's millions of objects: vLLM's engine construction
         # calls gc.collect() several times, and over an unfrozen heap each call
         # holds the GIL for a second or more; the heartbeat stalls with it.
@@ -384,6 +399,10 @@ class VllmEngine:
         elif not given(self.vllm_args, "--enforce-eager", "--no-enforce-eager"):
             # torch.compile would add ~30-60 s to every engine start.
             args.enforce_eager = True
+        if self.kv_pool_on and not self.gpu:
+            from vllm.config import KVTransferConfig
+
+            args.kv_transfer_config = KVTransferConfig(**vllm_kvconn.transfer_config())
         try:
             return args.create_engine_config()
         except Exception as exc:
@@ -527,7 +546,45 @@ class VllmEngine:
             wake_s=round(self.timings["wake_s"], 4),
         )
 
+    # --- the KV pool (UsesKvPool) -------------------------------------------------
+
+    def _kv_spec(self) -> kvlog.PoolSpec | None:
+        """The pool's geometry, from vLLM's own model config (None: no pool)."""
+        if not self.kv_pool_on:
+            return None
+        if self.gpu:  # the connector's copies are CPU memory; a GPU pool is not built
+            log_event(log, "kv_pool_off", logging.WARNING, reason="not built for a GPU engine")
+            return None
+        mc, block = self._config.model_config, kvlog.BLOCK_TOKENS
+        return kvlog.PoolSpec(
+            model=self._layout_key,
+            layers=int(mc.get_num_layers(self._config.parallel_config)),
+            kv_heads=int(mc.get_num_kv_heads(self._config.parallel_config)),
+            head_dim=int(mc.get_head_size()),
+            dtype=str(mc.dtype).removeprefix("torch."),
+            slots=self.kv_slots,
+            max_len=-(-self.max_model_len // block) * block,
+            block_tokens=block,
+        )
+
+    def kv_pool_request(self) -> KvPoolRequest | None:
+        spec = self.kv_spec
+        if spec is None:
+            return None
+        return KvPoolRequest(size=spec.pool_bytes, spec=spec.digest().hex())
+
+    def attach_kv_pool(self, memory: memoryview, epoch: int) -> None:
+        """Adopt the pool the shim mapped (before ``wake``): read its seal log and
+        hand it to vLLM's KV connector."""
+        assert self.kv_spec is not None
+        pool = KvPool(memory, self.kv_spec, epoch, adopt=self.kv_adopt)
+        try:
+            vllm_kvconn.attach(pool)
+        except ValueError as exc:  # vLLM's cache is not what the pool holds
+            raise AdapterError(f"KV pool: {exc}") from exc
+
     def close(self) -> None:
+        vllm_kvconn.detach()
         worker, self._worker = self._worker, None
         if worker is not None:
             worker.stop("the engine closed")
@@ -620,5 +677,5 @@ class VllmEngine:
 
 if TYPE_CHECKING:  # mypy holds the engine to both of its contracts
 
-    def _conforms(engine: VllmEngine) -> tuple[Engine, Generator]:
-        return engine, engine
+    def _conforms(engine: VllmEngine) -> tuple[Engine, Generator, UsesKvPool]:
+        return engine, engine, engine

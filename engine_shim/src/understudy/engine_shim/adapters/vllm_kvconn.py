@@ -1,0 +1,311 @@
+"""vLLM's KV connector for the GMS KV pool: the ``vllm`` engine's KV survives its engine.
+
+vLLM's KV-connector interface (``KVConnectorBase_V1``, the extension point
+LMCache and NIXL use) lets a plug-in fill a request's blocks before vLLM
+computes them and see them after. We set it (``kv_transfer_config``) when
+the engine is built; vLLM loads the class from this module by name and makes
+two instances, a scheduler side and a worker side, both in this process (the
+engine core runs in-process). Both find the pool here, in ``link``, once the
+shim has mapped it at wake (``attach``): until then, on a standby, they do
+nothing.
+
+- **Scheduler side**: ``vllm_kvplan.Planner`` claims a slot for a new request
+  and tells vLLM how many positions past its own prefix-cache hit the pool
+  holds; vLLM then allocates blocks for them and counts them as computed.
+  Each step's plan (loads, saves) goes to the worker as the step's metadata.
+- **Worker side**: before the forward pass, the loads copy pool positions
+  into the blocks vLLM allocated; after it (``wait_for_save``: every layer has
+  written), the saves copy the positions the step computed into the pool, and
+  the pool seals them in its log (``KvPool.seal``: hash chain, checksum,
+  epoch). A failover's next engine adopts the log, and a continuation's
+  ``get_num_new_matched_tokens`` finds the dead engine's blocks.
+
+Copies are position-exact (never a whole vLLM block past what a move
+covers), so a sealed position's bytes never change under its seal. That
+needs the layout of vLLM's cache: on CPU each layer's cache is ``[blocks,
+kv_heads, block_size, 2 * head_dim]`` whose memory is the block's keys
+(``block_size`` rows of ``head_dim``) then its values, per head (vLLM's
+``cpu_attn`` reads it as exactly that view); on a GPU, FlashAttention's
+``[2, blocks, block_size, kv_heads, head_dim]`` (UNVERIFIED: never run on a
+GPU here; the engine does not ask for a pool there yet). Any other layout:
+the connector stays off and says so.
+
+vLLM and torch are imported inside the functions (they live in the vLLM
+venv), so this module imports anywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+from understudy.engine_shim.adapters.vllm_kvplan import Move, Planner, StepPlan
+from understudy.engine_shim.kvpool import KvPool
+from understudy.wire.obs import log_event
+
+log = logging.getLogger("understudy.engine_shim.vllm_kv")
+
+CONNECTOR: Final = "UnderstudyKvPool"
+
+
+def transfer_config() -> dict[str, str]:
+    """vLLM's ``kv_transfer_config`` that plugs the connector in."""
+    return {"kv_connector": CONNECTOR, "kv_role": "kv_both", "kv_connector_module_path": __name__}
+
+
+def attach(pool: KvPool) -> None:
+    """The pool the shim mapped for this engine (at wake): from now on the
+    connector claims, loads and saves."""
+    link.pool = pool
+    link.planner = Planner(pool, pool.spec.max_len)
+    link.copier = None if link.caches is None else _Copier(pool, link.caches)
+    link.scheduling = Scheduling()
+    link.loaded = link.saved = 0
+
+
+def detach() -> None:
+    link.pool = link.planner = link.copier = None
+
+
+def __getattr__(name: str) -> Any:
+    """vLLM looks the connector class up by name; it is built on first use,
+    where vLLM is importable."""
+    if name == CONNECTOR:
+        cls = _connector_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _layer_order(name: str) -> tuple[int, ...]:
+    return tuple(int(d) for d in re.findall(r"\d+", name))
+
+
+class _Copier:
+    """Position-exact copies between vLLM's paged cache and the pool's slots."""
+
+    def __init__(self, pool: KvPool, caches: list[Any]) -> None:
+        import torch
+
+        spec = pool.spec
+        if len(caches) != spec.layers:
+            raise ValueError(f"vLLM has {len(caches)} KV layers; the pool {spec.layers}")
+        dtype = getattr(torch, spec.dtype)
+        self.k = torch.from_numpy(pool.k).view(dtype)
+        self.v = torch.from_numpy(pool.v).view(dtype)
+        if caches[0].device.type == "cpu":
+            check_cpu_layout(caches[0], spec.kv_heads, spec.head_dim)
+        self.layers = [kv_views(c, spec.kv_heads, spec.head_dim) for c in caches]
+        if any(k.dtype != dtype for k, _ in self.layers):
+            raise ValueError(f"vLLM's KV cache is {caches[0].dtype}; the pool {spec.dtype}")
+        self.block_size = int(self.layers[0][0].shape[2])
+
+    def _spans(self, m: Move) -> list[tuple[int, int, int, int]]:
+        """(vLLM block id, offset in it, pool position, length) for ``m``'s positions."""
+        bs, out, p = self.block_size, [], m.start
+        while p < m.end:
+            j, off = divmod(p, bs)
+            n = min(bs - off, m.end - p)
+            out.append((m.block_ids[j], off, p, n))
+            p += n
+        return out
+
+    def load(self, m: Move) -> None:
+        spans = self._spans(m)
+        for layer, (k, v) in enumerate(self.layers):
+            pk, pv = self.k[layer, m.slot], self.v[layer, m.slot]
+            for block, off, p, n in spans:
+                k[block, :, off : off + n].copy_(pk[:, p : p + n])
+                v[block, :, off : off + n].copy_(pv[:, p : p + n])
+
+    def save(self, m: Move) -> None:
+        spans = self._spans(m)
+        for layer, (k, v) in enumerate(self.layers):
+            pk, pv = self.k[layer, m.slot], self.v[layer, m.slot]
+            for block, off, p, n in spans:
+                pk[:, p : p + n].copy_(k[block, :, off : off + n])
+                pv[:, p : p + n].copy_(v[block, :, off : off + n])
+
+
+def kv_views(cache: Any, heads: int, head_dim: int) -> tuple[Any, Any]:
+    """Keys and values of one layer's cache as ``[block, head, offset, dim]`` views."""
+    shape = tuple(cache.shape)
+    if len(shape) == 4 and shape[1] == heads and shape[3] == 2 * head_dim:  # vLLM-CPU
+        # Per block and head: the keys transposed (head_dim rows of
+        # block_size positions), then the values (block_size rows of head_dim):
+        # what vLLM-CPU's cache kernel writes for its "vec" ISA, which
+        # `check_cpu_layout` proves on this machine before the pool is used.
+        blocks, _, bs, _ = shape
+        halves = cache.view(blocks, heads, 2, bs * head_dim)
+        keys = halves[:, :, 0].unflatten(-1, (head_dim, bs)).transpose(-1, -2)
+        return keys, halves[:, :, 1].unflatten(-1, (bs, head_dim))
+    if len(shape) == 5 and shape[0] == 2 and shape[3:] == (heads, head_dim):  # FlashAttention
+        return cache[0].transpose(1, 2), cache[1].transpose(1, 2)  # UNVERIFIED on a GPU
+    raise ValueError(f"a KV cache of shape {list(shape)} is not a layout the pool knows")
+
+
+def check_cpu_layout(cache: Any, heads: int, head_dim: int) -> None:
+    """Write known keys and values with vLLM-CPU's own cache kernel, for this
+    machine's ISA, into a scratch cache shaped like ``cache``, and check that
+    `kv_views` reads every one back where it belongs (ValueError if not)."""
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    bs = int(cache.shape[2])
+    scratch = torch.zeros((3, heads, bs, 2 * head_dim), dtype=cache.dtype)
+    halves = scratch.view(3, heads, 2 * bs, head_dim)
+    key_cache, value_cache = halves.chunk(2, dim=2)
+    n = bs + 3  # across a block boundary, out of order
+    slots = torch.tensor([(2 * bs + i) if i < bs else i - bs for i in range(n)], dtype=torch.int64)
+    gen = torch.Generator().manual_seed(0)
+    key = torch.randn((n, heads, head_dim), generator=gen).to(cache.dtype)
+    value = torch.randn((n, heads, head_dim), generator=gen).to(cache.dtype)
+    isa = _get_attn_isa(cache.dtype, bs, head_dim)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+    keys, values = kv_views(scratch, heads, head_dim)
+    blocks, offsets = slots // bs, slots % bs
+    read = keys[blocks, :, offsets], values[blocks, :, offsets]
+    if not (torch.equal(read[0], key) and torch.equal(read[1], value)):
+        raise ValueError(f"vLLM-CPU's KV cache layout for ISA {isa!r} is not one the pool knows")
+
+
+def _run(plan: StepPlan | None, *, save: bool) -> None:
+    copier, pool = link.copier, link.pool
+    if plan is None or copier is None or pool is None:
+        return
+    if not save:
+        for m in plan.loads:
+            copier.load(m)
+            link.loaded += m.end - m.start
+        return
+    for m in plan.saves:
+        copier.save(m)
+        pool.seal(m.slot, m.tokens, m.start, m.end)
+        link.saved += m.end - m.start
+
+
+def register(kv_caches: dict[str, Any]) -> None:
+    """vLLM's KV tensors, one per attention layer, in the model's layer order."""
+    link.caches = [kv_caches[n] for n in sorted(kv_caches, key=_layer_order)]
+
+
+class Scheduling:
+    """The connector's scheduler side over ``link.planner``: vLLM's requests in,
+    a `StepPlan` per step out."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, Any] = {}  # vLLM's Request objects with a slot
+
+    def matched(self, request: Any, computed: int) -> int:
+        planner = link.planner
+        if planner is None:
+            return 0
+        rid, ids = request.request_id, list(request.all_token_ids)
+        found, claim = planner.matched(rid, ids, computed)
+        if planner.holds(rid) is not None:
+            self.requests[rid] = request
+        if claim is not None and (claim.start or claim.corrupt):
+            log_event(
+                log,
+                "kv_reused",
+                slot=claim.slot,
+                positions=claim.start,
+                of=len(ids),
+                vllm_hit=computed,
+                corrupt=claim.corrupt or None,
+            )
+        return found
+
+    def allocated(self, request: Any, external: int) -> None:
+        if link.planner is not None:
+            link.planner.allocated(request.request_id, external)
+
+    def plan(self, scheduler_output: Any, manager: Any) -> StepPlan:
+        planner = link.planner
+        if planner is None or manager is None:
+            return StepPlan()
+        scheduled = []
+        for rid, count in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(rid)
+            if request is not None:  # computed: before this step (vLLM advances it after)
+                blocks = manager.get_block_ids(rid)[0]
+                ids = request.all_token_ids
+                scheduled.append((rid, request.num_computed_tokens, count, blocks, ids))
+        return planner.step(scheduled)
+
+    def finished(self, request: Any) -> None:
+        self.requests.pop(request.request_id, None)
+        if link.planner is not None:
+            link.planner.finished(request.request_id)
+
+
+@dataclass(slots=True)
+class Link:
+    """What the engine hands the connector's two sides (one engine per process)."""
+
+    pool: KvPool | None = None
+    planner: Planner | None = None
+    caches: list[Any] | None = None  # vLLM's per-layer KV tensors, in layer order
+    copier: _Copier | None = None
+    scheduling: Scheduling = field(default_factory=Scheduling)
+    loaded: int = 0  # positions loaded from the pool since attach
+    saved: int = 0
+
+
+link = Link()
+
+
+class _Hooks:
+    """vLLM's hooks, each handed to the code above (mixed into vLLM's base
+    class by ``_connector_class``). The step's metadata is the `StepPlan`
+    itself: vLLM passes it from the scheduler to the worker untouched."""
+
+    if TYPE_CHECKING:  # vLLM's base class provides these
+        _kv_cache_manager: Any
+
+        def has_connector_metadata(self) -> bool: ...
+        def _get_connector_metadata(self) -> Any: ...
+
+    def _plan(self) -> StepPlan | None:
+        return self._get_connector_metadata() if self.has_connector_metadata() else None
+
+    # --- worker side: vLLM's cache <-> the pool ------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        register(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        _run(self._plan(), save=False)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv loaded every layer already
+
+    def save_kv_layer(self, layer: str, kv_layer: Any, attn_metadata: Any, **kw: Any) -> None:
+        return  # saved in wait_for_save, once every layer has written
+
+    def wait_for_save(self) -> None:
+        _run(self._plan(), save=True)
+
+    # --- scheduler side: the plan ----------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, computed: int) -> tuple[int, bool]:
+        return link.scheduling.matched(request, computed), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, external: int) -> None:
+        link.scheduling.allocated(request, external)
+
+    def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
+        return link.scheduling.plan(scheduler_output, self._kv_cache_manager)
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, None]:
+        link.scheduling.finished(request)
+        return False, None
+
+
+def _connector_class() -> type:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    return type(CONNECTOR, (_Hooks, KVConnectorBase_V1), {"__module__": __name__})

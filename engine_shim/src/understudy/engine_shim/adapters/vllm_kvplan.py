@@ -1,0 +1,139 @@
+"""What vLLM's KV connector moves between vLLM's cache and the KV pool, step by step.
+
+The ``vllm`` engine keeps its own paged KV cache (vLLM allocates it; its
+kernels read it) and keeps a copy of every request's KV in the GMS KV pool,
+in the same geometry the ``llama`` engine uses (``kvlog.PoolSpec``: a slot
+per sequence, a position at its place in the sequence, keys then values),
+under the same seal log. This module is the scheduler's half of that: it
+runs in vLLM's scheduler (``vllm_kvconn``'s connector calls it) and decides,
+without touching memory:
+
+- **A new request claims a slot** (``KvPool.claim``: the free slot whose
+  sealed blocks hold the longest verified prefix of its ids; what lies past
+  that prefix is retired before anything writes there). The claim's start is
+  what the pool can give vLLM: ``matched`` answers vLLM's
+  ``get_num_new_matched_tokens`` with the positions past vLLM's own prefix
+  cache hit, and ``allocated`` turns vLLM's answer into a **load** (pool →
+  the blocks vLLM allocated), run before the step's forward pass.
+- **Every scheduled step of a request with a slot saves** the positions the
+  pool does not hold yet, up to where the step leaves the request (pool ←
+  vLLM's blocks, after the forward pass), and the worker seals them.
+- **A finished request frees its slot**; its sealed blocks stay for the next
+  request with the same prefix, and for the next engine after a failover.
+
+A request that finds no free slot runs as without a pool. The scheduler and
+the worker run in one thread of the engine process (vLLM's engine core is
+in-process), one after the other, so the plan needs no lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from understudy.engine_shim.kvpool import Claim, KvPool
+
+__all__ = ["Move", "Planner", "StepPlan"]
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """Positions ``start..end-1`` of one request, between its pool slot and
+    vLLM's blocks ``block_ids`` (the request's block table: position ``p`` is
+    in ``block_ids[p // block_size]``). ``tokens`` are the request's ids at
+    positions ``0..end-1`` (a save seals them)."""
+
+    req_id: str
+    slot: int
+    block_ids: tuple[int, ...]
+    start: int
+    end: int
+    tokens: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class StepPlan:
+    loads: list[Move] = field(default_factory=list)  # before the forward pass
+    saves: list[Move] = field(default_factory=list)  # after it, then sealed
+
+
+@dataclass(slots=True)
+class _Held:
+    slot: int
+    saved: int  # the pool holds positions 0..saved-1 of this request (or will, once saved)
+    given: int = 0  # vLLM's own hit when it last asked (what a load starts from)
+    load: int = 0  # positions to load at the next step
+
+
+class Planner:
+    """The scheduler side's state: which request holds which slot, and how far
+    the pool holds it."""
+
+    def __init__(self, pool: KvPool, max_len: int) -> None:
+        self.pool = pool
+        self.max_len = max_len  # positions a slot holds
+        self._held: dict[str, _Held] = {}
+        self._pending: dict[str, int] = {}  # requests with a load at the next step
+
+    def matched(
+        self, req_id: str, tokens: Sequence[int], computed: int
+    ) -> tuple[int, Claim | None]:
+        """Positions past ``computed`` (vLLM's own prefix hit, whole blocks)
+        that the pool can give this request, and the claim if this call made
+        it (the first call claims the request's slot)."""
+        held, claim = self._held.get(req_id), None
+        if held is None:
+            free = self._free()
+            if not free or len(tokens) > self.max_len:
+                return 0, None
+            chunk = self.pool.spec.block_tokens  # vLLM's prefill keeps no fixed chunks
+            claim = self.pool.claim(tokens, free, prompt=len(tokens), chunk=chunk)
+            held = _Held(claim.slot, claim.start)
+            self._held[req_id] = held
+        held.given = computed
+        # Never the last id: its logits are what vLLM must compute.
+        return max(0, min(held.saved, len(tokens) - 1) - computed), claim
+
+    def allocated(self, req_id: str, external: int) -> None:
+        """vLLM allocated blocks for ``external`` positions from the pool (0:
+        none). They are loaded at the request's next scheduled step."""
+        held = self._held.get(req_id)
+        if held is not None and external > 0:
+            held.load = external
+            self._pending[req_id] = external
+
+    def step(
+        self,
+        scheduled: Sequence[tuple[str, int, int, Sequence[int], Sequence[int]]],
+    ) -> StepPlan:
+        """This step's loads and saves. ``scheduled``: for every request the
+        step runs, ``(req_id, computed before the step, positions scheduled,
+        its block ids, its ids so far)``."""
+        plan = StepPlan()
+        for req_id, computed, count, block_ids, tokens in scheduled:
+            held = self._held.get(req_id)
+            if held is None:
+                continue
+            blocks = tuple(block_ids)
+            if self._pending.pop(req_id, None) is not None and held.load > 0:
+                start = held.given
+                plan.loads.append(Move(req_id, held.slot, blocks, start, start + held.load))
+                held.load = 0
+            end = min(computed + count, self.max_len)
+            if end > held.saved:
+                ids = tuple(tokens[:end])
+                plan.saves.append(Move(req_id, held.slot, blocks, held.saved, end, ids))
+                held.saved = end
+        return plan
+
+    def finished(self, req_id: str) -> None:
+        self._held.pop(req_id, None)
+        self._pending.pop(req_id, None)
+
+    def holds(self, req_id: str) -> int | None:
+        held = self._held.get(req_id)
+        return None if held is None else held.slot
+
+    def _free(self) -> list[int]:
+        taken = {h.slot for h in self._held.values()}
+        return [s for s in range(self.pool.spec.slots) if s not in taken]
