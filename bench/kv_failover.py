@@ -5,8 +5,9 @@ For each context (16, 1,000 and 4,000 prompt tokens by default) and each mode
 the same engines and pool, but the next engine recomputes the prompt and the
 tokens already streamed; ``off``: no pool at all, the engine as it was
 before it, whose one-batch prefill of 4,000 positions takes many minutes
-here), a local pod runs (lock server, GMS, front, a primary and a shadow llama
-engine, the real model), and each round:
+here), a local pod runs (lock server, GMS, front, a primary and a shadow
+engine of ``--engine``: ``llama``, or ``vllm``, whose KV connector keeps its
+cache in the same pool; the real model), and each round:
 
 1. streams a greedy completion of the prompt through the front,
 2. kill -9s the Active engine when the ``--kill-after``-th token arrives,
@@ -18,11 +19,11 @@ engine, the real model), and each round:
 It prints the kill → next-token times (p50, max) per context and mode, the
 ratio of each context's time to the 16-token one in the same mode, and of
 adopted to not, and writes everything with the machine's load to
-``bench/results/kv_failover.json``. The engines run one sequence each
-(``--max-num-seqs 1``), one BLAS thread, on a 2-core machine shared with
-other work: the load average is in the JSON.
+``bench/results/kv_failover.json`` (``kv_failover_vllm.json`` for vLLM).
+The engines run one sequence each (``--max-num-seqs 1``), one BLAS thread,
+on a 2-core machine shared with other work: the load average is in the JSON.
 
-    .venv/bin/python bench/kv_failover.py [--model builtin:smollm2-135m]
+    .venv/bin/python bench/kv_failover.py [--engine llama|vllm] [--model builtin:smollm2-135m]
         [--contexts 16,1000,4000] [--modes on,noadopt] [--rounds 3] [--kill-after 8]
         [--max-tokens 24] [--figure docs/report/kv_failover.svg]
 """
@@ -135,10 +136,13 @@ def get_json(port: int, path: str) -> Any:
         conn.close()
 
 
-def start_pod(model: str, mode: str, max_len: int, base: int) -> Pod:
+def start_pod(engine: str, model: str, mode: str, max_len: int, base: int) -> Pod:
     run = Path(tempfile.mkdtemp(prefix="us-kvb-", dir="/dev/shm"))
+    # Without the pool a 4,000-position prompt is one llama worker iteration
+    # of minutes here: not a hung engine (vLLM's prefill is chunked).
+    stuck = ["--engine-arg=--stuck-after=1800"] if engine == "llama" else []
     args = [
-        PY, "-m", "understudy.cli", "local", "up", "--engine", "llama", "--model", model,
+        PY, "-m", "understudy.cli", "local", "up", "--engine", engine, "--model", model,
         "--dir", str(run), "--port", str(base), "--status-port", str(base + 4),
         "--metrics-port", str(base + 12), "--shadows", "1", "--max-backoff", "1",
         # A prefill of thousands of positions keeps the engine's event loop
@@ -147,9 +151,7 @@ def start_pod(model: str, mode: str, max_len: int, base: int) -> Pod:
         "--hold", "600",
         "--engine-arg=--max-num-seqs=1", f"--engine-arg=--max-model-len={max_len}",
         *MODES[mode],
-        # Without the pool a 4,000-position prompt is one worker iteration of
-        # minutes here: not a hung engine.
-        "--engine-arg=--stuck-after=1800",
+        *stuck,
     ]  # fmt: skip
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     log = open(run / "bench-up.log", "ab")  # noqa: SIM115
@@ -222,7 +224,7 @@ def prompt_ids(model: str, n: int) -> list[int]:
 def run_mode(args: argparse.Namespace, mode: str, base: int) -> list[Round]:
     rounds: list[Round] = []
     max_len = max(args.contexts) + args.max_tokens + 64
-    pod = start_pod(args.model, mode, max_len, base)
+    pod = start_pod(args.engine, args.model, mode, max_len, base)
     try:
         for context in args.contexts:
             prompt = prompt_ids(args.model, context)
@@ -334,6 +336,7 @@ def figure(result: dict[str, Any], contexts: list[int]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engine", choices=("llama", "vllm"), default="llama")
     parser.add_argument("--model", default="builtin:smollm2-135m")
     parser.add_argument("--contexts", default="16,1000,4000")
     parser.add_argument("--rounds", type=int, default=3)
@@ -371,8 +374,9 @@ def main() -> int:
 def save(args: argparse.Namespace, rounds: list[Round], load_before: Any) -> dict[str, Any]:
     result = report(rounds, args.contexts)
     write_results(
-        "kv_failover",
+        "kv_failover" if args.engine == "llama" else f"kv_failover_{args.engine}",
         {
+            "engine": args.engine,
             "model": args.model,
             "contexts": args.contexts,
             "kill_after": args.kill_after,

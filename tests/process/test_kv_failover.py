@@ -17,8 +17,6 @@ A stale epoch asking for the pool is refused: tests/process/gms/test_gms_kv.py.
 from __future__ import annotations
 
 import asyncio
-import http.client
-import json
 import os
 import re
 import signal
@@ -26,18 +24,24 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+from kvfailover import (
+    MAX_TOKENS,
+    PROMPT,
+    adopted_line,
+    gap_after,
+    local_pod,
+    stream,
+    tiny_llama_ids,
+)
 from localpod import LocalPod
 from procs import wait_for
 
 from understudy.engine_shim.adapters import tiny_llama
 from understudy.engine_shim.adapters.llama import LlamaEngine
 from understudy.engine_shim.generation import SamplingParams
-from understudy.tools.drill import stream_events
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
-PROMPT = "The shadow engine wakes when the lock is granted, and the front holds the stream. " * 3
-MAX_TOKENS = 160
 GAP_BOUND_S = 15.0  # kill to the next token, on a loaded 2-core machine
 
 
@@ -63,40 +67,12 @@ def reference() -> tuple[list[int], str]:
         engine.close()
 
 
-def stream(port: int, on_chunk: Callable[[int], None]) -> tuple[str, list[float]]:
-    """A streamed greedy completion through the front: its text, and when each
-    chunk arrived (monotonic)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    assert resp.status == 200, resp.read()
-    parts: list[str] = []
-    times: list[float] = []
-    try:
-        for doc in stream_events(resp):
-            parts.append(doc["choices"][0]["text"])
-            times.append(time.monotonic())
-            on_chunk(len(parts))
-    finally:
-        conn.close()
-    return "".join(parts), times
-
-
 @pytest.fixture
 def pod_factory() -> Iterator[Callable[..., LocalPod]]:
     pods: list[LocalPod] = []
 
     def make(*extra: str, shadows: int = 1, failpoints: str = "") -> LocalPod:
-        old = os.environ.get("UNDERSTUDY_FAILPOINTS")
-        os.environ["UNDERSTUDY_FAILPOINTS"] = failpoints  # the runner passes it to its containers
-        try:
-            pod = LocalPod(*extra, shadows=shadows, engine="llama")
-        finally:
-            if old is None:
-                os.environ.pop("UNDERSTUDY_FAILPOINTS")
-            else:
-                os.environ["UNDERSTUDY_FAILPOINTS"] = old
+        pod = local_pod("llama", *extra, shadows=shadows, failpoints=failpoints)
         pods.append(pod)
         pod.wait_armed(180)
         return pod
@@ -129,16 +105,6 @@ def active_log(pod: LocalPod, not_pid: int | None = None) -> str:
     return pod.log(active["name"])
 
 
-def gap_after(killed_at: float, times: list[float]) -> float:
-    return min(t for t in times if t > killed_at) - killed_at
-
-
-def adopted_line(log: str) -> dict[str, str]:
-    lines = [ln for ln in log.splitlines() if "kv_adopted" in ln]
-    assert lines, "no kv_adopted line"
-    return dict(re.findall(r"(\w+)=(\S+)", lines[-1]))
-
-
 def test_sigkill_mid_step_the_next_engine_adopts_and_the_stream_is_identical(
     pod_factory: Callable[..., LocalPod], reference: tuple[list[int], str]
 ) -> None:
@@ -154,10 +120,6 @@ def test_sigkill_mid_step_the_next_engine_adopts_and_the_stream_is_identical(
     reused = [int(m) for m in re.findall(r"kv_reused .*?positions=(\d+)", log)]
     assert max(reused) >= len(tiny_llama_ids(PROMPT)) // 64 * 64
     assert gap_after(at, times) < GAP_BOUND_S
-
-
-def tiny_llama_ids(text: str) -> list[int]:
-    return LlamaEngine(tiny_llama.BUILTIN).encode(text)
 
 
 def test_sigkill_mid_seal_log_write_leaves_a_readable_prefix(

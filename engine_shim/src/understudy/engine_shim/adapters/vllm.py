@@ -506,6 +506,7 @@ class VllmEngine:
         worker, self._worker = self._worker, None
         if worker is not None:
             worker.stop("the engine went to sleep")
+        vllm_kvconn.detach()  # no step runs until the next wake hands a pool again
         if self._engine is None or self._asleep:
             return
         t0 = time.monotonic()

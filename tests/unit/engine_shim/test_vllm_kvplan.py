@@ -1,0 +1,136 @@
+"""The vLLM KV connector's plan (``vllm_kvplan``) over a real `KvPool` in memory.
+
+The worker's copies are stood in for by writing what a save covers into the
+pool's arena and sealing it, as ``vllm_kvconn`` does after vLLM's forward
+pass; the planner itself never touches memory. vLLM's side of the same
+(its scheduler, its cache, the copies) runs in tests/vllm and
+tests/process/test_kv_failover.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from understudy.engine_shim import kvlog
+from understudy.engine_shim.adapters.vllm_kvplan import Move, Planner
+from understudy.engine_shim.kvpool import KvPool
+
+SPEC = kvlog.PoolSpec(
+    model="m", layers=2, kv_heads=1, head_dim=4, dtype="float32", slots=2, max_len=128
+)
+
+
+def pool(memory: bytearray | None = None, epoch: int = 1) -> KvPool:
+    mem = memory if memory is not None else bytearray(SPEC.pool_bytes)
+    return KvPool(memoryview(mem), SPEC, epoch)
+
+
+def write_and_seal(p: KvPool, m: Move) -> None:
+    """What the worker does with a save: the positions' KV, then their seals."""
+    for pos in range(m.start, m.end):
+        value = np.float32(m.tokens[pos] + pos / 1000)
+        p.k[:, m.slot, :, pos] = value
+        p.v[:, m.slot, :, pos] = -value
+    p.seal(m.slot, m.tokens, m.start, m.end)
+
+
+IDS = list(range(100, 150))  # 50 ids
+
+
+def served(finished: bool = True) -> Planner:
+    """A planner whose request "a" (IDS) has run its prefill into a fresh pool."""
+    planner = Planner(pool(), SPEC.max_len)
+    planner.matched("a", IDS, 0)
+    write_and_seal(planner.pool, planner.step([("a", 0, 50, [1], IDS)]).saves[0])
+    if finished:
+        planner.finished("a")
+    return planner
+
+
+def test_a_new_request_in_a_fresh_pool_loads_nothing_and_saves_what_each_step_computes() -> None:
+    planner = Planner(pool(), SPEC.max_len)
+    found, claim = planner.matched("a", IDS, 0)
+    assert found == 0 and claim is not None and claim.start == 0
+    planner.allocated("a", 0)
+    plan = planner.step([("a", 0, 50, [7], IDS)])
+    assert plan.loads == []
+    assert [(m.start, m.end, m.block_ids) for m in plan.saves] == [(0, 50, (7,))]
+    assert plan.saves[0].tokens == tuple(IDS)
+    # A decode step: one position more, the block table grown.
+    plan = planner.step([("a", 50, 1, [7, 9], [*IDS, 5])])
+    assert [(m.start, m.end, m.block_ids) for m in plan.saves] == [(50, 51, (7, 9))]
+
+
+def test_the_same_prefix_again_loads_past_vllms_own_hit_and_never_the_last_id() -> None:
+    planner = served()
+    # vLLM's own prefix cache already holds 16 positions (one of its blocks).
+    found, claim = planner.matched("b", IDS, 16)
+    assert claim is not None and claim.slot == 0
+    assert claim.start == 48  # at most 49 reused; inside the prompt, whole 16s
+    assert found == 48 - 16
+    planner.allocated("b", found)
+    plan = planner.step([("b", 48, 2, [3, 4], IDS)])
+    assert [(m.start, m.end) for m in plan.loads] == [(16, 48)]
+    assert [(m.start, m.end) for m in plan.saves] == [(48, 50)]
+    # The load happens once: the next step only saves.
+    plan = planner.step([("b", 50, 1, [3, 4], [*IDS, 1])])
+    assert plan.loads == [] and [(m.start, m.end) for m in plan.saves] == [(50, 51)]
+
+
+def test_vllm_taking_fewer_positions_than_offered_loads_only_those() -> None:
+    planner = served()
+    found, _ = planner.matched("b", IDS, 0)
+    assert found == 48
+    planner.allocated("b", 32)  # vLLM trimmed the load to its own block boundary
+    plan = planner.step([("b", 32, 18, [2, 3], IDS)])
+    assert [(m.start, m.end) for m in plan.loads] == [(0, 32)]
+    # The pool still holds 0..47: the save starts past them, whatever vLLM recomputed.
+    assert [(m.start, m.end) for m in plan.saves] == [(48, 50)]
+
+
+def test_a_request_asked_again_after_preemption_gets_what_the_pool_holds_of_it() -> None:
+    planner = served(finished=False)
+    # vLLM preempted it (its blocks freed) and asks again, with 60 ids by now.
+    ids = [*IDS, *range(10)]
+    found, claim = planner.matched("a", ids, 0)
+    assert claim is None  # the same slot, not a new claim
+    assert found == 50
+    planner.allocated("a", 50)
+    plan = planner.step([("a", 50, 10, [5, 6], ids)])
+    assert [(m.start, m.end) for m in plan.loads] == [(0, 50)]
+    assert [(m.start, m.end) for m in plan.saves] == [(50, 60)]
+
+
+def test_with_every_slot_held_a_request_runs_without_the_pool() -> None:
+    planner = Planner(pool(), SPEC.max_len)
+    for rid in ("a", "b"):
+        planner.matched(rid, IDS, 0)
+    found, claim = planner.matched("c", IDS, 0)
+    assert (found, claim) == (0, None)
+    assert planner.holds("c") is None
+    assert planner.step([("c", 0, 50, [1], IDS)]).saves == []
+    planner.finished("a")  # a slot is free again
+    _, claim = planner.matched("d", IDS, 0)
+    assert claim is not None and planner.holds("d") == claim.slot
+
+
+def test_positions_past_the_slot_are_never_saved_and_a_longer_request_gets_no_slot() -> None:
+    planner = Planner(pool(), SPEC.max_len)
+    assert planner.matched("long", list(range(129)), 0) == (0, None)
+    planner.matched("a", IDS, 0)
+    plan = planner.step([("a", 100, 40, [1, 2], list(range(140)))])
+    assert [(m.start, m.end) for m in plan.saves] == [(0, 128)]
+
+
+@pytest.mark.parametrize("epoch", [2, 3])
+def test_the_next_engine_adopts_what_the_dead_one_saved(epoch: int) -> None:
+    memory = bytearray(SPEC.pool_bytes)
+    first = Planner(pool(memory, 1), SPEC.max_len)
+    first.matched("a", IDS, 0)
+    write_and_seal(first.pool, first.step([("a", 0, 50, [1], IDS)]).saves[0])
+    # The engine dies here; the next one maps the same memory under its epoch.
+    resumed = [*IDS, 7, 8]
+    nxt = Planner(pool(memory, epoch), SPEC.max_len)
+    found, claim = nxt.matched("a-continued", resumed, 0)
+    assert claim is not None and claim.start == 48 and found == 48
