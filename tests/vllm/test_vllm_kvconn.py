@@ -48,3 +48,40 @@ def test_the_check_tells_a_wrong_reading_apart() -> None:
 def test_a_layout_the_pool_does_not_know_is_refused() -> None:
     with pytest.raises(ValueError, match="not a layout the pool knows"):
         kv_views(torch.zeros((8, 2, 128, 100)), 2, 64)
+
+
+@pytest.mark.parametrize(
+    "block_ids",
+    [list(range(5, 13)), [9, 2, 14, 0, 7, 11, 3, 5], [1, 2, 3, 8, 9, 10, 4, 5]],
+    ids=["consecutive", "scattered", "runs"],
+)
+@pytest.mark.parametrize("span", [(0, 1000), (5, 300), (130, 131), (256, 512), (3, 1020)])
+def test_a_save_then_a_load_moves_exactly_the_positions_asked(
+    block_ids: list[int], span: tuple[int, int]
+) -> None:
+    """Positions ``start..end-1`` of a request go from vLLM's blocks into the
+    pool slot and back into other blocks, each to its place, and nothing else
+    is written: whole blocks, consecutive ids copied as one run, and parts."""
+    from understudy.engine_shim import kvlog
+    from understudy.engine_shim.adapters.vllm_kvconn import _Copier
+    from understudy.engine_shim.adapters.vllm_kvplan import Move
+    from understudy.engine_shim.kvpool import KvPool
+
+    spec = kvlog.PoolSpec(
+        model="m", layers=3, kv_heads=2, head_dim=64, dtype="float32", slots=2, max_len=1024
+    )
+    pool = KvPool(memoryview(bytearray(spec.pool_bytes)), spec, 1)
+    source = [torch.rand((16, 2, 128, 128)) + 1 for _ in range(3)]  # never 0
+    target = [torch.zeros((16, 2, 128, 128)) for _ in range(3)]
+    start, end = span
+    move = Move("r", 1, tuple(block_ids), start, end)
+    _Copier(pool, source).save(move)
+    _Copier(pool, target).load(move)
+    for layer in range(3):
+        src, dst = kv_views(source[layer], 2, 64), kv_views(target[layer], 2, 64)
+        for pos in range(start, end):
+            block, off = block_ids[pos // 128], pos % 128
+            for s, d in zip(src, dst, strict=True):
+                assert torch.equal(d[block, :, off], s[block, :, off]), (layer, pos)
+        assert int(torch.count_nonzero(target[layer])) == (end - start) * 2 * 64 * 2
+        assert not pool.k[layer, 0].any()  # the other slot untouched

@@ -134,3 +134,26 @@ def test_the_next_engine_adopts_what_the_dead_one_saved(epoch: int) -> None:
     nxt = Planner(pool(memory, epoch), SPEC.max_len)
     found, claim = nxt.matched("a-continued", resumed, 0)
     assert claim is not None and claim.start == 48 and found == 48
+
+
+def test_checksums_of_many_blocks_at_once_are_each_blocks_crc_over_its_pieces() -> None:
+    """The batched reading (row by row) gives what the seal format says: CRC-32
+    over the block's pieces, keys then values, layer by layer, head by head."""
+    p = pool()
+    rng = np.random.default_rng(0)
+    p.k[...] = rng.standard_normal(p.k.shape, dtype=np.float32)
+    p.v[...] = rng.standard_normal(p.v.shape, dtype=np.float32)
+    wanted = [(0, 16), (1, 16), (3, 5), (7, 1)]
+    b = SPEC.block_tokens
+    for slot in range(SPEC.slots):
+        expected = [
+            kvlog.block_checksum(
+                arr[layer, slot, head, block * b : block * b + count].data
+                for arr in (p.k, p.v)
+                for layer in range(SPEC.layers)
+                for head in range(SPEC.kv_heads)
+            )
+            for block, count in wanted
+        ]
+        assert p.checksums(slot, wanted) == expected
+        assert [p.checksum(slot, *w) for w in wanted] == expected

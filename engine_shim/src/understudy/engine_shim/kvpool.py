@@ -24,6 +24,7 @@ between them, so a test can kill the engine in the middle of one; the
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -171,9 +172,10 @@ class KvPool:
         """How many of the ``positions`` that ``slot``'s first ``blocks`` sealed
         blocks cover hold the bytes their seals say: up to the first block that
         does not."""
-        for block in range(blocks):
-            sealed = self.index.sealed[(slot, block)]
-            if self.checksum(slot, block, sealed.count) != sealed.checksum:
+        seals = [self.index.sealed[(slot, block)] for block in range(blocks)]
+        sums = self.checksums(slot, [(block, s.count) for block, s in enumerate(seals)])
+        for block, (sealed, found) in enumerate(zip(seals, sums, strict=True)):
+            if found != sealed.checksum:
                 log_event(
                     log,
                     "kv_corrupt_block",
@@ -192,12 +194,13 @@ class KvPool:
         from ``before`` to ``after``; ``tokens`` are the ids at positions 0.."""
         b = self.spec.block_tokens
         chain = self._chains[slot]
-        for block, count in kvlog.touched(self.spec, before, after):
+        touched = list(kvlog.touched(self.spec, before, after))
+        sums = self.checksums(slot, touched)  # all at once: a prefill seals hundreds
+        for (block, count), checksum in zip(touched, sums, strict=True):
             if len(chain) != block:
                 raise AssertionError(f"slot {slot}: sealing block {block} after {len(chain)}")
             parent = chain[-1] if chain else kvlog.ROOT
             digest = kvlog.chain(parent, tokens[block * b : block * b + count])
-            checksum = self.checksum(slot, block, count)
             self._write(self.writer.seal(slot, block, digest, checksum, count))
             if count == b:
                 chain.append(digest)
@@ -205,14 +208,26 @@ class KvPool:
 
     def checksum(self, slot: int, block: int, count: int) -> int:
         """Of the block's first ``count`` positions, in every layer and head."""
-        span = slice(block * self.spec.block_tokens, block * self.spec.block_tokens + count)
-        pieces = [
-            arr[layer, slot, head, span].data
-            for arr in (self.k, self.v)
-            for layer in range(self.spec.layers)
-            for head in range(self.spec.kv_heads)
-        ]
-        return kvlog.block_checksum(pieces)
+        return self.checksums(slot, [(block, count)])[0]
+
+    def checksums(self, slot: int, blocks: Sequence[tuple[int, int]]) -> list[int]:
+        """`checksum` of each ``(block, count)`` of ``slot``: CRC-32 over the
+        block's pieces (keys then values, layer by layer, head by head; a piece
+        is the block's positions of one head's row). The pieces of all the
+        blocks are read row by row, so verifying a 4,000-position claim is
+        45,000 CRC calls over slices of 180 rows, not 45,000 numpy indexings
+        (which took as long as the CRCs themselves)."""
+        per_pos = self.spec.head_dim * self.spec.itemsize
+        per_block = self.spec.block_tokens * per_pos
+        crcs = [0] * len(blocks)
+        for arr in (self.k, self.v):
+            for layer in range(self.spec.layers):
+                for head in range(self.spec.kv_heads):
+                    row = memoryview(arr[layer, slot, head]).cast("B")
+                    for i, (block, count) in enumerate(blocks):
+                        start = block * per_block
+                        crcs[i] = zlib.crc32(row[start : start + count * per_pos], crcs[i])
+        return crcs
 
     def _write(self, writes: list[kvlog.Write]) -> None:
         for w in writes:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -102,31 +103,55 @@ class _Copier:
             raise ValueError(f"vLLM's KV cache is {caches[0].dtype}; the pool {spec.dtype}")
         self.block_size = int(self.layers[0][0].shape[2])
 
-    def _spans(self, m: Move) -> list[tuple[int, int, int, int]]:
-        """(vLLM block id, offset in it, pool position, length) for ``m``'s positions."""
+    def _runs(self, m: Move) -> list[tuple[int, int, int, int]]:
+        """``m``'s positions as runs: (first vLLM block id, offset in it, pool
+        position, length). Whole blocks with consecutive ids (what a fresh
+        engine's allocator hands out) make one run, so a 4,000-position load
+        is a few large copies per layer, which torch runs on every core, not
+        one per block; a block covered in part is a run of its own."""
         bs, out, p = self.block_size, [], m.start
         while p < m.end:
             j, off = divmod(p, bs)
-            n = min(bs - off, m.end - p)
-            out.append((m.block_ids[j], off, p, n))
-            p += n
+            n = 1
+            if off == 0:
+                while (
+                    p + (n + 1) * bs <= m.end
+                    and j + n < len(m.block_ids)
+                    and m.block_ids[j + n] == m.block_ids[j] + n
+                ):
+                    n += 1
+            length = n * bs if off == 0 and p + n * bs <= m.end else min(bs - off, m.end - p)
+            out.append((m.block_ids[j], off, p, length))
+            p += length
+        return out
+
+    def _pair(self, layer: int, slot: int, run: tuple[int, int, int, int]) -> list[Any]:
+        """(vLLM's side, the pool's side) of ``run`` for keys, then for values,
+        each shaped ``[blocks, head, offset, dim]``."""
+        first, off, p, length = run
+        out = []
+        for ours, theirs in zip((self.k, self.v), self.layers[layer], strict=True):
+            pool = ours[layer, slot, :, p : p + length]  # [head, position, dim]
+            if off == 0 and length % self.block_size == 0:  # whole blocks
+                n = length // self.block_size
+                out.append((theirs[first : first + n], pool.unflatten(1, (n, -1)).transpose(0, 1)))
+            else:
+                out.append((theirs[first : first + 1, :, off : off + length], pool.unsqueeze(0)))
         return out
 
     def load(self, m: Move) -> None:
-        spans = self._spans(m)
-        for layer, (k, v) in enumerate(self.layers):
-            pk, pv = self.k[layer, m.slot], self.v[layer, m.slot]
-            for block, off, p, n in spans:
-                k[block, :, off : off + n].copy_(pk[:, p : p + n])
-                v[block, :, off : off + n].copy_(pv[:, p : p + n])
+        runs = self._runs(m)
+        for layer in range(len(self.layers)):
+            for run in runs:
+                for theirs, pool in self._pair(layer, m.slot, run):
+                    theirs.copy_(pool)
 
     def save(self, m: Move) -> None:
-        spans = self._spans(m)
-        for layer, (k, v) in enumerate(self.layers):
-            pk, pv = self.k[layer, m.slot], self.v[layer, m.slot]
-            for block, off, p, n in spans:
-                pk[:, p : p + n].copy_(k[block, :, off : off + n])
-                pv[:, p : p + n].copy_(v[block, :, off : off + n])
+        runs = self._runs(m)
+        for layer in range(len(self.layers)):
+            for run in runs:
+                for theirs, pool in self._pair(layer, m.slot, run):
+                    pool.copy_(theirs)
 
 
 def kv_views(cache: Any, heads: int, head_dim: int) -> tuple[Any, Any]:
@@ -178,8 +203,11 @@ def _run(plan: StepPlan | None, *, save: bool) -> None:
         return
     if not save:
         for m in plan.loads:
+            t0 = time.monotonic()
             copier.load(m)
             link.loaded += m.end - m.start
+            seconds = round(time.monotonic() - t0, 4)
+            log_event(log, "kv_loaded", req=m.req_id, positions=m.end - m.start, seconds=seconds)
         return
     for m in plan.saves:
         copier.save(m)
@@ -204,7 +232,9 @@ class Scheduling:
         if planner is None:
             return 0
         rid, ids = request.request_id, list(request.all_token_ids)
+        t0 = time.monotonic()
         found, claim = planner.matched(rid, ids, computed)
+        seconds = round(time.monotonic() - t0, 4)
         if planner.holds(rid) is not None:
             self.requests[rid] = request
         if claim is not None and (claim.start or claim.corrupt):
@@ -216,6 +246,7 @@ class Scheduling:
                 of=len(ids),
                 vllm_hit=computed,
                 corrupt=claim.corrupt or None,
+                seconds=seconds,  # the claim: the match and its checksums verified
             )
         return found
 
