@@ -85,3 +85,26 @@ def test_a_save_then_a_load_moves_exactly_the_positions_asked(
                 assert torch.equal(d[block, :, off], s[block, :, off]), (layer, pos)
         assert int(torch.count_nonzero(target[layer])) == (end - start) * 2 * 64 * 2
         assert not pool.k[layer, 0].any()  # the other slot untouched
+
+
+def test_a_cache_the_pool_cannot_read_leaves_the_connector_off() -> None:
+    """Never an offer of positions it cannot load: the engine recomputes."""
+    from understudy.engine_shim import kvlog
+    from understudy.engine_shim.adapters import vllm_kvconn
+    from understudy.engine_shim.kvpool import KvPool
+
+    spec = kvlog.PoolSpec(
+        model="m", layers=2, kv_heads=2, head_dim=64, dtype="float32", slots=1, max_len=256
+    )
+    pool = KvPool(memoryview(bytearray(spec.pool_bytes)), spec, 1)
+    saved = vllm_kvconn.link.caches
+    try:
+        vllm_kvconn.link.caches = [torch.zeros((4, 2, 128, 100)) for _ in range(2)]
+        assert vllm_kvconn.attach(pool) is False
+        assert vllm_kvconn.link.planner is None
+        vllm_kvconn.link.caches = [torch.zeros((4, 2, 128, 128)) for _ in range(2)]
+        assert vllm_kvconn.attach(pool) is True
+        assert vllm_kvconn.link.planner is not None
+    finally:
+        vllm_kvconn.detach()
+        vllm_kvconn.link.caches = saved

@@ -578,11 +578,7 @@ class VllmEngine:
         """Adopt the pool the shim mapped (before ``wake``): read its seal log and
         hand it to vLLM's KV connector."""
         assert self.kv_spec is not None
-        pool = KvPool(memory, self.kv_spec, epoch, adopt=self.kv_adopt)
-        try:
-            vllm_kvconn.attach(pool)
-        except ValueError as exc:  # vLLM's cache is not what the pool holds
-            raise AdapterError(f"KV pool: {exc}") from exc
+        vllm_kvconn.attach(KvPool(memory, self.kv_spec, epoch, adopt=self.kv_adopt))
 
     def close(self) -> None:
         vllm_kvconn.detach()

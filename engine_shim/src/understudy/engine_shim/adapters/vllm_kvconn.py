@@ -56,14 +56,24 @@ def transfer_config() -> dict[str, str]:
     return {"kv_connector": CONNECTOR, "kv_role": "kv_both", "kv_connector_module_path": __name__}
 
 
-def attach(pool: KvPool) -> None:
+def attach(pool: KvPool) -> bool:
     """The pool the shim mapped for this engine (at wake): from now on the
-    connector claims, loads and saves."""
-    link.pool = pool
-    link.planner = Planner(pool, pool.spec.max_len)
-    link.copier = None if link.caches is None else _Copier(pool, link.caches)
+    connector claims, loads and saves. False: it cannot copy between vLLM's
+    cache and the pool (vLLM registered no cache, or one whose layout the
+    pool does not know), so it stays off and the engine recomputes, as
+    without a pool; it must never offer vLLM positions it cannot load."""
+    detach()
     link.scheduling = Scheduling()
     link.loaded = link.saved = 0
+    try:
+        if link.caches is None:
+            raise ValueError("vLLM registered no KV cache with the connector")
+        copier = _Copier(pool, link.caches)
+    except ValueError as exc:
+        log_event(log, "kv_pool_off", logging.ERROR, reason=exc)
+        return False
+    link.pool, link.planner, link.copier = pool, Planner(pool, pool.spec.max_len), copier
+    return True
 
 
 def detach() -> None:
