@@ -104,7 +104,9 @@ def test_a_cache_the_pool_cannot_read_leaves_the_connector_off() -> None:
         vllm_kvconn.link.caches = [torch.zeros((4, 2, 128, 100)) for _ in range(2)]
         assert vllm_kvconn.attach(pool) is False
         assert vllm_kvconn.link.planner is None
-        vllm_kvconn.link.caches = [torch.zeros((4, 2, 128, 128)) for _ in range(2)]
+        # What vLLM hands over at start-up is proven with its kernel there, once.
+        vllm_kvconn.register({f"layers.{i}.attn": torch.zeros((4, 2, 128, 128)) for i in (1, 0)})
+        assert vllm_kvconn.link.unreadable is None and vllm_kvconn.link.caches is not None
         assert vllm_kvconn.attach(pool) is True
         assert vllm_kvconn.link.planner is not None
     finally:

@@ -24,6 +24,7 @@ between them, so a test can kill the engine in the middle of one; the
 from __future__ import annotations
 
 import logging
+import time
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -143,6 +144,7 @@ class KvPool:
         """
         if not free:
             raise ValueError("no free slot")
+        t0 = time.monotonic()
         b = self.spec.block_tokens
         if chunk % b:
             raise ValueError(f"a prefill chunk of {chunk} is not a multiple of {b}")
@@ -166,6 +168,16 @@ class KvPool:
         st.reused_blocks += start // b
         st.corrupt_blocks += corrupt
         st.retired += len(retire)
+        if start or corrupt:
+            log_event(
+                log,
+                "kv_reused",
+                slot=slot,
+                positions=start,
+                of=len(tokens),
+                corrupt=corrupt or None,
+                seconds=round(time.monotonic() - t0, 4),  # the match, its checksums verified
+            )
         return Claim(slot, start, start // b, corrupt)
 
     def _verified(self, slot: int, blocks: int, positions: int) -> int:

@@ -26,6 +26,7 @@ from typing import Protocol, runtime_checkable
 
 from aiohttp import web
 
+from understudy.engine_shim.kvlog import PoolSpec
 from understudy.gms.client import GmsClient
 
 
@@ -62,6 +63,13 @@ class KvPoolRequest:
 
     size: int
     spec: str
+
+    @classmethod
+    def of(cls, spec: PoolSpec | None) -> KvPoolRequest | None:
+        """The request for a pool laid out by ``spec`` (None: no pool)."""
+        if spec is None:
+            return None
+        return cls(size=spec.pool_bytes, spec=spec.digest().hex())
 
 
 @runtime_checkable

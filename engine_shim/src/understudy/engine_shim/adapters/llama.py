@@ -23,7 +23,6 @@ side through ``loop.call_soon_threadsafe`` into one queue per request.
 from __future__ import annotations
 
 import argparse
-import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -65,11 +64,9 @@ from understudy.engine_shim.kvlog import PoolSpec
 from understudy.engine_shim.kvpool import KvPool
 from understudy.engine_shim.step_thread import StepThread, send
 from understudy.gms.client import GmsClient
-from understudy.wire.obs import log_event
 
 __all__ = ["Batcher", "LlamaEngine", "NotServing", "Request"]
 
-log = logging.getLogger("understudy.engine_shim.llama")
 
 META_KEY: Final = "llama"
 DEFAULT_MAX_NUM_SEQS: Final = 8
@@ -208,15 +205,6 @@ class Batcher(StepThread[Request]):
         claim = self.pool.claim(tokens, self._free, len(req.prompt), PREFILL_CHUNK)
         self._free.remove(claim.slot)
         req.slot, req.position = claim.slot, claim.start
-        if claim.start or claim.corrupt:
-            log_event(
-                log,
-                "kv_reused",
-                slot=claim.slot,
-                positions=claim.start,
-                of=len(tokens),
-                corrupt=claim.corrupt or None,
-            )
 
     def _prefill(self, req: Request) -> None:
         """Fill the cache with the prompt (after what a claim reused), then hand
@@ -455,10 +443,7 @@ class LlamaEngine:
     # --- the KV pool (UsesKvPool) ---------------------------------------------------
 
     def kv_pool_request(self) -> KvPoolRequest | None:
-        spec = self.kv_spec
-        if spec is None:
-            return None
-        return KvPoolRequest(size=spec.pool_bytes, spec=spec.digest().hex())
+        return KvPoolRequest.of(self.kv_spec)
 
     def attach_kv_pool(self, memory: memoryview, epoch: int) -> None:
         """Adopt the pool the shim mapped (before ``wake``): read its seal log."""

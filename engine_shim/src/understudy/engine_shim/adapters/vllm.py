@@ -569,10 +569,7 @@ class VllmEngine:
         )
 
     def kv_pool_request(self) -> KvPoolRequest | None:
-        spec = self.kv_spec
-        if spec is None:
-            return None
-        return KvPoolRequest(size=spec.pool_bytes, spec=spec.digest().hex())
+        return KvPoolRequest.of(self.kv_spec)
 
     def attach_kv_pool(self, memory: memoryview, epoch: int) -> None:
         """Adopt the pool the shim mapped (before ``wake``): read its seal log and

@@ -64,20 +64,19 @@ def attach(pool: KvPool) -> bool:
     without a pool; it must never offer vLLM positions it cannot load."""
     detach()
     link.scheduling = Scheduling()
-    link.loaded = link.saved = 0
     try:
         if link.caches is None:
-            raise ValueError("vLLM registered no KV cache with the connector")
+            raise ValueError(link.unreadable or "vLLM registered no KV cache with the connector")
         copier = _Copier(pool, link.caches)
     except ValueError as exc:
         log_event(log, "kv_pool_off", logging.ERROR, reason=exc)
         return False
-    link.pool, link.planner, link.copier = pool, Planner(pool, pool.spec.max_len), copier
+    link.planner, link.copier = Planner(pool, pool.spec.max_len), copier
     return True
 
 
 def detach() -> None:
-    link.pool = link.planner = link.copier = None
+    link.planner = link.copier = None
 
 
 def __getattr__(name: str) -> Any:
@@ -106,8 +105,6 @@ class _Copier:
         dtype = getattr(torch, spec.dtype)
         self.k = torch.from_numpy(pool.k).view(dtype)
         self.v = torch.from_numpy(pool.v).view(dtype)
-        if caches[0].device.type == "cpu":
-            check_cpu_layout(caches[0], spec.kv_heads, spec.head_dim)
         self.layers = [kv_views(c, spec.kv_heads, spec.head_dim) for c in caches]
         if any(k.dtype != dtype for k, _ in self.layers):
             raise ValueError(f"vLLM's KV cache is {caches[0].dtype}; the pool {spec.dtype}")
@@ -150,18 +147,20 @@ class _Copier:
         return out
 
     def load(self, m: Move) -> None:
-        runs = self._runs(m)
-        for layer in range(len(self.layers)):
-            for run in runs:
-                for theirs, pool in self._pair(layer, m.slot, run):
-                    theirs.copy_(pool)
+        self._copy(m, into_pool=False)
 
     def save(self, m: Move) -> None:
+        self._copy(m, into_pool=True)
+
+    def _copy(self, m: Move, *, into_pool: bool) -> None:
         runs = self._runs(m)
         for layer in range(len(self.layers)):
             for run in runs:
                 for theirs, pool in self._pair(layer, m.slot, run):
-                    pool.copy_(theirs)
+                    if into_pool:
+                        pool.copy_(theirs)
+                    else:
+                        theirs.copy_(pool)
 
 
 def kv_views(cache: Any, heads: int, head_dim: int) -> tuple[Any, Any]:
@@ -208,26 +207,37 @@ def check_cpu_layout(cache: Any, heads: int, head_dim: int) -> None:
 
 
 def _run(plan: StepPlan | None, *, save: bool) -> None:
-    copier, pool = link.copier, link.pool
-    if plan is None or copier is None or pool is None:
+    copier, planner = link.copier, link.planner
+    if plan is None or copier is None or planner is None:
         return
     if not save:
         for m in plan.loads:
             t0 = time.monotonic()
             copier.load(m)
-            link.loaded += m.end - m.start
             seconds = round(time.monotonic() - t0, 4)
             log_event(log, "kv_loaded", req=m.req_id, positions=m.end - m.start, seconds=seconds)
         return
     for m in plan.saves:
         copier.save(m)
-        pool.seal(m.slot, m.tokens, m.start, m.end)
-        link.saved += m.end - m.start
+        planner.pool.seal(m.slot, m.tokens, m.start, m.end)
 
 
 def register(kv_caches: dict[str, Any]) -> None:
-    """vLLM's KV tensors, one per attention layer, in the model's layer order."""
-    link.caches = [kv_caches[n] for n in sorted(kv_caches, key=_layer_order)]
+    """vLLM's KV tensors, one per attention layer, in the model's layer order,
+    when vLLM builds the engine (start-up, not a failover's path). Their
+    layout is proven here, once: a cache the pool cannot read is never kept,
+    so the connector stays off."""
+    caches = [kv_caches[n] for n in sorted(kv_caches, key=_layer_order)]
+    link.caches, link.unreadable = None, None
+    first = caches[0] if caches else None
+    try:
+        if first is not None and first.device.type == "cpu" and first.dim() == 4:
+            check_cpu_layout(first, int(first.shape[1]), int(first.shape[3]) // 2)
+    except Exception as exc:  # a vLLM without the kernel we prove it with, too
+        link.unreadable = f"{type(exc).__name__}: {exc}"
+        log_event(log, "kv_layout_unknown", logging.ERROR, reason=link.unreadable)
+        return
+    link.caches = caches
 
 
 class Scheduling:
@@ -241,23 +251,10 @@ class Scheduling:
         planner = link.planner
         if planner is None:
             return 0
-        rid, ids = request.request_id, list(request.all_token_ids)
-        t0 = time.monotonic()
-        found, claim = planner.matched(rid, ids, computed)
-        seconds = round(time.monotonic() - t0, 4)
+        rid = request.request_id
+        found, _ = planner.matched(rid, list(request.all_token_ids), computed)
         if planner.holds(rid) is not None:
             self.requests[rid] = request
-        if claim is not None and (claim.start or claim.corrupt):
-            log_event(
-                log,
-                "kv_reused",
-                slot=claim.slot,
-                positions=claim.start,
-                of=len(ids),
-                vllm_hit=computed,
-                corrupt=claim.corrupt or None,
-                seconds=seconds,  # the claim: the match and its checksums verified
-            )
         return found
 
     def allocated(self, request: Any, external: int) -> None:
@@ -287,13 +284,11 @@ class Scheduling:
 class Link:
     """What the engine hands the connector's two sides (one engine per process)."""
 
-    pool: KvPool | None = None
-    planner: Planner | None = None
+    planner: Planner | None = None  # its pool: the one the shim mapped at wake
     caches: list[Any] | None = None  # vLLM's per-layer KV tensors, in layer order
+    unreadable: str | None = None  # why vLLM's caches are not kept (their layout)
     copier: _Copier | None = None
     scheduling: Scheduling = field(default_factory=Scheduling)
-    loaded: int = 0  # positions loaded from the pool since attach
-    saved: int = 0
 
 
 link = Link()
