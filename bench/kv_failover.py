@@ -50,7 +50,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, summary, write_results
 
-from understudy.tools.drill import stream_events
+from understudy.tools.drill_load import stream_events
 
 PY = sys.executable
 # Any text: its token ids are repeated to the context wanted (the prompt is sent

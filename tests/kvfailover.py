@@ -14,7 +14,7 @@ from localpod import LocalPod
 
 from understudy.engine_shim.adapters import tiny_llama
 from understudy.engine_shim.adapters.llama import LlamaEngine
-from understudy.tools.drill import stream_events
+from understudy.tools.drill_load import stream_events
 
 PROMPT = "The shadow engine wakes when the lock is granted, and the front holds the stream. " * 3
 MAX_TOKENS = 160

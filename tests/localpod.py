@@ -148,7 +148,7 @@ class LocalPod:
     def process(self, container: str) -> int:
         """The process the container runs: under its respawner, the child (a
         death of it is restarted in place, the container's pid stays)."""
-        from understudy.tools.drill import container_process
+        from understudy.tools.drill_target import container_process
 
         return container_process(self.pid(container))
 

@@ -83,7 +83,7 @@ def _logs(pod: LocalPod) -> str:
 
 def _kill_gms(pod: LocalPod) -> None:
     """SIGKILL the GMS container's process (its supervisor), not its respawner."""
-    from understudy.tools.drill import container_process
+    from understudy.tools.drill_target import container_process
 
     os.kill(container_process(pod.pid("gms")), signal.SIGKILL)
 

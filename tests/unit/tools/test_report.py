@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from understudy.tools.drill import Kind
+from understudy.tools.drill_load import Kind
 from understudy.tools.figures import stats
 from understudy.tools.report import CHARTS, by_signal, phases, write_report
 from understudy.tools.series import Sample, Tally, request_series

@@ -240,7 +240,7 @@ def _redraw(args: argparse.Namespace) -> int:
 
 def _drill_target(args: argparse.Namespace) -> tuple[Any, Any]:
     """The pod to drill, and the cluster observer (None for a local pod)."""
-    from understudy.tools import drill as drill_mod
+    from understudy.tools.drill_target import LocalTarget
 
     target: Any
     observer = None
@@ -252,7 +252,7 @@ def _drill_target(args: argparse.Namespace) -> tuple[Any, Any]:
         observer = target.observer
         observer.start()
     else:
-        target = drill_mod.LocalTarget(Path(args.dir).absolute())
+        target = LocalTarget(Path(args.dir).absolute())
     if args.target:
         target.serve_url = args.target
     return target, observer
@@ -288,13 +288,13 @@ def _front_drill(args: argparse.Namespace, target: Any, observer: Any) -> int:
 
 
 def _sidecar_drill(args: argparse.Namespace, target: Any, observer: Any) -> int:
-    from understudy.tools import drill as drill_mod
+    from understudy.tools.drill_sidecar import sidecar_drill
 
     if args.sidecar == "front":
         return _front_drill(args, target, observer)
     try:
         load_start = os.getloadavg()
-        result = drill_mod.sidecar_drill(
+        result = sidecar_drill(
             target,
             args.sidecar,
             timeout=args.timeout,
@@ -313,6 +313,7 @@ def _sidecar_drill(args: argparse.Namespace, target: Any, observer: Any) -> int:
 
 def _kill_drill(args: argparse.Namespace, target: Any, observer: Any) -> int:
     from understudy.tools import drill as drill_mod
+    from understudy.tools import drill_result
 
     sig = [
         getattr(signal, f"SIG{name.strip().upper().removeprefix('SIG')}")
@@ -334,7 +335,7 @@ def _kill_drill(args: argparse.Namespace, target: Any, observer: Any) -> int:
         )
     finally:
         _stop(observer)
-    result = drill_mod.to_json(report, series=args.series or bool(args.report))
+    result = drill_result.to_json(report, series=args.series or bool(args.report))
     result["host"] = {
         "cpus": os.cpu_count(),
         "loadavg_start": list(load_start),
@@ -348,7 +349,7 @@ def _kill_drill(args: argparse.Namespace, target: Any, observer: Any) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(drill_mod.render(report))
+        print(drill_result.render(report))
         _print_extras(result)
     if args.report:
         _report(result, Path(args.report))
@@ -423,7 +424,7 @@ def _cold_start_line(cold: dict[str, Any]) -> str:
 
 
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from understudy.tools.drill import SCENARIOS, SIDECAR_COMMANDS
+    from understudy.tools import drill, drill_sidecar
     from understudy.tools.local import DEFAULT_DIR
 
     local = sub.add_parser("local", help="the whole pod as local processes")
@@ -500,7 +501,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     )
     dr.add_argument(
         "--scenario",
-        choices=SCENARIOS,
+        choices=drill.SCENARIOS,
         help="a second fault in every round: kill the engine that took over as soon as it "
         "serves; or kill the lock server, or GMS, during the failover",
     )
@@ -514,7 +515,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     dr.add_argument("--kubeconfig", help="kubeconfig for --kube (default: $KUBECONFIG)")
     dr.add_argument(
         "--sidecar",
-        choices=(*SIDECAR_COMMANDS, "front"),
+        choices=(*drill_sidecar.SIDECAR_COMMANDS, "front"),
         help="instead: kill this sidecar once under load and report what happened; "
         "front: kill the front --kills times under --clients streams (no connection may "
         "be refused; losses only inside the dying front, as it reports them)",

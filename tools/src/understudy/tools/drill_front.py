@@ -25,7 +25,9 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from understudy.tools.drill import Client, Target, settled_under_load
+from understudy.tools.drill_load import Client
+from understudy.tools.drill_sidecar import settled_under_load
+from understudy.tools.drill_target import Target
 from understudy.tools.series import Sample
 
 

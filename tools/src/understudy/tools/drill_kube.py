@@ -157,7 +157,7 @@ class KubeTarget:
         return target
 
     def kill_sidecar(self, which: str) -> None:
-        from understudy.tools.drill import SIDECAR_COMMANDS
+        from understudy.tools.drill_sidecar import SIDECAR_COMMANDS
 
         for pod in self.pods():
             self.kill_container(pod.metadata.name, SIDECAR_COMMANDS[which], signal.SIGKILL)
@@ -176,7 +176,7 @@ class KubeTarget:
         """Each pod's serving front: the process whose pid in the pod is the one
         its ``/state`` reports (not the respawner above it, whose command line
         names the front's too, nor the spare beside it, which runs the same)."""
-        from understudy.tools.drill import front_pid
+        from understudy.tools.drill_target import front_pid
 
         killed = []
         for pod in self.pods():

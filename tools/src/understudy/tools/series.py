@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 
 class KindLike(Protocol):
-    """A kind of request (drill.Kind): its name, and whether it streams."""
+    """A kind of request (drill_load.Kind): its name, and whether it streams."""
 
     @property
     def name(self) -> str: ...

@@ -1,0 +1,180 @@
+"""The drill's load: clients that keep request streams going against a pod.
+
+Each ``Client`` thread sends one request at a time, cycling through the
+``Kind`` s of request the engine serves (``kinds_for``), and records a
+``series.Sample`` per request: when it started and ended, whether its answer
+was right and its digest, and for a stream the arrival time of each token
+(from which ``stalls`` reads a stream's stall at a kill).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import http.client
+import itertools
+import json
+import sys
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from understudy.tools.series import Sample, Tally
+
+REQUEST = {
+    "input": "Understudy keeps a sleeping shadow engine in the same pod.",
+    "encoding_format": "base64",
+}
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of request a drill client sends, and how to read its answer."""
+
+    name: str
+    path: str
+    body: dict[str, Any]
+    streaming: bool = False
+
+
+def kinds_for(adapter: str, max_tokens: int = 32) -> list[Kind]:
+    """What the drill sends to an engine of this adapter: every answer of a
+    kind must be identical (the same request each time, greedy decoding)."""
+    if adapter == "synthetic":
+        return [Kind("checksum", "/v1/checksum", {})]
+    if adapter == "reference":
+        return [Kind("embeddings", "/v1/embeddings", REQUEST)]
+    chat = {
+        "messages": [{"role": "user", "content": "Tell me about understudies."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    completion = {
+        "prompt": "An understudy learns the lines of",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    return [
+        Kind("chat-stream", "/v1/chat/completions", {**chat, "stream": True}, streaming=True),
+        Kind("completion", "/v1/completions", completion),
+        Kind(
+            "completion-stream",
+            "/v1/completions",
+            {**completion, "stream": True, "stream_options": {"include_usage": True}},
+            streaming=True,
+        ),
+        Kind("chat", "/v1/chat/completions", chat),
+    ]
+
+
+def _answer(kind: Kind, data: bytes) -> bytes:
+    """The part of an answer that must be identical every time."""
+    if kind.name == "checksum":
+        return str(json.loads(data)["checksum"]).encode()
+    if kind.name == "embeddings":
+        return base64.b64decode(json.loads(data)["data"][0]["embedding"])
+    if not kind.streaming:
+        choice = json.loads(data)["choices"][0]
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        return json.dumps([text, choice["finish_reason"]]).encode()
+    # A stream: the text and the finish reason, from its events in order; the
+    # stream must end with [DONE] and carry no error event.
+    parts: list[str] = []
+    finish = None
+    events = data.split(b"\n\n")
+    if events[-2:] != [b"data: [DONE]", b""]:
+        raise ValueError("stream did not end with [DONE]")
+    for ev in events[:-2]:
+        if not ev.startswith(b"data: "):
+            raise ValueError(f"not an SSE data event: {ev[:60]!r}")
+        doc = json.loads(ev[6:])
+        if "error" in doc:
+            raise ValueError(f"error event: {doc['error']}")
+        for choice in doc.get("choices", []):
+            delta = choice.get("delta", {})
+            parts.append(delta.get("content") or choice.get("text") or "")
+            finish = choice.get("finish_reason") or finish
+    return json.dumps(["".join(parts), finish]).encode()
+
+
+def stream_events(lines: Iterable[bytes]) -> Iterator[dict[str, Any]]:
+    """The JSON events of an OpenAI-style stream as they arrive (an
+    ``http.client`` response iterates by line), up to ``[DONE]``; an error
+    event raises ``ValueError``."""
+    for raw in lines:
+        line = raw.strip()
+        if not line.startswith(b"data: "):
+            continue
+        if line == b"data: [DONE]":
+            return
+        doc = json.loads(line[6:])
+        if "error" in doc:
+            raise ValueError(f"error event: {doc['error']}")
+        yield doc
+
+
+class Client(threading.Thread):
+    """A continuous request stream, one request at a time, a new connection for
+    each; client ``index`` cycles through the kinds starting at its own."""
+
+    def __init__(self, url: str, kinds: list[Kind], index: int = 0, timeout: float = 60.0) -> None:
+        super().__init__(name=f"drill-client-{index}", daemon=True)
+        parsed = urllib.parse.urlsplit(url)
+        self.host, self.port = parsed.hostname or "127.0.0.1", parsed.port or 80
+        self.kinds = kinds
+        self.index = index
+        self.timeout = timeout
+        self.samples: list[Sample] = []
+        self.stop = threading.Event()
+
+    def _once(self, kind: Kind) -> Sample:
+        t0 = time.monotonic()
+        try:
+            conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+            conn.request(
+                "POST", kind.path, json.dumps(kind.body), {"Content-Type": "application/json"}
+            )
+            resp = conn.getresponse()
+            data = resp.read()
+            conn.close()
+        except (OSError, http.client.HTTPException) as exc:
+            return Sample(t0, time.monotonic(), False, error=type(exc).__name__, kind=kind.name)
+        t1 = time.monotonic()
+        if resp.status != 200:
+            return Sample(t0, t1, False, error=f"HTTP {resp.status}", kind=kind.name)
+        try:
+            answer = _answer(kind, data)
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            return Sample(t0, t1, False, error=f"bad response: {exc}"[:200], kind=kind.name)
+        # interned: the answers of a kind are (should be) all the same, so a
+        # long drill keeps one copy of each digest, not one per request
+        digest = sys.intern(hashlib.sha256(answer).hexdigest())
+        return Sample(t0, t1, True, digest, kind=kind.name)
+
+    def run(self) -> None:
+        for n in itertools.count(self.index):
+            if self.stop.is_set():
+                return
+            s = self._once(self.kinds[n % len(self.kinds)])
+            self.samples.append(s)
+            if not s.ok:
+                time.sleep(0.002)  # refused at once while nobody serves: don't spin
+
+
+def fold(pool: list[Client], tally: Tally, before: float, kills: list[float]) -> None:
+    """Move the requests that ended before ``before`` from the clients into the
+    tally. A client's requests are one at a time, so they end in order; only
+    this thread removes from its list, the client only appends to it."""
+    for c in pool:
+        n = 0
+        for s in c.samples:
+            if s.end >= before:
+                break
+            n += 1
+        if n:
+            taken = c.samples[:n]
+            del c.samples[:n]
+            tally.add(taken, kills)

@@ -1,0 +1,162 @@
+"""The pod a drill kills, and how its processes are found.
+
+``Target`` is what every drill asks of a pod: its engines' ``/state``, a way to
+kill an engine or a sidecar, and which processes listen on the engines'
+serving socket. ``LocalTarget`` is a pod started by ``understudy local up``
+(``drill_kube.KubeTarget`` is one in a cluster). The rest reads ``/proc``: a
+container's own process behind its respawner, and the listeners of a socket
+directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import signal
+import urllib.parse
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class Target(Protocol):
+    serve_url: str
+
+    def engines(self) -> list[dict[str, Any]]: ...
+
+    def kill(self, engine: dict[str, Any], sig: int) -> None: ...
+
+    def kill_sidecar(self, which: str) -> None: ...
+
+    def serving_listeners(self) -> set[int] | None:
+        """Pids listening on an engine serving socket (None: cannot tell)."""
+        ...
+
+
+class LocalTarget:
+    """A pod started by ``understudy local up`` (reads its local.json)."""
+
+    def __init__(self, directory: Path) -> None:
+        from understudy.tools.local import read_state
+
+        self.directory = directory
+        state = read_state(directory)
+        self.serve_url = state["serve_url"]
+        self.run_dir = Path(state.get("run_dir", directory))
+        self.status_ports = {
+            name: c["status_port"]
+            for name, c in state["containers"].items()
+            if c["status_port"] is not None
+        }
+
+    def engines(self) -> list[dict[str, Any]]:
+        from understudy.tools.local import read_state
+
+        started: dict[str, bool] = {}
+        with contextlib.suppress(OSError, ValueError):
+            started = {
+                n: c.get("started", True)
+                for n, c in read_state(self.directory)["containers"].items()
+            }
+        out = []
+        for name, port in self.status_ports.items():
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=0.3)
+                conn.request("GET", "/state")
+                body = conn.getresponse().read()
+                conn.close()
+                engine = json.loads(body)
+            except (OSError, ValueError, http.client.HTTPException):
+                engine = {"name": name, "state": "Unreachable"}
+            # the runner's startup probe passed: its liveness probe is watching
+            engine["started"] = started.get(name, True)
+            out.append(engine)
+        return out
+
+    def kill(self, engine: dict[str, Any], sig: int) -> None:
+        os.kill(engine["pid"], sig)
+
+    def kill_sidecar(self, which: str) -> None:
+        from understudy.tools.local import read_state
+
+        pid = read_state(self.directory)["containers"][which]["pid"]
+        os.kill(container_process(pid), signal.SIGKILL)
+
+    def front_status_urls(self) -> list[str]:
+        from understudy.tools.local import read_state
+
+        return [read_state(self.directory)["front_status_url"]]
+
+    def kill_fronts(self) -> list[int]:
+        """The front's own process: its container's process is the respawner."""
+        pid = front_pid(self.front_status_urls()[0])
+        os.kill(pid, signal.SIGKILL)
+        return [pid]
+
+    def serving_listeners(self) -> set[int] | None:
+        return unix_listeners(self.run_dir / "serve")
+
+
+def front_pid(status_url: str) -> int:
+    """The serving front's pid, as its ``/state`` reports it (in the pod's PID
+    namespace). Its command line cannot tell: the respawner's spare runs the
+    same one, waiting for its turn."""
+    url = urllib.parse.urlsplit(status_url)
+    conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=2)
+    try:
+        conn.request("GET", "/state")
+        return int(json.loads(conn.getresponse().read())["pid"])
+    finally:
+        conn.close()
+
+
+def container_process(pid: int) -> int:
+    """The process a container runs: ``pid`` itself, or, when that is the
+    container's respawner (``understudy respawn -- …``), its child. A death of
+    the process is the fault to drill; the respawner's is the container's."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return pid
+    if b"respawn" not in cmdline:
+        return pid
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            return int(entry.name)
+    return pid
+
+
+# /proc/net/unix: "Num RefCount Protocol Flags Type St Inode Path"; a
+# listening socket has __SO_ACCEPTCON (0x10000) in Flags.
+_ACCEPTCON = 0x10000
+
+
+def unix_listeners(directory: Path) -> set[int]:
+    """Pids of the processes listening on Unix sockets in ``directory``."""
+    prefix = str(directory) + "/"
+    inodes = set()
+    with contextlib.suppress(OSError), open("/proc/net/unix") as f:
+        next(f)
+        for line in f:
+            parts = line.split()
+            listening = len(parts) >= 8 and int(parts[3], 16) & _ACCEPTCON
+            if listening and parts[7].startswith(prefix):
+                inodes.add(parts[6])
+    pids: set[int] = set()
+    if not inodes:
+        return pids
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:[") and link[8:-1] in inodes:
+                        pids.add(int(pid))
+    return pids
