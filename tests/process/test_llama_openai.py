@@ -16,6 +16,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from understudy.engine_shim.adapters import tiny_llama
 from understudy.engine_shim.adapters.llama import LlamaEngine
 from understudy.engine_shim.generation import SamplingParams
+from understudy.wire.serving import parse_token_comment
 
 pytestmark = pytest.mark.process
 
@@ -49,11 +50,7 @@ async def events(client: TestClient[Any, Any], path: str, body: dict[str, Any]) 
 
 
 def token_ids(event: bytes) -> list[int]:
-    first = event.split(b"\n", 1)[0]
-    if not first.startswith(b": tokens="):
-        return []
-    listed = first.removeprefix(b": tokens=")
-    return [int(t) for t in listed.split(b",")] if listed else []
+    return list(parse_token_comment(event.split(b"\n", 1)[0]) or ())
 
 
 async def generated(engine: LlamaEngine, prompt: list[int], params: SamplingParams) -> list[int]:
@@ -118,3 +115,12 @@ async def test_a_stream_whose_end_token_went_out_gets_only_its_end(client) -> No
     assert rest[1:] == [b"data: [DONE]"]
     usage = json.loads(rest[0].split(b"data: ", 1)[1])["usage"]
     assert usage["completion_tokens"] == 2
+
+
+async def test_a_malformed_continuation_is_a_400_that_names_the_field(client) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 4, "understudy": {**IDS, "resume": {"token_ids": [7]}}}
+    resp = await client.post("/v1/completions", json=body)
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert error["param"] == "understudy"
+    assert "'understudy.resume.started' must be a boolean" in error["message"]

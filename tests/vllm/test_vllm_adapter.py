@@ -34,6 +34,7 @@ from vllmserver import free_port
 from understudy.engine_shim.generation import SamplingParams
 from understudy.gms.client import GmsClient
 from understudy.gms.messages import Granted, Mode
+from understudy.wire.serving import parse_token_comment
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -98,11 +99,7 @@ def _body(path: str, sampling: dict[str, Any]) -> dict[str, Any]:
 
 
 def _token_ids(event: bytes) -> list[int]:
-    first = event.split(b"\n", 1)[0]
-    if not first.startswith(b": tokens="):
-        return []
-    listed = first.removeprefix(b": tokens=")
-    return [int(t) for t in listed.split(b",")] if listed else []
+    return list(parse_token_comment(event.split(b"\n", 1)[0]) or ())
 
 
 def _serve(engine: Any, calls: list[tuple[str, dict[str, Any]]]) -> list[list[bytes]]:

@@ -6,15 +6,16 @@ adds a usage chunk), ``GET /v1/models``. Shapes, usage counting and
 ``finish_reason`` follow vLLM's OpenAI server; errors are shaped like
 OpenAI's (``{"error": {"message", "type", "param", "code"}}``).
 
-The continuation contract with the pod's front door (``understudy.wire.serving``;
-its side: ``understudy.front.continuation``): a request may carry ``understudy:
-{request_id, created, resume: {token_ids, started}}``. ``request_id`` and
-``created`` fix the response's ``id`` and ``created``; ``resume`` says which
-tokens an earlier engine already streamed to the client, and whether the
-stream's opening event went out. Every streamed event starts with an SSE
-comment ``: tokens=<ids>`` naming the token ids it carries, which the front
-keeps and strips. A resumed stream emits exactly the events the uninterrupted
-one would have emitted after those tokens, so the client's bytes are the same.
+The continuation contract with the pod's front door (built and parsed by
+``understudy.wire.serving``; the front's side: ``understudy.front.continuation``):
+a request may carry ``understudy: {request_id, created, resume: {token_ids,
+started}}``. ``request_id`` and ``created`` fix the response's ``id`` and
+``created``; ``resume`` says which tokens an earlier engine already streamed
+to the client, and whether the stream's opening event went out. Every
+streamed event starts with an SSE comment ``: tokens=<ids>`` naming the token
+ids it carries, which the front keeps and strips. A resumed stream emits
+exactly the events the uninterrupted one would have emitted after those
+tokens, so the client's bytes are the same.
 """
 
 from __future__ import annotations
@@ -37,7 +38,12 @@ from understudy.engine_shim.generation import (
     Step,
     finish_of,
 )
-from understudy.wire.serving import FIELD, TOKENS_PREFIX
+from understudy.wire.serving import (
+    FIELD,
+    ContinuationError,
+    parse_continuation,
+    token_comment,
+)
 
 NOT_ACTIVE_HEADER = "X-Understudy-Not-Active"
 
@@ -203,18 +209,6 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, bool(_object(body, "stream_options").get("include_usage", False))
 
 
-def _resume(ours: dict[str, Any], max_tokens: int, key: str) -> tuple[tuple[int, ...], bool]:
-    """The continuation: the token ids an earlier engine streamed, and whether
-    the stream's opening event went out."""
-    resume = ours.get("resume") or {}
-    ids = resume.get("token_ids", [])
-    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-        raise ApiError(400, f"'{FIELD}.resume.token_ids' must be token ids", FIELD)
-    if len(ids) > max_tokens:
-        raise ApiError(400, f"more resumed tokens than the {key} of {max_tokens}", FIELD)
-    return tuple(ids), bool(resume.get("started", bool(ids)))
-
-
 def parse(gen: Generator, body: Any, chat: bool) -> Request:
     body = _body(gen, body)
     prompt_ids = gen.encode_chat(_messages(body)) if chat else _prompt_ids(gen, body)
@@ -226,21 +220,24 @@ def parse(gen: Generator, body: Any, chat: bool) -> Request:
         seed=_int(body, "seed", -(1 << 63), (1 << 63) - 1),
     )
     stream, include_usage = _stream(body)
-    ours = _object(body, FIELD)
-    resume, started = _resume(ours, max_tokens, key)
+    try:
+        ours = parse_continuation(body.get(FIELD))
+    except ContinuationError as exc:
+        raise ApiError(400, str(exc), FIELD) from None
+    resume = ours.resume.token_ids if ours.resume else ()
+    if len(resume) > max_tokens:
+        raise ApiError(400, f"more resumed tokens than the {key} of {max_tokens}", FIELD)
     prefix = "chatcmpl" if chat else "cmpl"
-    request_id = ours.get("request_id")
-    created = ours.get("created")
     return Request(
         chat=chat,
         prompt_ids=prompt_ids,
         params=params,
         stream=stream,
         include_usage=include_usage,
-        request_id=request_id if isinstance(request_id, str) else f"{prefix}-{uuid.uuid4().hex}",
-        created=created if isinstance(created, int) else int(time.time()),
+        request_id=ours.request_id or f"{prefix}-{uuid.uuid4().hex}",
+        created=int(time.time()) if ours.created is None else ours.created,
         resume=resume,
-        started=started,
+        started=ours.resume.started if ours.resume else False,
     )
 
 
@@ -268,7 +265,7 @@ def _chunk(req: Request, gen: Generator, choice: dict[str, Any] | None, **extra:
 
 
 def _event(token_ids: Sequence[int], data: bytes) -> bytes:
-    return TOKENS_PREFIX + ",".join(map(str, token_ids)).encode() + b"\ndata: " + data + b"\n\n"
+    return token_comment(token_ids) + b"\ndata: " + data + b"\n\n"
 
 
 def _choice(req: Request, text: str | None, finish: str | None, first: bool) -> dict[str, Any]:

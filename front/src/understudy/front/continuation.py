@@ -1,9 +1,10 @@
 """What a migrated request sends to the next engine, and how streamed events
 carry the token ids that make that possible (pure).
 
-The engine API's extension (the contract is ``understudy.wire.serving``;
-the engines' side is ``understudy.engine_shim.openai_api``), one JSON field
-``understudy`` in a completion request:
+The engine API's extension (the contract, its builders and its parsers are
+``understudy.wire.serving``; the engines' side is
+``understudy.engine_shim.openai_api``), one JSON field ``understudy`` in a
+completion request:
 
 - ``request_id`` and ``created``: set by the front on the first attempt and
   kept on every later one, so an answer or a stream from the next engine
@@ -24,7 +25,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from understudy.wire.serving import FIELD, TOKENS_PREFIX
+from understudy.wire.serving import (
+    FIELD,
+    Continuation,
+    ContinuationError,
+    Resume,
+    continuation_payload,
+    parse_token_comment,
+)
 
 MAX_EVENT = 1 << 20  # an engine event larger than this is a protocol error
 
@@ -68,32 +76,26 @@ def _event(block: bytes) -> Event:
     ids: tuple[int, ...] = ()
     kept: list[bytes] = []
     for line in block[:-2].split(b"\n"):
-        if line.startswith(TOKENS_PREFIX):
-            text = line[len(TOKENS_PREFIX) :].strip()
-            try:
-                ids = tuple(int(x) for x in text.split(b",") if x)
-            except ValueError:
-                raise StreamError(f"bad token ids {text[:80]!r}") from None
-        else:
+        try:
+            carried = parse_token_comment(line)
+        except ContinuationError as exc:
+            raise StreamError(str(exc)) from None
+        if carried is None:
             kept.append(line)
+        else:
+            ids = carried
     raw = b"\n".join(kept) + b"\n\n"
     return Event(raw, ids, done=kept == [b"data: [DONE]"])
 
 
 def first_attempt(body: dict[str, Any], request_id: str, created: int) -> dict[str, Any]:
     """The request as the first engine gets it: ours, with the ids fixed."""
-    return {**body, FIELD: {"request_id": request_id, "created": created}}
+    return {**body, FIELD: continuation_payload(Continuation(request_id, created))}
 
 
 def resumed(
     body: dict[str, Any], request_id: str, created: int, token_ids: Sequence[int], started: bool
 ) -> dict[str, Any]:
     """The request as the next engine gets it after ``token_ids`` were relayed."""
-    return {
-        **body,
-        FIELD: {
-            "request_id": request_id,
-            "created": created,
-            "resume": {"token_ids": list(token_ids), "started": started},
-        },
-    }
+    resume = Resume(tuple(token_ids), started)
+    return {**body, FIELD: continuation_payload(Continuation(request_id, created, resume))}

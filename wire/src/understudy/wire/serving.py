@@ -14,10 +14,14 @@ between an engine and the pod's front door.
   node, so the front can compare it with its own.
 - **Continuation.** A request the front moves to the next engine carries one
   JSON field, ``FIELD`` (``{request_id, created, resume: {token_ids,
-  started}}``), and every event of an engine's stream starts with an SSE
-  comment, ``TOKENS_PREFIX`` followed by the token ids it carries, which the
-  front keeps (to resume after them) and strips. The front's side is
-  ``understudy.front.continuation``, the engines' ``understudy.engine_shim.openai_api``.
+  started}}``: :class:`Continuation`), and every event of an engine's stream
+  starts with an SSE comment, ``TOKENS_PREFIX`` followed by the token ids it
+  carries, which the front keeps (to resume after them) and strips. Both are
+  built and parsed here and nowhere else (:func:`continuation_payload` and
+  :func:`parse_continuation`, :func:`token_comment` and
+  :func:`parse_token_comment`), so the front
+  (``understudy.front.continuation``) and the engines
+  (``understudy.engine_shim.openai_api``) cannot spell a key differently.
 
 Pure: names and formats only. Writing and reading a heartbeat is
 ``understudy.wire.heartbeat``.
@@ -26,8 +30,10 @@ Pure: names and formats only. Writing and reading a heartbeat is
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 SERVE_DIR = "serve"
 FIELD = "understudy"
@@ -67,3 +73,97 @@ def unpack_beat(raw: bytes) -> Beat | None:
         return None
     seq, pid, epoch, ns, seq2 = BEAT_RECORD.unpack(raw)
     return Beat(pid, epoch, ns / 1e9) if seq == seq2 else None
+
+
+# ------------------------------------------------------------ continuation --
+
+
+class ContinuationError(ValueError):
+    """A continuation payload or a token comment that breaks the contract."""
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    token_ids: tuple[int, ...]  # the tokens already relayed to the client
+    started: bool  # whether the stream's opening event went out
+
+
+@dataclass(frozen=True, slots=True)
+class Continuation:
+    """``FIELD``'s value. Every part is optional: a client that talks to an
+    engine directly sends none, and the engine makes up its own ids."""
+
+    request_id: str | None = None  # the answer's ``id``, the same on every attempt
+    created: int | None = None  # the answer's ``created``, likewise
+    resume: Resume | None = None  # None: the first attempt
+
+
+def continuation_payload(c: Continuation) -> dict[str, Any]:
+    """The JSON value of ``FIELD`` for ``c``."""
+    out: dict[str, Any] = {}
+    if c.request_id is not None:
+        out["request_id"] = c.request_id
+    if c.created is not None:
+        out["created"] = c.created
+    if c.resume is not None:
+        out["resume"] = {"token_ids": list(c.resume.token_ids), "started": c.resume.started}
+    return out
+
+
+def _is_id(v: object) -> bool:
+    # bool is an int to Python and never a token id or a timestamp
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _keys(doc: object, where: str, allowed: frozenset[str]) -> dict[str, Any]:
+    if not isinstance(doc, dict):
+        raise ContinuationError(f"'{where}' must be an object")
+    unknown = sorted(str(k) for k in doc.keys() - allowed)
+    if unknown:
+        raise ContinuationError(f"'{where}' has unknown keys {unknown}")
+    return doc
+
+
+def _resume(doc: object) -> Resume:
+    where = f"{FIELD}.resume"
+    doc = _keys(doc, where, frozenset({"token_ids", "started"}))
+    ids, started = doc.get("token_ids"), doc.get("started")
+    if not isinstance(ids, list) or not all(_is_id(t) for t in ids):
+        raise ContinuationError(f"'{where}.token_ids' must be a list of token ids")
+    if not isinstance(started, bool):
+        raise ContinuationError(f"'{where}.started' must be a boolean")
+    return Resume(tuple(ids), started)
+
+
+def parse_continuation(payload: object) -> Continuation:
+    """``FIELD``'s value (None where the request has none) as a
+    :class:`Continuation`; :class:`ContinuationError` says what is wrong."""
+    if payload is None:
+        return Continuation()
+    doc = _keys(payload, FIELD, frozenset({"request_id", "created", "resume"}))
+    request_id, created = doc.get("request_id"), doc.get("created")
+    if request_id is not None and not (isinstance(request_id, str) and request_id):
+        raise ContinuationError(f"'{FIELD}.request_id' must be a non-empty string")
+    if created is not None and not _is_id(created):
+        raise ContinuationError(f"'{FIELD}.created' must be a non-negative integer")
+    resume = _resume(doc["resume"]) if doc.get("resume") is not None else None
+    return Continuation(request_id, created, resume)
+
+
+def token_comment(token_ids: Sequence[int]) -> bytes:
+    """The comment line (without its newline) that opens an event carrying
+    ``token_ids``; an event that carries none has one too, with no ids."""
+    return TOKENS_PREFIX + ",".join(map(str, token_ids)).encode()
+
+
+def parse_token_comment(line: bytes) -> tuple[int, ...] | None:
+    """The token ids of a comment line, or None if ``line`` is not one."""
+    if not line.startswith(TOKENS_PREFIX):
+        return None
+    text = line[len(TOKENS_PREFIX) :].strip()
+    if not text:
+        return ()
+    parts = text.split(b",")
+    if not all(p.isdigit() for p in parts):
+        raise ContinuationError(f"bad token ids {text[:80]!r}")
+    return tuple(int(p) for p in parts)
