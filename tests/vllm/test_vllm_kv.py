@@ -41,7 +41,6 @@ def test_released_views_read_zeros_and_the_memory_goes_back() -> None:
     views.append(buf[: 64 * MiB].view(torch.float32)[:16])
     worker = SimpleNamespace(model_runner=SimpleNamespace(kv_caches=views))
     assert vllm_kv.storages(views) == [(buf.data_ptr(), 256 * MiB)]
-    assert vllm_kv.kv_bytes(worker) == 256 * MiB
 
     before = _rss()
     released = vllm_kv.release(worker)

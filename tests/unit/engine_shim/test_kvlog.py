@@ -256,7 +256,6 @@ def test_touched_blocks() -> None:
     assert list(kvlog.touched(sp, 3, 9)) == [(0, 4), (1, 4), (2, 1)]
     assert list(kvlog.touched(sp, 8, 100)) == [(2, 4), (3, 4)]  # never past the slot
     assert list(kvlog.touched(sp, 5, 5)) == []
-    assert list(kvlog.block_range(sp, 2)) == [8, 9, 10, 11]
 
 
 def test_writer_refuses_blocks_outside_the_pool() -> None:

@@ -74,6 +74,20 @@ def test_unreadable_slices_make_devices_unknown() -> None:
     assert infos[0].devices is None and ready == {"a": True}
 
 
+def test_unreadable_claims_make_devices_unknown_not_free() -> None:
+    infos, _ = node_infos(DRIVER, ATTR, [node("a")], [slice_("sa", "a", 4)], None)
+    assert infos[0].devices is None
+    inv = Inventory()
+    inv.reset_nodes([node("a")])
+    inv.reset_slices([slice_("sa", "a", 4)])
+    inv.reset_claims(None)
+    assert inv.node_infos(DRIVER, ATTR)[0].devices is None
+    # readable again (the informer's next list): known, with what is taken
+    inv.reset_claims([claim("c1", ("a", 3))])
+    (a,) = inv.node_infos(DRIVER, ATTR)
+    assert a.devices == {0, 1, 2, 3} and a.allocated == {3}
+
+
 # Random event sequences: the incremental digest equals one built from scratch.
 # An event is (kind, key, the object to put or None to drop it, read the digest after it?).
 Ev = tuple[str, str, dict[str, Any] | None, bool]

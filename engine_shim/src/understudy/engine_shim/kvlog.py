@@ -520,11 +520,6 @@ class Writer:
         return Write(offset, encode_record(rec), rec)
 
 
-def block_range(spec: PoolSpec, block: int) -> range:
-    """The positions block ``block`` of a slot covers."""
-    return range(block * spec.block_tokens, (block + 1) * spec.block_tokens)
-
-
 def touched(spec: PoolSpec, before: int, after: int) -> Iterator[tuple[int, int]]:
     """(block, positions of it filled) for every block written into when a slot's
     filled positions went from ``before`` to ``after`` (counts from 0)."""

@@ -12,11 +12,12 @@ its stand-in, with the same effect through the kernel:
   kernel frees them at once (the process's RSS and PSS drop by the cache's
   size); the mapping stays, and a page touched again reads as zeros, as the
   freshly allocated cache did.
-- ``restore``: nothing is needed for correctness (the pages come back, zeroed,
-  on first touch: the kernel's own lazy allocation, as ``torch.empty`` or
-  ``np.zeros`` get it); ``populate`` commits them at once
-  (``MADV_POPULATE_WRITE``), for a deployment that would rather pay for the
-  whole cache at wake than a page fault per 4 KiB during the first requests.
+- at wake, nothing is needed for correctness: there is no restore (the
+  pages come back, zeroed, on first touch: the kernel's own lazy allocation,
+  as ``torch.empty`` or ``np.zeros`` get it). ``populate`` commits them at
+  once (``MADV_POPULATE_WRITE``), for a deployment that would rather pay for
+  the whole cache at wake than a page fault per 4 KiB during the first
+  requests (the engine's ``--kv-at-wake populate``).
 
 What was cached is gone, so the caller must also forget it (vLLM's
 ``reset_prefix_cache``): a prefix hit on a released block would read zeros.
@@ -108,11 +109,6 @@ def populate(worker: Any) -> int:
         _advise(start, length, MADV_POPULATE_WRITE)
         total += length
     return total
-
-
-def kv_bytes(worker: Any) -> int:
-    """The KV cache's size (its buffers, however many views share them)."""
-    return sum(n for _, n in storages(_kv_tensors(worker)))
 
 
 def huge(worker: Any) -> int:

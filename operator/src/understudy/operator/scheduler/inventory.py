@@ -137,7 +137,8 @@ class Inventory:
 
     ``slices_known`` / ``claims_known`` False (the operator may not read them)
     make every node's devices unknown (None), and placement then leaves the
-    choice to kube-scheduler and DRA, as with a failed list.
+    choice to kube-scheduler and DRA, as with a failed list. Unreadable claims
+    count too: read as "nothing allocated", they would offer taken devices.
     """
 
     def __init__(self) -> None:
@@ -145,6 +146,7 @@ class Inventory:
         self.slices: dict[str, SliceRecord] = {}
         self.claims: dict[str, frozenset[DeviceKey]] = {}
         self.slices_known = True
+        self.claims_known = True
         self._slices_by_node: dict[str, set[str]] = {}
         self._device_node: dict[DeviceKey, str] = {}
         # Slices naming a device on a node (a pool may list one twice while a
@@ -232,6 +234,7 @@ class Inventory:
     def reset_claims(self, items: Iterable[Mapping[str, Any]] | None) -> None:
         self.claims = {}
         self._allocated = Counter()
+        self.claims_known = items is not None
         for n, obj in enumerate(items or ()):
             self._set_claim(_key(obj) or f"#{n}", parse_claim(obj))
         self._touch_all()
@@ -259,7 +262,7 @@ class Inventory:
     def _info(self, rec: NodeRecord, driver: str, attribute: str) -> NodeInfo:
         devices: frozenset[int] | None = None
         allocated: set[int] = set()
-        if self.slices_known:
+        if self.slices_known and self.claims_known:
             found: set[int] = set()
             for key in self._slices_by_node.get(rec.name, ()):
                 sl = self.slices[key]
