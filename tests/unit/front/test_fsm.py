@@ -117,26 +117,30 @@ EVENTS: dict[Kind, dict[Phase, fsm.Event | None]] = {
     Kind.SERVED_ELSEWHERE: {Phase.WAITING: Served(A), Phase.ROUTING: Served(B)},
 }
 
-# Where each legal pair lands, and what it does: written out, not read from
-# the table under test.
-LANDS: dict[tuple[Phase, Kind], tuple[Phase, list[fsm.Action]]] = {
-    (Phase.WAITING, Kind.OLDER): (Phase.WAITING, [fsm.IgnoredStale(B, 2, 3)]),
-    (Phase.ROUTING, Kind.OLDER): (Phase.ROUTING, [fsm.IgnoredStale(B, 2, 3)]),
-    (Phase.WAITING, Kind.VACANT): (Phase.WAITING, []),
-    (Phase.ROUTING, Kind.VACANT): (Phase.WAITING, [fsm.Unroute("released")]),
-    (Phase.WAITING, Kind.GRANTED): (Phase.ROUTING, [fsm.RouteTo(Route(B, 4), handover=True)]),
-    (Phase.ROUTING, Kind.GRANTED): (Phase.ROUTING, [fsm.RouteTo(Route(B, 4), handover=True)]),
-    (Phase.ROUTING, Kind.CURRENT): (Phase.ROUTING, []),
-    (Phase.ROUTING, Kind.HUNG): (
-        Phase.WAITING,
-        [fsm.Unroute("hung"), fsm.Kill(A, "no heartbeat for 2.00s")],
-    ),
-    (Phase.WAITING, Kind.HUNG_ELSEWHERE): (Phase.WAITING, []),
-    (Phase.ROUTING, Kind.HUNG_ELSEWHERE): (Phase.ROUTING, []),
-    (Phase.ROUTING, Kind.SERVED): (Phase.ROUTING, [fsm.GapEnded(0.5)]),
-    (Phase.WAITING, Kind.SERVED_ELSEWHERE): (Phase.WAITING, []),
-    (Phase.ROUTING, Kind.SERVED_ELSEWHERE): (Phase.ROUTING, []),
+# What each legal pair does: written out, not read from the table under test.
+# Where it lands is the table's own declaration (each entry names one phase),
+# which ``machine.run_step`` holds every handler to.
+DOES: dict[tuple[Phase, Kind], list[fsm.Action]] = {
+    (Phase.WAITING, Kind.OLDER): [fsm.IgnoredStale(B, 2, 3)],
+    (Phase.ROUTING, Kind.OLDER): [fsm.IgnoredStale(B, 2, 3)],
+    (Phase.WAITING, Kind.VACANT): [],
+    (Phase.ROUTING, Kind.VACANT): [fsm.Unroute("released")],
+    (Phase.WAITING, Kind.GRANTED): [fsm.RouteTo(Route(B, 4), handover=True)],
+    (Phase.ROUTING, Kind.GRANTED): [fsm.RouteTo(Route(B, 4), handover=True)],
+    (Phase.ROUTING, Kind.CURRENT): [],
+    (Phase.ROUTING, Kind.HUNG): [fsm.Unroute("hung"), fsm.Kill(A, "no heartbeat for 2.00s")],
+    (Phase.WAITING, Kind.HUNG_ELSEWHERE): [],
+    (Phase.ROUTING, Kind.HUNG_ELSEWHERE): [],
+    (Phase.ROUTING, Kind.SERVED): [fsm.GapEnded(0.5)],
+    (Phase.WAITING, Kind.SERVED_ELSEWHERE): [],
+    (Phase.ROUTING, Kind.SERVED_ELSEWHERE): [],
 }
+
+
+def lands(phase: Phase, k: Kind) -> Phase:
+    """The one phase the table says ``(phase, k)`` leads to."""
+    (target,) = fsm.TRANSITIONS[(phase, k)].targets
+    return target
 
 
 def test_the_event_list_covers_every_kind_and_phase() -> None:
@@ -149,11 +153,12 @@ def test_the_event_list_covers_every_kind_and_phase() -> None:
 @pytest.mark.parametrize("phase", list(Phase), ids=lambda p: p.value)
 @pytest.mark.parametrize("k", list(Kind), ids=lambda k: k.name)
 def test_every_phase_kind_pair(phase: Phase, k: Kind) -> None:
-    """Each event is judged as its kind; a legal pair lands where LANDS says,
-    with its actions; a pair without an entry is one no event can make."""
+    """Each event is judged as its kind; a legal pair lands where the table
+    declares, with the actions DOES lists; a pair without an entry is one no
+    event can make."""
     event = EVENTS[k][phase]
     assert ((phase, k) in fsm.TRANSITIONS) is (event is not None)
-    assert ((phase, k) in LANDS) is (event is not None)
+    assert ((phase, k) in DOES) is (event is not None)
     if event is None:
         # Nothing is routed while waiting: every such event is judged "elsewhere".
         for candidate in (Hung(A, 2.0), Hung(B, 2.0), Served(A), HolderSeen(A, 3)):
@@ -162,7 +167,7 @@ def test_every_phase_kind_pair(phase: Phase, k: Kind) -> None:
     s = state_in(phase)
     assert fsm.kind(s, event) is k
     new, actions = step(s, event, 1.0)
-    assert (new.phase, actions) == LANDS[(phase, k)]
+    assert (new.phase, actions) == (lands(phase, k), DOES[(phase, k)])
     assert (new.route is None) is (new.phase is Phase.WAITING)
 
 
@@ -236,3 +241,47 @@ P = Policy(hold_s=30, migration_limit=3)
 )
 def test_verdicts(attempt: Attempt, outcome: Outcome, expected: Verdict) -> None:
     assert verdict(attempt, outcome, P) is expected
+
+
+# ---------------------------------------------------- heartbeat judgement --
+
+W = fsm.Watchdog(hang_after_s=1.0, check_s=0.1, stall_s=0.25)
+
+
+@pytest.mark.parametrize(
+    ("due", "now", "beat_at", "expected"),
+    [
+        (10.0, 10.0, 9.5, fsm.Beat.ALIVE),
+        (10.0, 10.0, 9.0, fsm.Beat.ALIVE),  # exactly the limit: not yet
+        (10.0, 10.01, 9.0, fsm.Beat.HUNG),
+        (10.0, 10.25, 5.0, fsm.Beat.HUNG),  # late, but within the stall bound
+        (10.0, 10.26, 5.0, fsm.Beat.STALLED),  # the front itself did not run
+        (10.0, 12.0, 11.9, fsm.Beat.STALLED),  # no verdict either way
+        (10.0, 10.0, None, fsm.Beat.UNKNOWN),  # no heartbeat written yet
+        (10.0, 11.0, None, fsm.Beat.STALLED),
+    ],
+)
+def test_judge_beat(due: float, now: float, beat_at: float | None, expected: fsm.Beat) -> None:
+    judged = fsm.judge_beat(W, due, now, beat_at)
+    assert judged.beat is expected
+    assert judged.late_s == pytest.approx(now - due)
+    if expected in (fsm.Beat.ALIVE, fsm.Beat.HUNG):
+        assert beat_at is not None and judged.silent_s == pytest.approx(now - beat_at)
+
+
+@given(
+    st.floats(0, 1e6),
+    st.floats(0, 10),
+    st.one_of(st.none(), st.floats(0, 20)),
+)
+def test_a_late_check_never_condemns_and_a_punctual_one_judges_by_silence(
+    due: float, late: float, ago: float | None
+) -> None:
+    now = due + late
+    judged = fsm.judge_beat(W, due, now, None if ago is None else now - ago)
+    if late > W.stall_s:
+        assert judged.beat is fsm.Beat.STALLED
+    elif ago is None:
+        assert judged.beat is fsm.Beat.UNKNOWN
+    else:
+        assert (judged.beat is fsm.Beat.HUNG) is (judged.silent_s > W.hang_after_s)

@@ -1,6 +1,6 @@
 """The front door's decision core: where requests go, and what a failed one does next.
 
-Two pure parts, both with time passed in:
+Three pure parts, all with time passed in:
 
 - the **routing machine** (``step``, one ``TRANSITIONS`` table): which engine
   is Active and under which epoch, from the lock's holder and the hang
@@ -12,10 +12,14 @@ Two pure parts, both with time passed in:
 - the **request verdicts** (``verdict``): after one attempt to forward a
   request, whether to relay the answer, wait for the next Active engine,
   migrate (replay a request whole, or continue a stream where it stopped) or
-  give up with an error the client can act on.
+  give up with an error the client can act on;
+- the **heartbeat judgement** (``judge_beat``): from the times alone, whether
+  the routed engine is hung, alive, or cannot be judged because the front
+  itself was not scheduled (a stall of the whole machine).
 
-The shell (``proxy``) feeds lock events and attempt outcomes and carries out
-what comes back; it makes no decision of its own.
+The shells feed lock events, heartbeat times and attempt outcomes and carry
+out what comes back (``router``: the routing machine and the heartbeat;
+``forwarder``: the verdicts); they make no decision of their own.
 """
 
 from __future__ import annotations
@@ -314,3 +318,44 @@ def verdict(attempt: Attempt, outcome: Outcome, policy: Policy) -> Verdict:
             if attempt.relayed:
                 return Verdict.MIGRATE_ONGOING if attempt.streaming else Verdict.FAIL
             return Verdict.MIGRATE_NEW
+
+
+# --------------------------------------------------- heartbeat judgement ----
+
+
+@dataclass(frozen=True, slots=True)
+class Watchdog:
+    """The heartbeat check's bounds."""
+
+    hang_after_s: float = 1.0  # a routed engine silent this long is hung
+    check_s: float = 0.1  # the check runs this often
+    # A check this much later than it was due means the front was not
+    # scheduled either (CPU starvation, a VM pause): its silence proves nothing.
+    stall_s: float = 0.25
+
+
+class Beat(enum.Enum):
+    ALIVE = "alive"  # its heartbeat is recent enough
+    HUNG = "hung"  # silent past the limit, seen by a punctual check
+    STALLED = "stalled"  # the check itself came late: no verdict on the engine
+    UNKNOWN = "unknown"  # no heartbeat to read: no verdict
+
+
+@dataclass(frozen=True, slots=True)
+class Judged:
+    beat: Beat
+    late_s: float  # how much later than due the check ran
+    silent_s: float  # since the engine's last heartbeat (0 when there is none)
+
+
+def judge_beat(w: Watchdog, due: float, now: float, beat_at: float | None) -> Judged:
+    """Judge the routed engine's heartbeat at ``now``, on a check that was due
+    at ``due``; ``beat_at``: its last heartbeat (None: none to read). All times
+    on the one clock the heartbeat is written with."""
+    late = now - due
+    if late > w.stall_s:
+        return Judged(Beat.STALLED, late, 0.0)
+    if beat_at is None:
+        return Judged(Beat.UNKNOWN, late, 0.0)
+    silent = now - beat_at
+    return Judged(Beat.HUNG if silent > w.hang_after_s else Beat.ALIVE, late, silent)
