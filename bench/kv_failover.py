@@ -13,10 +13,14 @@ cache in the same pool; the real model), and each round:
 2. kill -9s the Active engine when the ``--kill-after``-th token arrives,
 3. times the kill to the next token the client receives (the next engine:
    detect, lock, wake, adopt or not, compute what it must, one decode step),
+   and the stream's own stall (its last token before the kill to its first
+   after, ``understudy.tools.stalls``, as the drill reports it) against its
+   time between tokens otherwise (TPOT),
 4. checks that the whole stream is byte for byte the uninterrupted answer
    (an uninterrupted stream of the same prompt, through the same pod, first).
 
-It prints the kill → next-token times (p50, max) per context and mode, the
+It prints the stream's stall against its TPOT and the kill → next-token
+times (p50, max) per context and mode, the
 ratio of each context's time to the 16-token one in the same mode, and of
 adopted to not, and writes everything with the machine's load to
 ``bench/results/kv_failover.json`` (``kv_failover_vllm.json`` for vLLM).
@@ -39,6 +43,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, summary, write_results
 
 from understudy.tools.drill_load import stream_events
+from understudy.tools.stalls import stream_times
 
 PY = sys.executable
 # Any text: its token ids are repeated to the context wanted (the prompt is sent
@@ -83,6 +89,8 @@ class Round:
     reused_positions: int | None  # what the next engine reused (its log), None: nothing
     first_token_s: float  # request to first token, before the kill
     in_flight: int  # chunks that arrived within 20 ms of the kill (sent before it)
+    stall_s: float = math.nan  # the stream's last token before the kill -> first after
+    between_s: list[float] = field(default_factory=list)  # its other intervals (TPOT)
 
 
 @dataclass
@@ -239,13 +247,18 @@ def run_mode(args: argparse.Namespace, mode: str, base: int) -> list[Round]:
                 after = [t for t in times if t > killed_at]
                 in_flight = sum(1 for t in after if t - killed_at < 0.02)
                 gap = after[in_flight] - killed_at if len(after) > in_flight else float("nan")
+                caught = stream_times(times, [killed_at])
                 got = Round(
                     context, mode, gap, text == want, reused_by_next(pod, pid),
                     times[0] - t0, in_flight,
+                    caught.stalls[0].stall_s if caught.stalls else math.nan,
+                    list(caught.between_s),
                 )  # fmt: skip
                 rounds.append(got)
                 print(
-                    f"[{mode}] context {context} round {r}: kill->next {gap:.3f}s "
+                    f"[{mode}] context {context} round {r}: stall {got.stall_s:.3f}s "
+                    f"(TPOT p50 {statistics.median(got.between_s or [math.nan]):.3f}s), "
+                    f"kill->next {gap:.3f}s "
                     f"identical={got.identical} reused={got.reused_positions} "
                     f"load={os.getloadavg()[0]:.2f}",
                     flush=True,
@@ -253,6 +266,23 @@ def run_mode(args: argparse.Namespace, mode: str, base: int) -> list[Round]:
     finally:
         pod.close()
     return rounds
+
+
+def stall_table(rounds: list[Round], contexts: list[int]) -> dict[str, Any]:
+    """Per mode and context: the streams' stalls at their kills, and their TPOT."""
+    out: dict[str, Any] = {}
+    for mode in MODES:
+        for c in contexts:
+            caught = [
+                r for r in rounds if r.mode == mode and r.context == c and not math.isnan(r.stall_s)
+            ]
+            tpot = [v for r in caught for v in r.between_s]
+            if caught and tpot:
+                out[f"{mode}/{c}"] = {
+                    "stall_s": summary([r.stall_s for r in caught]),
+                    "tpot_s": summary(tpot),
+                }
+    return out
 
 
 def report(rounds: list[Round], contexts: list[int]) -> dict[str, Any]:
@@ -274,7 +304,11 @@ def report(rounds: list[Round], contexts: list[int]) -> dict[str, Any]:
             a, b = table.get(f"on/{c}"), table.get(f"{other}/{c}")
             if a and b:
                 ratios[f"{c}: on vs {other}"] = a["p50"] / b["p50"]
-    return {"kill_to_next_token_s": table, "ratios_p50": ratios}
+    return {
+        "stream_stall_s": stall_table(rounds, contexts),
+        "kill_to_next_token_s": table,
+        "ratios_p50": ratios,
+    }
 
 
 def figure(result: dict[str, Any], contexts: list[int]) -> str:
@@ -358,7 +392,14 @@ def main() -> int:
         rounds += run_mode(args, mode, args.base_port + 20 * i)
         save(args, rounds, load_before)  # what is measured so far survives a stop
     result = save(args, rounds, load_before)
-    print("\nkill -> next token (s)")
+    print("\na stream's stall at the kill (last token before -> first after) vs its TPOT (s)")
+    for key, st in result["stream_stall_s"].items():
+        a, b = st["stall_s"], st["tpot_s"]
+        print(
+            f"  {key:>10}  n={a['n']}  stall p50={a['p50']:.3f} p99={a['p99']:.3f} "
+            f"max={a['max']:.3f}  TPOT p50={b['p50']:.3f} p99={b['p99']:.3f} max={b['max']:.3f}"
+        )
+    print("kill -> next token (s)")
     for key, s in result["kill_to_next_token_s"].items():
         print(f"  {key:>10}  n={s['n']}  p50={s['p50']:.3f}  max={s['max']:.3f}")
     print("ratios (p50)")

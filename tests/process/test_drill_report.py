@@ -53,6 +53,17 @@ def test_a_real_drill_draws_its_report(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(saved.read_text())
     assert result["summary"]["failovers_ok"] == 3
+    # the summary leads with a stream's stall at a kill against the same
+    # streams' time between tokens; "no request completed" follows, renamed
+    s = result["summary"]
+    assert s["streams_caught"] == s["stall_s"]["n"] >= 1, s
+    assert s["tpot_s"]["n"] >= s["streams_caught"], s
+    assert 0 < s["stall_s"]["p50"] <= s["stall_s"]["max"] < 30, s
+    assert sum(r["streams_caught"] for r in result["rounds"]) == s["streams_caught"]
+    summary_text = run.stdout[run.stdout.index("\ndrill: ") :]
+    assert summary_text.startswith("\ndrill: a stream's stall at a kill"), summary_text[:300]
+    assert "longest time with no request completed" in summary_text
+    assert "client-observed" not in run.stdout
     for name in CHARTS:
         path = out / name
         assert path.exists(), f"{name} missing: {run.stderr[-2000:]}"
@@ -62,6 +73,7 @@ def test_a_real_drill_draws_its_report(tmp_path: Path) -> None:
     page = (out / "index.html").read_text()
     assert sorted(re.findall(r'<img src="([^"]+)"', page)) == sorted(CHARTS)
     assert "PASS" in page
+    assert page.index('<p class="headline">A stream&#x27;s stall at a kill') < page.index("<table>")
 
     # every request is in the JSON (a short drill is not thinned), both kinds
     # of stream, and every round says when its kill was sent

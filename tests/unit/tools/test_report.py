@@ -5,6 +5,7 @@ charts need."""
 
 from __future__ import annotations
 
+import html
 import re
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,8 @@ def _round(i: int, kill_at: float, gap: float, **kw: Any) -> dict[str, Any]:
         "first_served_s": gap + 0.015,
         "rearm_s": 0.4 + 0.01 * i,
         "failed_requests": 0,
+        "streams_caught": 2,
+        "stall_max_s": 0.2 + 0.01 * i,
         "error": "",
         **kw,
     }
@@ -65,6 +68,9 @@ def synthetic(with_series: bool = True) -> dict[str, Any]:
         "clients": 4,
         "gap_s": stats([r["gap_s"] for r in rounds if "gap_s" in r]),
         "kill_to_grant_s": stats([r["kill_to_grant_s"] for r in rounds if "gap_s" in r]),
+        "streams_caught": 12,
+        "stall_s": stats([0.2 + 0.01 * i for i in range(12)]),
+        "tpot_s": stats([0.1, 0.15, 0.2]),
     }
     result: dict[str, Any] = {"summary": summary, "rounds": rounds, "errors": {"HTTP 503": 1}}
     if with_series:
@@ -103,9 +109,25 @@ def test_every_chart_is_a_real_png_and_the_page_shows_it(tmp_path: Path) -> None
     assert not re.search(r"(src|href)=\"(https?:|//)", page)
     assert "FAIL" in page  # a round without failover and a failed request
     # the nearest-rank p50 of 45, 50, .. 70 ms: the 3rd of 6 (ceil(0.5 * 6))
-    assert "<td>client-observed gap</td><td>6</td><td>55.0</td>" in page
+    assert "<td>longest time with no request completed</td><td>6</td><td>55.0</td>" in page
     assert "no new Active engine" in page and "HTTP 503" in page
-    assert "<td>SIGKILL: client-observed gap</td><td>6</td><td>55.0</td>" in page
+    assert "<td>SIGKILL: longest time with no request completed</td><td>6</td><td>55.0</td>" in page
+    # the page leads with a stream's stall against its own time between tokens:
+    # the sentence above the tables, and the first two rows of the percentiles
+    headline = re.search(r'<p class="headline">([^<]*)</p>', page)
+    assert headline is not None and headline.start() < page.index("<table>")
+    said = html.unescape(headline[1])
+    assert (
+        said.startswith("A stream's stall at a kill")
+        and "p50 250.0, p99 310.0, max 310.0 ms" in said
+    )
+    assert "p50 150.0, p99 200.0, max 200.0 ms (12 streams caught in 7 kills)" in said
+    rows = [html.unescape(r) for r in re.findall(r"<tr><td>([^<]*)</td><td>\d+</td>", page)]
+    assert rows[:2] == [
+        "a stream's stall at a kill (last token before → first after)",
+        "the same streams' time between tokens (TPOT)",
+    ]
+    assert "<td>2</td><td>210.0</td>" in page  # round 1: streams caught, longest stall
 
 
 def test_mixed_signals_get_their_own_percentiles() -> None:

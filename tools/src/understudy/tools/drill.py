@@ -7,10 +7,20 @@ of a kind must be identical). Each round: wait until the pod is armed (one
 Active engine, the others Standby), kill the Active engine's process with the
 chosen signal, and measure
 
+- each stream's stall: for every stream in flight at the kill, from its last
+  token before the kill to its first after, against the same streams' time
+  between tokens over the drill (``stalls``): the headline, what a reader
+  of a streamed answer waits through,
 - kill → lock granted → Active (from the new engine's ``/state``),
-- the client-observed gap: the longest stretch after the kill in which no
-  request completed, up to the first request that started after the kill,
+- the longest time with no request completed after the kill, up to the
+  first request that started after it (``gap_s``; on a model whose answers
+  take seconds, that is seconds with or without a kill),
 - failed requests, and re-arm: kill → the killed engine back in Standby.
+
+The modules: the pod and its processes (``drill_target``), the clients
+(``drill_load``), the watcher (``drill_watch``), the rounds and what is
+reported of them (``drill_result``), the figures (``figures``, ``stalls``,
+``series``); the sidecar drills are ``drill_sidecar`` and ``drill_front``.
 
 A watcher polls every engine's ``/state`` all along and counts split-brain
 (two engines Active at once, or an epoch that does not rise), and after each
@@ -208,6 +218,10 @@ def drill(
 def _report(ses: _Session, plan: _Plan, clients: int) -> Report:
     w, tally = ses.watcher, ses.tally
     end = time.monotonic()
+    # the tally's kills are the rounds that sent one, in order
+    for k, rnd in enumerate(r for r in ses.rounds if r.kill_at_s is not None):
+        mine = [x.stall_s for x in tally.stalls if x.kill == k]
+        rnd.streams_caught, rnd.stall_max_s = len(mine), max(mine, default=None)
     return Report(
         rounds=ses.rounds,
         requests=tally.requests,
@@ -224,4 +238,6 @@ def _report(ses: _Session, plan: _Plan, clients: int) -> Report:
             figures.unarmed_spans(w.timeline, ses.origin, end),
             end - ses.origin,
         ),
+        stalls=tally.stalls,
+        between=tally.between,
     )

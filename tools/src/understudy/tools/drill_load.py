@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,34 +70,55 @@ def kinds_for(adapter: str, max_tokens: int = 32) -> list[Kind]:
     ]
 
 
-def _answer(kind: Kind, data: bytes) -> bytes:
-    """The part of an answer that must be identical every time."""
+def _answer(
+    kind: Kind, data: bytes, arrivals: Sequence[float] = ()
+) -> tuple[bytes, tuple[float, ...]]:
+    """The part of an answer that must be identical every time, and for a
+    stream its tokens' arrival times (``arrivals``: each event's)."""
     if kind.name == "checksum":
-        return str(json.loads(data)["checksum"]).encode()
+        return str(json.loads(data)["checksum"]).encode(), ()
     if kind.name == "embeddings":
-        return base64.b64decode(json.loads(data)["data"][0]["embedding"])
+        return base64.b64decode(json.loads(data)["data"][0]["embedding"]), ()
     if not kind.streaming:
         choice = json.loads(data)["choices"][0]
         text = choice["message"]["content"] if "message" in choice else choice["text"]
-        return json.dumps([text, choice["finish_reason"]]).encode()
+        return json.dumps([text, choice["finish_reason"]]).encode(), ()
     # A stream: the text and the finish reason, from its events in order; the
     # stream must end with [DONE] and carry no error event.
     parts: list[str] = []
+    tokens: list[float] = []
     finish = None
     events = data.split(b"\n\n")
     if events[-2:] != [b"data: [DONE]", b""]:
         raise ValueError("stream did not end with [DONE]")
-    for ev in events[:-2]:
+    for i, ev in enumerate(events[:-2]):
         if not ev.startswith(b"data: "):
             raise ValueError(f"not an SSE data event: {ev[:60]!r}")
         doc = json.loads(ev[6:])
         if "error" in doc:
             raise ValueError(f"error event: {doc['error']}")
+        text = ""
         for choice in doc.get("choices", []):
-            delta = choice.get("delta", {})
-            parts.append(delta.get("content") or choice.get("text") or "")
+            text += choice.get("delta", {}).get("content") or choice.get("text") or ""
             finish = choice.get("finish_reason") or finish
-    return json.dumps(["".join(parts), finish]).encode()
+        parts.append(text)
+        if text and i < len(arrivals):  # the role's and the usage's events carry none
+            tokens.append(arrivals[i])
+    return json.dumps(["".join(parts), finish]).encode(), tuple(tokens)
+
+
+def _read(resp: http.client.HTTPResponse, streaming: bool) -> tuple[bytes, list[float]]:
+    """The response's body, and for a stream when each of its events arrived
+    (one ``data:`` line each, read as it comes)."""
+    if not streaming or resp.status != 200:
+        return resp.read(), []
+    lines: list[bytes] = []
+    arrivals: list[float] = []
+    for line in resp:
+        lines.append(line)
+        if line.startswith(b"data: "):
+            arrivals.append(time.monotonic())
+    return b"".join(lines), arrivals
 
 
 def stream_events(lines: Iterable[bytes]) -> Iterator[dict[str, Any]]:
@@ -138,7 +159,7 @@ class Client(threading.Thread):
                 "POST", kind.path, json.dumps(kind.body), {"Content-Type": "application/json"}
             )
             resp = conn.getresponse()
-            data = resp.read()
+            data, arrivals = _read(resp, kind.streaming)
             conn.close()
         except (OSError, http.client.HTTPException) as exc:
             return Sample(t0, time.monotonic(), False, error=type(exc).__name__, kind=kind.name)
@@ -146,13 +167,13 @@ class Client(threading.Thread):
         if resp.status != 200:
             return Sample(t0, t1, False, error=f"HTTP {resp.status}", kind=kind.name)
         try:
-            answer = _answer(kind, data)
+            answer, tokens = _answer(kind, data, arrivals)
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             return Sample(t0, t1, False, error=f"bad response: {exc}"[:200], kind=kind.name)
         # interned: the answers of a kind are (should be) all the same, so a
         # long drill keeps one copy of each digest, not one per request
         digest = sys.intern(hashlib.sha256(answer).hexdigest())
-        return Sample(t0, t1, True, digest, kind=kind.name)
+        return Sample(t0, t1, True, digest, kind=kind.name, tokens=tokens)
 
     def run(self) -> None:
         for n in itertools.count(self.index):

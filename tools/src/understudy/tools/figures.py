@@ -4,9 +4,10 @@ A drill records three things: the requests its clients made (``Sample``:
 start, end, ok), the engines' ``/state`` documents as its watcher polled them,
 and when it killed what. Every number it reports is computed here from those
 records, so each can be tested on records made up for the test, with no pod,
-no clock and no threads: the client-observed gap, the first request served
-after a kill, the failed requests of a round, kill → grant → Active, whether
-the pod is armed, and how long it was not.
+no clock and no threads: the longest time with no request completed, the
+first request served after a kill, the failed requests of a round, kill →
+grant → Active, whether the pod is armed, and how long it was not (a stream's
+stall at a kill is ``stalls``').
 
 Pure: no clocks, no I/O, no threads.
 """

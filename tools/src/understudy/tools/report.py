@@ -14,8 +14,8 @@ The charts:
 - ``around-kills.png``: the same, every round laid over the others with the
   kill at 0: the gap is the empty stretch after 0, the requests the front held
   through it land together at its end;
-- ``gaps.png``: the distribution of the client-observed gap (histogram and
-  CDF, p50 and p99 marked);
+- ``gaps.png``: the distribution of the longest time with no request
+  completed after each kill (histogram and CDF, p50 and p99 marked);
 - ``phases.png``: each round's phases stacked: detection (kill → lock
   granted), wake (granted → Active), serve (Active → the first request sent
   after the kill done), re-arm (the killed engine back in Standby).
@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from understudy.tools.drill_result import headline
 from understudy.tools.figures import percentile, stats, verdict
 
 CHARTS = ("latency.png", "around-kills.png", "gaps.png", "phases.png")
@@ -229,7 +230,7 @@ def around_kills_chart(series: dict[str, Any], rounds: list[dict[str, Any]], pat
     for q, style in ((50, "--"), (99, ":")):
         if gaps:
             v = percentile(gaps, q) * 1000  # the drill's own definition
-            ax.axvline(v, color="black", ls=style, lw=1, label=f"gap p{q} {v:.0f} ms")
+            ax.axvline(v, color="black", ls=style, lw=1, label=f"none done p{q} {v:.0f} ms")
     ax.set_xlim(lo * 1000, hi * 1000)
     ax.set_title("Latency around the kills (every round, kill at 0)")
     ax.set_xlabel("request completed at (ms after the kill)")
@@ -274,11 +275,11 @@ def gap_chart(rounds: list[dict[str, Any]], summary: dict[str, Any], path: Path)
             v = marks[key] * 1000
             for ax in (hist, cdf):
                 ax.axvline(v, color="black", ls=style, lw=1, label=f"{key} {v:.1f} ms")
-    hist.set_title(f"Client-observed gap per failover ({len(gaps)} rounds)")
-    hist.set_xlabel("gap (ms)")
+    hist.set_title(f"Longest time with no request completed, per kill ({len(gaps)} rounds)")
+    hist.set_xlabel("no request completed (ms)")
     hist.set_ylabel("rounds")
     cdf.set_title("Cumulative")
-    cdf.set_xlabel("gap (ms)")
+    cdf.set_xlabel("no request completed (ms)")
     cdf.set_ylabel("fraction of rounds")
     for ax in (hist, cdf):
         ax.grid(True, alpha=0.3)
@@ -313,7 +314,7 @@ def phases_chart(rounds: list[dict[str, Any]], path: Path) -> Path:
             marker="_",
             s=120,
             color="black",
-            label="client-observed gap",
+            label="longest with no request completed",
             zorder=3,
         )
     failed = [i for i, r in zip(index, rounds, strict=True) if r.get("error")]
@@ -345,11 +346,13 @@ def phases_chart(rounds: list[dict[str, Any]], path: Path) -> Path:
 # -- the page ---------------------------------------------------------------
 
 STATS = (
-    ("gap_s", "client-observed gap"),
-    ("first_served_s", "kill → first new request done"),
+    ("stall_s", "a stream's stall at a kill (last token before → first after)"),
+    ("tpot_s", "the same streams' time between tokens (TPOT)"),
+    ("kill_to_active_s", "kill → Active"),
     ("kill_to_grant_s", "detection: kill → lock granted"),
     ("grant_to_active_s", "wake: granted → Active"),
-    ("kill_to_active_s", "kill → Active"),
+    ("gap_s", "longest time with no request completed"),
+    ("first_served_s", "kill → first new request done"),
     ("rearm_s", "re-arm: kill → Standby again"),
 )
 CAPTIONS = {
@@ -357,8 +360,10 @@ CAPTIONS = {
     "and the shading after each the gap in which no request completed.",
     "around-kills.png": "Every round laid over the others, the kill at 0. Requests the front "
     "held through the failover complete together at the gap's end, their latency raised by it.",
-    "gaps.png": "The client-observed gap: from the kill to the end of the longest stretch "
-    "without a completed request, up to the first request sent after the kill.",
+    "gaps.png": "The longest time with no request completed: from the kill to the end of "
+    "the longest stretch without a completed request, up to the first request sent after "
+    "the kill. On a model whose answers take seconds it is seconds with or without a kill; "
+    "a stream's own stall is the figure above the charts.",
     "phases.png": "Each round's phases, stacked. Detection and wake are the engines' own "
     "timestamps (lock granted, Active); serve ends when the first request sent after the kill "
     "is done; re-arm when the killed engine is back in Standby.",
@@ -370,6 +375,7 @@ table { border-collapse: collapse; margin: 1rem 0; }
 th, td { border: 1px solid #ccc; padding: 0.25rem 0.6rem; text-align: right; }
 th:first-child, td:first-child { text-align: left; }
 figure { margin: 1.5rem 0; } img { max-width: 100%; }
+.headline { font-size: 1.15rem; }
 .pass { color: #070; font-weight: bold; } .fail { color: #b00; font-weight: bold; }
 """
 
@@ -395,10 +401,12 @@ def render_html(result: dict[str, Any], images: list[str]) -> str:
         f"<h1>Failover drill: {_E(str(s.get('kills')))} kills "
         f'<span class="{"pass" if ok else "fail"}">{"PASS" if ok else "FAIL"}</span></h1>',
     ]
+    line = headline(s)
+    out.append(f'<p class="headline">{_E(line[:1].upper() + line[1:])}.</p>')
     if host := result.get("host"):
         out.append(f"<p>Host: {_E(_host_line(host))}</p>")
-    out += _counts(s)
     out += _percentiles(s)
+    out += _counts(s)
     out += _by_signal(result.get("rounds", []))
     out += _figures(images)
     out += _pairs("The cluster", result.get("cluster") or {}, CLUSTER_KEYS)
@@ -488,12 +496,14 @@ def _pairs(title: str, values: dict[str, Any], keys: Iterable[str]) -> list[str]
 def _rounds(rounds: list[dict[str, Any]]) -> list[str]:
     out = [
         "<h2>Rounds</h2><table><tr><th>#</th><th>signal</th><th>killed → new</th>"
-        "<th>detection</th><th>wake</th><th>gap</th><th>first served</th><th>re-arm</th>"
+        "<th>streams caught</th><th>longest stall</th><th>detection</th><th>wake</th>"
+        "<th>none completed</th><th>first served</th><th>re-arm</th>"
         "<th>failed</th><th>error</th></tr>"
     ]
     out += [
         f"<tr><td>{r.get('index')}</td><td>{_E(str(r.get('signal', '')))}</td>"
         f"<td>{_E(str(r.get('killed')))} → {_E(str(r.get('new_active')))}</td>"
+        f"<td>{r.get('streams_caught', '–')}</td><td>{_fmt_ms(r.get('stall_max_s'))}</td>"
         f"<td>{_fmt_ms(r.get('kill_to_grant_s'))}</td>"
         f"<td>{_fmt_ms(r.get('grant_to_active_s'))}</td>"
         f"<td>{_fmt_ms(r.get('gap_s'))}</td><td>{_fmt_ms(r.get('first_served_s'))}</td>"

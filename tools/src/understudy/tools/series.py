@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from understudy.tools.stalls import Stall, stream_times
+
 
 class KindLike(Protocol):
     """A kind of request (drill_load.Kind): its name, and whether it streams."""
@@ -24,7 +26,8 @@ class KindLike(Protocol):
 @dataclass(slots=True)
 class Sample:
     """One request: started and ended (monotonic seconds), answered right or
-    not, the digest of its answer or its error, and its kind's name."""
+    not, the digest of its answer or its error, its kind's name, and for a
+    stream when each of its tokens arrived (until the tally has read them)."""
 
     start: float
     end: float
@@ -32,6 +35,7 @@ class Sample:
     digest: str = ""
     error: str = ""
     kind: str = ""
+    tokens: tuple[float, ...] = ()
 
 
 # The per-request series a report draws: every request near a kill (the part
@@ -102,11 +106,20 @@ class Tally:
         self.rest: list[Sample] = []
         self.stride = 1
         self.seen_rest = 0
+        # the streams a kill caught: each one's stall, and its other intervals
+        # between tokens (the TPOT the stall reads against)
+        self.stalls: list[Stall] = []
+        self.between: list[float] = []
 
     def add(self, samples: list[Sample], kills: list[float]) -> None:
         """Fold ``samples``, which end before any kill after ``kills``."""
         for s in samples:
             self.requests += 1
+            if s.tokens:
+                caught = stream_times(s.tokens, kills)
+                self.stalls += caught.stalls
+                self.between += caught.between_s
+                s.tokens = ()  # read: a long drill keeps no token times
             self.by_kind[s.kind] = self.by_kind.get(s.kind, 0) + 1
             if s.ok:
                 self.answers.setdefault(s.kind, Counter())[s.digest] += 1
