@@ -43,12 +43,11 @@ def _reexec_for_vllm(args: argparse.Namespace) -> None:
     os.execve(python, [python, "-m", "understudy.cli", "engine", "run"], env)
 
 
-_ADAPTER_MODULES = {
-    "reference": "understudy.engine_shim.adapters.reference",
-    "llama": "understudy.engine_shim.adapters.llama",
-    "vllm": "understudy.engine_shim.adapters.vllm",
-    "synthetic": "understudy.engine_shim.adapters.synthetic",
-}
+def _adapter_module(adapter: str) -> str | None:
+    """Where an adapter lives: ``adapters.<name>``, for the names of ``wire.engines``."""
+    from understudy.wire.engines import NAMES
+
+    return f"understudy.engine_shim.adapters.{adapter}" if adapter in NAMES else None
 
 
 def _prepare_if_spare() -> tuple[bool, EarlyStatus | None]:
@@ -76,7 +75,7 @@ def _prepare_if_spare() -> tuple[bool, EarlyStatus | None]:
     threading.Thread(target=wait, name="spare-turn", daemon=True).start()
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads
     adapter = os.environ.get("UNDERSTUDY_ENGINE_ADAPTER", "reference")
-    for module in ("understudy.engine_shim.mainloop", _ADAPTER_MODULES.get(adapter)):
+    for module in ("understudy.engine_shim.mainloop", _adapter_module(adapter)):
         if module is not None:
             importlib.import_module(module)
     turn.wait()

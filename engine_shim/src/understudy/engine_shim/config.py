@@ -10,13 +10,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from understudy.wire.engines import DEFAULT_MODELS, NAMES, EngineAdapter
 from understudy.wire.serving import heartbeat_path, serving_socket
 
 ROLES = ("primary", "shadow")
-ADAPTERS = ("reference", "synthetic", "llama", "vllm")
-# The model an adapter serves when UNDERSTUDY_MODEL is not set.
-DEFAULT_MODELS = {"llama": "builtin:tiny-llama", "vllm": "builtin:tiny-llama"}
-DEFAULT_MODEL = "builtin:all-MiniLM-L6-v2"
 
 
 class ConfigError(ValueError):
@@ -96,8 +93,8 @@ def from_env(env: Mapping[str, str] | None = None) -> EngineConfig:
     name = env.get("UNDERSTUDY_ENGINE_NAME") or f"engine-{role}"
     run_dir = Path(env.get("UNDERSTUDY_RUN_DIR", "/run/understudy"))
     adapter = env.get("UNDERSTUDY_ENGINE_ADAPTER", "reference")
-    if adapter not in ADAPTERS:
-        raise ConfigError(f"UNDERSTUDY_ENGINE_ADAPTER must be one of {ADAPTERS}, got {adapter!r}")
+    if adapter not in NAMES:
+        raise ConfigError(f"UNDERSTUDY_ENGINE_ADAPTER must be one of {NAMES}, got {adapter!r}")
     devices_raw = env.get("UNDERSTUDY_DEVICES", "0")
     try:
         devices = tuple(int(d) for d in devices_raw.split(",") if d.strip())
@@ -125,7 +122,7 @@ def from_env(env: Mapping[str, str] | None = None) -> EngineConfig:
         gms_backend=backend,
         devices=devices,
         adapter=adapter,
-        model=env.get("UNDERSTUDY_MODEL") or DEFAULT_MODELS.get(adapter, DEFAULT_MODEL),
+        model=env.get("UNDERSTUDY_MODEL") or DEFAULT_MODELS[EngineAdapter(adapter)],
         engine_args=tuple(args),
         status_port=_int(env, "UNDERSTUDY_STATUS_PORT", 8100),
         startup_budget_s=_float(env, "UNDERSTUDY_STARTUP_BUDGET_S", 600.0),

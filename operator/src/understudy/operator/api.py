@@ -20,6 +20,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from understudy.wire import engines
+
 GROUP = "understudy.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -77,11 +79,8 @@ IntOrString = int | str  # a Kubernetes quantity: `1`, `"500m"`, `"8Gi"`
 # --------------------------------------------------------------------- spec
 
 
-class EngineAdapter(StrEnum):
-    LLAMA = "llama"
-    REFERENCE = "reference"
-    SYNTHETIC = "synthetic"
-    VLLM = "vllm"
+# The adapter names are the pod contract's, defined once for every component.
+EngineAdapter = engines.EngineAdapter
 
 
 class GmsBackend(StrEnum):

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from understudy.wire.engines import NAMES as ENGINES
+
 
 def _local_config(args: argparse.Namespace) -> Any:
     from understudy.tools.local import LocalConfig
@@ -432,7 +434,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     up = local_sub.add_parser("up", help="start lock server, GMS and engines; restart like kubelet")
     up.add_argument(
         "--engine",
-        choices=("llama", "vllm", "reference", "synthetic"),
+        choices=ENGINES,
         default="llama",
         help="llama: a generative Llama (built offline, chat and completions); vllm: the same "
         "model served by vLLM (its CPU build here; needs the vLLM venv); reference: "
