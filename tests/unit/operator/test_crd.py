@@ -20,6 +20,7 @@ import yaml
 
 from understudy.operator import crd
 from understudy.operator.api import GpuInstance
+from understudy.operator.resources import quantity
 
 cel = pytest.importorskip("cel", reason="common-expression-language (CEL stopgap) not installed")
 
@@ -82,7 +83,8 @@ def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
 def _to_jsonschema(schema: Any) -> Any:
     if isinstance(schema, dict):
         if schema.get("x-kubernetes-int-or-string"):
-            return {"anyOf": [{"type": "integer"}, {"type": "string"}]}
+            text = {k: v for k, v in schema.items() if k in ("pattern", "maxLength")}
+            return {"anyOf": [{"type": "integer"}, {"type": "string", **text}]}
         out = {k: _to_jsonschema(v) for k, v in schema.items() if not k.startswith("x-kubernetes")}
         if schema.get("type") == "object" and "properties" in schema:
             out["additionalProperties"] = False  # pruning, made visible
@@ -92,15 +94,26 @@ def _to_jsonschema(schema: Any) -> Any:
     return schema
 
 
+def _compare(a: float, b: float) -> int:
+    return (a > b) - (a < b)
+
+
+# Kubernetes' CEL quantity library, as far as the rules use it (a method call
+# is a function of its receiver here). Values become floats: exact enough to
+# order the quantities of these tests.
+QUANTITY_LIB = {"quantity": lambda text: float(quantity(text)), "compareTo": _compare}
+
+
 def _cel_errors(schema: dict[str, Any], value: Any, old: Any, path: str) -> list[str]:
     errors: list[str] = []
     for rule in schema.get("x-kubernetes-validations", []):
         transition = "oldSelf" in rule["rule"]
         if transition and old is None:
             continue  # transition rules run on update only
-        ctx = {"self": value}
+        variables = {"self": value}
         if transition:
-            ctx["oldSelf"] = old
+            variables["oldSelf"] = old
+        ctx = cel.Context(variables=variables, functions=QUANTITY_LIB)
         if cel.evaluate(rule["rule"], ctx) is not True:
             errors.append(f"{path}: {rule['message']}")
     if isinstance(value, dict):
@@ -181,6 +194,18 @@ INVALID = {
         {"rollout": {"maxSurge": 0, "maxUnavailable": 0}},
         "cannot both be 0",
     ),
+    "not a quantity": ({"engine": {"resources": {"requests": {"cpu": "1 core"}}}}, "not valid"),
+    "request over its limit": (
+        {"engine": {"resources": {"requests": {"memory": "2Gi"}, "limits": {"memory": "1Gi"}}}},
+        "a resource request must not exceed its limit",
+    ),
+    "standby over the limits": (
+        {
+            "engine": {"resources": {"limits": {"cpu": 2}}},
+            "failover": {"standbyResources": {"requests": {"cpu": "2500m"}}},
+        },
+        "standbyResources.requests must not exceed engine.resources.limits",
+    ),
     "bad toleration operator": (
         {"placement": {"tolerations": [{"key": "k", "operator": "In"}]}},
         "is not one of",
@@ -197,6 +222,22 @@ def test_invalid_instances_are_rejected_by_schema_and_cel(case: str) -> None:
     errors = admit(obj)
     assert errors, f"{case} was admitted"
     assert any(expected in e for e in errors), errors
+
+
+def test_resources_within_limits_are_admitted() -> None:
+    fits = {
+        "engine": {
+            "resources": {
+                "requests": {"cpu": 1, "memory": "1Gi"},
+                "limits": {"cpu": "1000m", "memory": "1Gi"},
+            }
+        },
+        "failover": {"standbyResources": {"requests": {"cpu": "50m", "memory": "1024Mi"}}},
+        "gms": {"resources": {"requests": {"memory": "64Mi"}, "limits": {"memory": "1e9"}}},
+    }
+    assert admit(_base(**fits)) == []
+    # A standby may ask for what the limits do not bound.
+    assert admit(_base(failover={"standbyResources": {"requests": {"cpu": 8}}})) == []
 
 
 def test_valid_elastic_replicas_are_admitted() -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from understudy.operator import checks, render
+from understudy.operator import checks, render, resources
 from understudy.operator import lifecycle as lc
 from understudy.operator.api import GpuInstance, ReplicaPhase
 from understudy.operator.checks import policy_for
@@ -512,3 +512,93 @@ def test_checks_run_in_order_for_the_phase_they_find(
     monkeypatch.setattr(checks, "check_drain", watched(C.DRAIN, checks.check_drain))
     new, _ = checks.check_replica(ctx, rec, drain_clock=None)
     assert (ran, new.phase) == CHECKS_RUN[phase]
+
+
+# ------------------------------------------------------- resources per role
+
+
+def _with_requests(pod: PodView, active: str) -> PodView:
+    """The pod's engine containers requesting what their roles of ``active`` call for."""
+    inst = GpuInstance.from_body(body())
+    want = {
+        name: resources.role_requests(inst.spec, active=name == active)
+        for name in render.engine_names(inst)
+    }
+    return replace(pod, requests=want, routable_label="true")
+
+
+def test_a_failover_resizes_the_engines_in_place_by_role() -> None:
+    b, pod, p = run_to_serving()
+    assert p.resizes == ()  # the rendered roles hold: nothing to move
+    inst = GpuInstance.from_body(b)
+    pod = _with_requests(pod, render.PRIMARY)
+    shadow = render.shadow_name(1)
+    pod = replace(pod, engines={shadow: EngineView(state="Active", epoch=2)})
+    p = plan(inst, Observed({pod.name: pod}, {"n1": True}, NODES), 130.0, CFG)
+    (r,) = p.resizes
+    assert (r.pod, r.active) == (pod.name, shadow)
+    assert r.requests[shadow] == resources.active_requests(inst.spec)
+    assert r.requests[render.PRIMARY] == resources.standby_requests(inst.spec)
+    # Once the pod requests what the roles call for, nothing more is asked.
+    done = _with_requests(pod, shadow)
+    b = after(p, b)
+    again = plan(
+        GpuInstance.from_body(b), Observed({pod.name: done}, {"n1": True}, NODES), 131.0, CFG
+    )
+    assert again.resizes == ()
+
+
+def test_no_resize_without_an_engine_seen_active_in_this_pass() -> None:
+    """A role from the last status (the engines' /state did not answer) could
+    be stale: shrinking the engine that serves is worse than waiting a pass."""
+    b, pod, _ = run_to_serving()
+    pod = _with_requests(pod, render.shadow_name(1))  # as if the shadow were Active
+    unknown = replace(pod, engines={render.PRIMARY: EngineView()})
+    p = plan(
+        GpuInstance.from_body(b), Observed({pod.name: unknown}, {"n1": True}, NODES), 130.0, CFG
+    )
+    assert p.resizes == ()
+    seen = replace(pod, engines={render.PRIMARY: EngineView(state="Active", epoch=1)})
+    p = plan(GpuInstance.from_body(b), Observed({pod.name: seen}, {"n1": True}, NODES), 130.0, CFG)
+    assert [r.active for r in p.resizes] == [render.PRIMARY]
+
+
+def test_a_pod_of_an_older_spec_is_not_resized() -> None:
+    b, pod, _ = run_to_serving()
+    pod = replace(_with_requests(pod, render.shadow_name(1)), spec_hash="older")
+    p = plan(GpuInstance.from_body(b), Observed({pod.name: pod}, {"n1": True}, NODES), 130.0, CFG)
+    assert p.resizes == ()
+
+
+# ------------------------------------------------------------ unschedulable
+
+
+def test_the_scheduled_condition_says_why_a_pod_is_not_bound() -> None:
+    b = body()
+    p1 = plan(GpuInstance.from_body(b), Observed(node_ready={"n1": True}, nodes=NODES), 100.0, CFG)
+    b = after(p1, b)
+    waiting = pod_from(p1)
+    p2 = plan(
+        GpuInstance.from_body(b), Observed({waiting.name: waiting}, {"n1": True}, NODES), 101.0, CFG
+    )
+    b = after(p2, b)
+    scheduled = next(c for c in b["status"]["conditions"] if c["type"] == "Scheduled")
+    assert (scheduled["status"], scheduled["reason"]) == ("False", "WaitingForScheduler")
+    why = "Unschedulable: 0/1 nodes are available: 1 Insufficient cpu."
+    stuck = replace(waiting, unschedulable=why)
+    p3 = plan(
+        GpuInstance.from_body(b), Observed({stuck.name: stuck}, {"n1": True}, NODES), 102.0, CFG
+    )
+    assert p3.status is not None
+    scheduled = next(c for c in p3.status["conditions"] if c["type"] == "Scheduled")
+    assert (scheduled["status"], scheduled["reason"]) == ("False", "Unschedulable")
+    assert scheduled["message"] == f"0 of 1 replica pod(s) bound to a node; replica 0: {why}"
+    # The new reason is news: an Event carries the scheduler's words.
+    (ev,) = [e for e in p3.events if e.reason == "Unschedulable"]
+    assert ev.type == "Warning" and "1 Insufficient cpu" in ev.message
+    # Said once: the same reason in the next pass is not news again.
+    b = after(p3, b)
+    p4 = plan(
+        GpuInstance.from_body(b), Observed({stuck.name: stuck}, {"n1": True}, NODES), 103.0, CFG
+    )
+    assert not [e for e in p4.events if e.reason == "Unschedulable"]

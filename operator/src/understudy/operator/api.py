@@ -73,7 +73,22 @@ class _Model(BaseModel):
     )
 
 
-IntOrString = int | str  # a Kubernetes quantity: `1`, `"500m"`, `"8Gi"`
+# A resource quantity as core/v1 spells it (the pattern of its OpenAPI
+# schema): a wrong one is refused at admission with this pattern, not by the
+# pod that would carry it minutes later.
+QUANTITY_PATTERN = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+Quantity = int | Annotated[str, Field(max_length=64, pattern=QUANTITY_PATTERN)]  # 1, "500m", "8Gi"
+
+
+def _request_within_limit(requests: str, limits: str) -> str:
+    """CEL: every quantity in ``requests`` is at most the one of the same name in ``limits``."""
+    return (
+        f"!has({requests}) || !has({limits}) || {requests}.all(k, !(k in {limits}) || "
+        f"quantity(string({requests}[k])).compareTo(quantity(string({limits}[k]))) <= 0)"
+    )
 
 
 # --------------------------------------------------------------------- spec
@@ -116,13 +131,43 @@ class ModelSpec(_Model):
 
 
 class ResourceRequirements(_Model):
-    """CPU and memory of one engine container (the GPUs come from the DRA claim)."""
+    """CPU and memory of one container (the GPUs come from the DRA claim)."""
 
-    requests: dict[str, IntOrString] = Field(
+    model_config = ConfigDict(
+        json_schema_extra=_validations(
+            cel(
+                _request_within_limit("self.requests", "self.limits"),
+                "a resource request must not exceed its limit",
+                field_path=".requests",
+            )
+        )
+    )
+
+    requests: dict[str, Quantity] = Field(
         default_factory=dict, max_length=8, description="Resource requests (cpu, memory, ...)."
     )
-    limits: dict[str, IntOrString] = Field(
+    limits: dict[str, Quantity] = Field(
         default_factory=dict, max_length=8, description="Resource limits (cpu, memory, ...)."
+    )
+
+
+class StandbyResources(_Model):
+    """What a sleeping engine reserves: requests only (docs/sizing.md).
+
+    Its limits are ``engine.resources.limits``, an Active engine's, so that a
+    standby serves the moment it takes the lock; the operator then resizes
+    the containers in place (the new Active's requests grow to
+    ``engine.resources.requests``).
+    """
+
+    requests: dict[str, Quantity] = Field(
+        default_factory=dict,
+        max_length=8,
+        description=(
+            "Requests of each engine container that is not Active (cpu, memory, ...); a "
+            "resource not named here takes the adapter's default (docs/sizing.md), never "
+            "more than engine.resources.requests."
+        ),
     )
 
 
@@ -144,7 +189,10 @@ class EngineSpec(_Model):
     )
     resources: ResourceRequirements = Field(
         default_factory=ResourceRequirements,
-        description="Requests and limits of each engine container.",
+        description=(
+            "Requests of the Active engine's container, and limits of every engine "
+            "container (a standby's requests are failover.standbyResources)."
+        ),
     )
 
 
@@ -257,6 +305,10 @@ class FailoverSpec(_Model):
         le=60,
         description="Heartbeat silence after which the front treats the Active engine as hung "
         "and kills it.",
+    )
+    standby_resources: StandbyResources = Field(
+        default_factory=StandbyResources,
+        description="Requests of each engine container that is not Active.",
     )
 
 
@@ -463,6 +515,15 @@ class GpuInstanceSpec(_Model):
                 "!self.autoscaling.enabled || has(self.replicas.max)",
                 "autoscaling.enabled needs replicas.max",
                 field_path=".autoscaling.enabled",
+            ),
+            # Every engine may become Active at once: a standby's requests fit
+            # under the limits it shares with the Active engine.
+            cel(
+                _request_within_limit(
+                    "self.failover.standbyResources.requests", "self.engine.resources.limits"
+                ),
+                "failover.standbyResources.requests must not exceed engine.resources.limits",
+                field_path=".failover.standbyResources.requests",
             ),
         )
     )

@@ -18,8 +18,9 @@ from typing import Any
 
 from understudy.operator import api
 from understudy.operator.api import GpuInstance
-from understudy.operator.metrics import ACTIONS
-from understudy.operator.view import Delete, EventSpec, LabelPatch, Plan
+from understudy.operator.conditions import Reason
+from understudy.operator.metrics import ACTIONS, RESIZES
+from understudy.operator.view import Delete, EventSpec, LabelPatch, Plan, Resize
 from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.operator.apply")
@@ -27,6 +28,7 @@ log = logging.getLogger("understudy.operator.apply")
 FIELD_MANAGER = "understudy-operator"
 AUTOSCALER_MANAGER = "understudy-autoscaler"  # owns spec.replicas.desired when enabled
 MERGE = "application/merge-patch+json"
+STRATEGIC = "application/strategic-merge-patch+json"  # containers merge by name
 
 
 class Conflict(Exception):
@@ -183,6 +185,58 @@ async def scale(dyn: Any, inst: GpuInstance, replicas: int) -> None:
     log_event(log, "scaled", instance=inst.metadata.name, replicas=replicas)
 
 
+# Resizes refused so far, by pod, with what was asked: a cluster that refuses
+# them (in-place resize off) gets one Event per pod and request, not one per
+# pass. Bounded: the oldest is forgotten first.
+_REFUSED: dict[str, str] = {}
+_REFUSED_LIMIT = 1024
+
+
+def _resize_message(r: Resize) -> str:
+    shares = "; ".join(
+        f"{name}{' (Active)' if name == r.active else ''} "
+        + ", ".join(f"{k}={v}" for k, v in sorted(req.items()))
+        for name, req in sorted(r.requests.items())
+    )
+    return f"pod {r.pod}: requests {shares}"
+
+
+async def resize(dyn: Any, inst: GpuInstance, r: Resize) -> None:
+    """Patch the pod's ``resize`` subresource; a refusal is logged, counted and an Event.
+
+    It never fails the pass: the pod keeps serving with its old requests
+    (the limits already let any engine serve), and the next pass asks again.
+    """
+    ns = inst.metadata.namespace
+    path = f"/api/v1/namespaces/{ns}/pods/{r.pod}/resize"
+    containers = [
+        {"name": name, "resources": {"requests": dict(req)}} for name, req in r.requests.items()
+    ]
+    message = _resize_message(r)
+    try:
+        await dyn.request(
+            "patch", path, body={"spec": {"containers": containers}}, content_type=STRATEGIC
+        )
+    except Exception as exc:  # any refusal: the pod works on, with its old requests
+        RESIZES.labels("refused").inc()
+        log_event(
+            log, "resize_refused", logging.WARNING, pod=r.pod, status=_status_code(exc), error=exc
+        )
+        key = f"{ns}/{r.pod}"
+        if _REFUSED.get(key) != message:
+            _REFUSED.pop(key, None)
+            _REFUSED[key] = message
+            while len(_REFUSED) > _REFUSED_LIMIT:
+                del _REFUSED[next(iter(_REFUSED))]
+            reason = f"{message}: refused ({_status_code(exc) or type(exc).__name__})"
+            await post_event(dyn, inst, EventSpec("Warning", Reason.RESIZE_REFUSED, reason))
+        return
+    _REFUSED.pop(f"{ns}/{r.pod}", None)
+    RESIZES.labels("done").inc()
+    log_event(log, "resized", pod=r.pod, active=r.active)
+    await post_event(dyn, inst, EventSpec("Normal", Reason.RESIZED, message))
+
+
 def writes(plan: Plan) -> bool:
     return bool(
         plan.create_pods
@@ -190,6 +244,7 @@ def writes(plan: Plan) -> bool:
         or plan.labels
         or plan.status is not None
         or plan.scale is not None
+        or plan.resizes
     )
 
 
@@ -220,6 +275,8 @@ async def apply(
         await label(dyn, ns, patch)
     if plan.scale is not None:
         await scale(dyn, inst, plan.scale)
+    for r in plan.resizes:
+        await resize(dyn, inst, r)
     for ev in plan.events:
         log_event(
             log, "transition", instance=inst.metadata.name, reason=ev.reason, message=ev.message

@@ -35,6 +35,7 @@ class Reason(StrEnum):
     # Scheduled
     ALL_BOUND = "AllBound"
     WAITING_FOR_SCHEDULER = "WaitingForScheduler"
+    UNSCHEDULABLE = "Unschedulable"  # kube-scheduler said why (its message follows)
     NO_FEASIBLE_NODE = "NoFeasibleNode"
     # StandbyReady
     STANDBY_ARMED = "StandbyArmed"
@@ -64,6 +65,9 @@ class Reason(StrEnum):
     FAILOVER = "Failover"
     ROUTABLE = "Routable"
     NOT_ROUTABLE = "NotRoutable"
+    # in-place resize after a failover (resize.py, apply.py)
+    RESIZED = "Resized"
+    RESIZE_REFUSED = "ResizeRefused"
 
 
 def rfc3339(now: float) -> str:

@@ -111,7 +111,10 @@ def _union(node: dict[str, Any], defs: dict[str, Any], *, in_spec: bool) -> dict
         del outer["default"]
     types = sorted(o.get("type", "") for o in options)
     if types == ["integer", "string"]:
-        return {**_scalars(outer), "x-kubernetes-int-or-string": True}
+        # The string's own bounds (a quantity's pattern) apply to the string form.
+        text = next(o for o in options if o.get("type") == "string")
+        bounds = {k: v for k, v in _scalars(text).items() if k != "type"}
+        return {**bounds, **_scalars(outer), "x-kubernetes-int-or-string": True}
     if len(options) != 1:
         raise ValueError(f"cannot express a union in a structural schema: {node}")
     return _structural(_overlay(options[0], outer), defs, in_spec=in_spec)
@@ -155,6 +158,10 @@ def _property(
 
 def _scalars(node: dict[str, Any]) -> dict[str, Any]:
     out = {k: node[k] for k in _KEEP_SCALAR if k in node}
+    if "x-kubernetes-validations" in out:
+        # A copy per use: a model used twice (resources of the engine and of
+        # GMS) would otherwise share its rules, which YAML prints as aliases.
+        out["x-kubernetes-validations"] = [dict(r) for r in out["x-kubernetes-validations"]]
     if "required" in out:
         out["required"] = sorted(out["required"])
     return out

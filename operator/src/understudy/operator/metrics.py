@@ -36,6 +36,12 @@ ACTIONS = prom.Counter(
     "API writes made by the operator, by kind of action.",
     ["action"],
 )
+RESIZES = prom.Counter(
+    "understudy_operator_resizes_total",
+    "In-place resizes of a pod's engine containers after a failover, by result "
+    "(done, refused: the pod keeps its old requests).",
+    ["result"],
+)
 SCHEDULER_DECISION = prom.Histogram(
     "understudy_scheduler_decision_seconds",
     "Time to place one replica: filters and scorers over every candidate node.",

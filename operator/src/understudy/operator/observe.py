@@ -86,6 +86,12 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         )
         for c in status.get("containerStatuses") or []
     )
+    requests = {
+        c.get("name", ""): {
+            k: str(v) for k, v in ((c.get("resources") or {}).get("requests") or {}).items()
+        }
+        for c in spec.get("containers") or []
+    }
     return PodView(
         name=meta.get("name", ""),
         index=_int(labels.get(render.LABEL_REPLICA)),
@@ -99,6 +105,7 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         ready=ready,
         front_ready=front_ready,
         containers=containers,
+        requests=requests,
     )
 
 

@@ -22,7 +22,9 @@ One pass, each step a function of its own module:
    records become the history, its ``CreatePod`` the pods;
 7. ``status``: every replica's status and routable label, the history, the
    conditions and the instance's phase;
-8. :func:`requeue`: when the next pass is due if no watch event comes first.
+8. ``resize.resizes``: engine containers whose requests no longer match their
+   role since a failover are resized in place;
+9. :func:`requeue`: when the next pass is due if no watch event comes first.
 
 Core module: no I/O imports.
 """
@@ -33,7 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, assert_never
 
 from understudy.operator import lifecycle as lc
-from understudy.operator import render
+from understudy.operator import render, resize
 from understudy.operator.api import GpuInstance, ReplicaPhase
 from understudy.operator.checks import check_all, load_records, policy_for
 from understudy.operator.membership import autoscale, membership, place_and_leave
@@ -83,6 +85,7 @@ def plan(
         requeue_after=requeue(inst, turnover.records.values(), now),
         scale=scale.target if scale.target != inst.spec.replicas.target else None,
         autoscale=scale.decision,
+        resizes=resize.resizes(ctx, replicas.statuses),
     )
 
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from understudy.operator import api
+from understudy.operator import api, resources
 from understudy.operator.api import EngineAdapter, GpuInstance
 
 PREFIX = "understudy.dev"
@@ -431,8 +431,10 @@ def engine_container(inst: GpuInstance, cfg: RenderConfig, i: int) -> dict[str, 
             "timeoutSeconds": 2,
             "failureThreshold": 2,
         },
+        # The primary is rendered Active and the shadows standbys; after a
+        # failover the operator resizes them in place (resize.py).
         "resources": _resources(
-            inst.spec.engine.resources, defaults={"cpu": "100m", "memory": "256Mi"}, claim=True
+            resources.for_role(inst.spec, active=i == 0), defaults={}, claim=True
         ),
         "securityContext": _container_security(read_only_root=read_only),
         "volumeMounts": _mounts(inst, model=True),

@@ -33,6 +33,7 @@ from understudy.operator.api import (
 from understudy.operator.conditions import (
     ConditionType,
     Reason,
+    find_condition,
     parse_rfc3339,
     rfc3339,
     set_condition,
@@ -342,14 +343,32 @@ def instance_phase(records: Mapping[int, lc.Replica], serving: int, threshold: i
 Wanted = tuple[ConditionType, bool, Reason, str]
 
 
-def _scheduled(live: Sequence[lc.Replica]) -> Wanted:
+# kube-scheduler's messages name every node's reason; the condition keeps
+# the start of each, which is what a reader needs.
+SCHEDULER_MESSAGE_LIMIT = 512
+
+
+def unschedulable(ctx: Context, live: Sequence[lc.Replica]) -> list[str]:
+    """kube-scheduler's word on each replica pod it could not bind (PodScheduled=False)."""
+    out = []
+    for r in live:
+        pod = ctx.current_pod(r) if r.phase is P.SCHEDULED else None
+        if pod is not None and pod.node is None and pod.unschedulable:
+            out.append(f"replica {r.index}: {pod.unschedulable[:SCHEDULER_MESSAGE_LIMIT]}")
+    return out
+
+
+def _scheduled(ctx: Context, live: Sequence[lc.Replica]) -> Wanted:
     bound = sum(1 for r in live if r.phase in (P.STARTING, P.RUNNING))
     gave_up = any(r.phase is P.FAILED for r in live)
+    why = unschedulable(ctx, live)
     if bound == len(live):
         reason = Reason.ALL_BOUND
+    elif gave_up:
+        reason = Reason.NO_FEASIBLE_NODE
     else:
-        reason = Reason.NO_FEASIBLE_NODE if gave_up else Reason.WAITING_FOR_SCHEDULER
-    msg = f"{bound} of {len(live)} replica pod(s) bound to a node"
+        reason = Reason.UNSCHEDULABLE if why else Reason.WAITING_FOR_SCHEDULER
+    msg = "; ".join([f"{bound} of {len(live)} replica pod(s) bound to a node", *why])
     return ConditionType.SCHEDULED, bound == len(live), reason, msg
 
 
@@ -386,21 +405,25 @@ def wanted_conditions(
         Reason.REPLICAS_SERVING if ok else Reason.TOO_FEW_SERVING,
         f"{serving} of {threshold} required replica(s) serving",
     )
-    return [ready, _scheduled(live), _standby(ctx, live, armed), _degraded(live)]
+    return [ready, _scheduled(ctx, live), _standby(ctx, live, armed), _degraded(live)]
 
 
 def conditions(
     ctx: Context, records: Mapping[int, lc.Replica], serving: int, armed: int
 ) -> tuple[list[Condition], tuple[EventSpec, ...]]:
-    """The conditions through ``set_condition``, and an Event for each that flips."""
+    """The conditions through ``set_condition``, and an Event for each that flips.
+
+    A new reason is news too (``WaitingForScheduler`` becoming
+    ``Unschedulable``: kube-scheduler has said why), so it gets its Event.
+    """
     generation = ctx.inst.metadata.generation
     conds: list[Condition] = list(ctx.inst.status.conditions)
     events: list[EventSpec] = []
     for t, ok, reason, msg in wanted_conditions(ctx, records, serving, armed):
         status = ConditionStatus(str(ok))
-        before = next((c.status for c in conds if c.type == t), None)
+        before = find_condition(conds, t)
         conds, _ = set_condition(conds, t, status, reason, msg, generation, ctx.now)
-        if before != status:
+        if before is None or (before.status, before.reason) != (status, reason):
             # Good news is Normal: True for every condition but Degraded.
             good = (status is ConditionStatus.TRUE) != (t is ConditionType.DEGRADED)
             events.append(

@@ -74,6 +74,8 @@ class PodView:
     containers: tuple[ContainerView, ...] = ()
     engines: Mapping[str, EngineView] = field(default_factory=dict)
     pressure: Pressure | None = None  # None: unknown (not read, or no answer)
+    # Each container's requests in the pod's spec (what a resize last asked for).
+    requests: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +108,20 @@ class LabelPatch:
 
 
 @dataclass(frozen=True, slots=True)
+class Resize:
+    """Move the engine containers' requests in place (the pod's ``resize`` subresource).
+
+    All of one pod's containers in one patch: the new Active grows while the
+    old one shrinks, so the pod's total, which the node already holds, stays
+    the same and the kubelet can admit it at once.
+    """
+
+    pod: str
+    active: str  # the Active engine's container
+    requests: Mapping[str, Mapping[str, str]]  # container -> its requests
+
+
+@dataclass(frozen=True, slots=True)
 class EventSpec:
     type: str  # Normal | Warning
     reason: str
@@ -122,6 +138,7 @@ class Plan:
     events: tuple[EventSpec, ...] = ()
     requeue_after: float | None = None
     scale: int | None = None  # write spec.replicas.desired (the built-in autoscaler)
+    resizes: tuple[Resize, ...] = ()
     autoscale: autoscale_core.Decision | None = None  # for the shell's metrics
 
 

@@ -1,0 +1,110 @@
+"""What each engine container reserves, by role (pure).
+
+The Active engine serves; a standby sleeps. ``engine.resources.requests`` is
+what the Active engine's container reserves, and
+``failover.standbyResources.requests`` (with a default per adapter for every
+resource it does not name) what every other engine's does. The limits are
+``engine.resources.limits`` for all of them: any engine may take the lock and
+serve at once, so a failover never waits on Kubernetes. After a failover the
+operator moves the requests in place (``resize.py``); docs/sizing.md has the
+figures the defaults come from.
+
+Quantities are compared by value (:func:`quantity`): the API server prints a
+quantity in its canonical form (``1000m`` comes back as ``1``), so a string
+comparison would resize forever.
+
+Core module: no I/O imports.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from fractions import Fraction
+
+from understudy.operator.api import EngineAdapter, GpuInstanceSpec, ResourceRequirements
+
+# An engine container's requests when engine.resources names none.
+ACTIVE_DEFAULTS: Mapping[str, str] = {"cpu": "100m", "memory": "256Mi"}
+
+# A standby's requests per adapter: a small CPU share (a sleeping engine
+# answers its probes and nothing else: ~2 millicores measured) and the memory
+# a standby container holds, its engine process, the respawner's spare and
+# the respawner itself (RSS measured on local pods, docs/sizing.md). Never
+# more than the Active engine's requests, nor than the limits.
+STANDBY_DEFAULTS: Mapping[EngineAdapter, Mapping[str, str]] = {
+    EngineAdapter.REFERENCE: {"cpu": "50m", "memory": "192Mi"},  # ~175 MB measured
+    EngineAdapter.LLAMA: {"cpu": "50m", "memory": "256Mi"},  # ~200 MB (SmolLM2-135M)
+    EngineAdapter.SYNTHETIC: {"cpu": "50m", "memory": "192Mi"},
+    EngineAdapter.VLLM: {"cpu": "50m", "memory": "2Gi"},  # ~1.6 GB engine (SmolLM2, CPU)
+}
+
+_SUFFIX: Mapping[str, Fraction] = {
+    "": Fraction(1),
+    "n": Fraction(1, 10**9),
+    "u": Fraction(1, 10**6),
+    "m": Fraction(1, 10**3),
+    "k": Fraction(10**3),
+    "M": Fraction(10**6),
+    "G": Fraction(10**9),
+    "T": Fraction(10**12),
+    "P": Fraction(10**15),
+    "E": Fraction(10**18),
+    **{
+        s: Fraction(2 ** (10 * (i + 1))) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))
+    },
+}
+_QUANTITY = re.compile(r"([+-]?(?:\d+(?:\.\d*)?|\.\d+))(?:([eE][+-]?\d+)|([a-zA-Z]*))")
+
+
+def quantity(value: int | str) -> Fraction:
+    """A Kubernetes quantity's value (``"500m"`` -> 1/2, ``"1Gi"`` -> 2**30)."""
+    m = _QUANTITY.fullmatch(str(value).strip())
+    if m is None or (m.group(3) or "") not in _SUFFIX:
+        raise ValueError(f"not a quantity: {value!r}")
+    number = Fraction(m.group(1))
+    if m.group(2):
+        return number * Fraction(10) ** int(m.group(2)[1:])
+    return number * _SUFFIX[m.group(3) or ""]
+
+
+def _filled(
+    defaults: Mapping[str, str], caps: Mapping[str, int | str], given: Mapping[str, int | str]
+) -> dict[str, str]:
+    """``given``, and each default it does not name, lowered to its cap where it has one."""
+    out = {}
+    for key, value in defaults.items():
+        cap = caps.get(key)
+        out[key] = value if cap is None or quantity(value) <= quantity(cap) else str(cap)
+    return {**out, **{k: str(v) for k, v in given.items()}}
+
+
+def active_requests(spec: GpuInstanceSpec) -> dict[str, str]:
+    res = spec.engine.resources
+    return _filled(ACTIVE_DEFAULTS, res.limits, res.requests)
+
+
+def standby_requests(spec: GpuInstanceSpec) -> dict[str, str]:
+    active = active_requests(spec)
+    limits = spec.engine.resources.limits
+    caps = {k: min(v, limits.get(k, v), key=quantity) for k, v in active.items()}
+    given = spec.failover.standby_resources.requests
+    return _filled(STANDBY_DEFAULTS[spec.engine.adapter], caps, given)
+
+
+def role_requests(spec: GpuInstanceSpec, *, active: bool) -> dict[str, str]:
+    return active_requests(spec) if active else standby_requests(spec)
+
+
+def for_role(spec: GpuInstanceSpec, *, active: bool) -> ResourceRequirements:
+    """An engine container's requests (its role's) and limits (the Active engine's)."""
+    requests = role_requests(spec, active=active)
+    return ResourceRequirements(requests=requests, limits=dict(spec.engine.resources.limits))
+
+
+def satisfied(have: Mapping[str, str], want: Mapping[str, str]) -> bool:
+    """Whether ``have`` already requests every quantity of ``want`` (others are not ours)."""
+    try:
+        return all(k in have and quantity(have[k]) == quantity(v) for k, v in want.items())
+    except ValueError:
+        return False
