@@ -47,12 +47,21 @@ def sections() -> list[Section]:
             mermaid(lock.TRANSITIONS, initial=lock.Phase.INIT),
         ),
         Section(
-            "GMS session",
-            "gms/src/understudy/gms/fsm.py",
-            "One connection to a GPU Memory Service. NONE means no such session "
-            "(not connected yet, or gone). For a request the event is the request's "
-            "message class; a request the phase does not take is refused.",
-            mermaid(gms.TRANSITIONS, initial=gms.Phase.NONE),
+            "GMS weights session",
+            "gms/src/understudy/gms/fsm/weights.py",
+            "One connection to a GPU Memory Service, under the allocation lock over the "
+            "weights' layout. NONE means no such session (not connected yet, or gone). For "
+            "a request the event is the request's message class; a request the phase does "
+            "not take is refused.",
+            mermaid(gms.weights.TRANSITIONS, initial=gms.Phase.NONE),
+        ),
+        Section(
+            "GMS KV pool session",
+            "gms/src/understudy/gms/fsm/kv.py",
+            "A connection that asked for the device's KV pool, from PENDING: the lock's "
+            "record is read, then the pool is mapped, or waited for until an older "
+            "holder's connection ends. A refusal or an expired wait leaves it PENDING.",
+            mermaid(gms.kv.TRANSITIONS, initial=gms.Phase.PENDING),
         ),
         Section(
             "Engine",

@@ -17,7 +17,7 @@ from understudy.operator import lifecycle
 from understudy.wire import machine, restart
 
 ROOT = Path(__file__).resolve().parents[2]
-CORES = [lock, gms, engine, front, lifecycle, restart]
+CORES = [lock, gms.weights, gms.kv, engine, front, lifecycle, restart]
 
 
 def _generator() -> ModuleType:

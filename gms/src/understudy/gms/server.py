@@ -1,12 +1,16 @@
 """The GMS server: an asyncio shell around ``fsm`` for one (device, tag).
 
+One ``fsm.Machine`` takes every event, of both protocols (the weights' lock
+and the KV pool): the core picks the table, so this shell never asks which
+protocol a connection speaks.
+
 One loop per connection: read (``recvmsg``), feed the codec, step the core,
 carry out the actions. EOF or a reset becomes ``Disconnected``, which is how
 a writer's death aborts its allocations.
 
 Fds from clients: the server takes exactly one kind, the memory an engine
 sends back with ``adopt_allocation`` after this server restarted under it
-(re-adoption, ``fsm``): one fd, riding on that request's first byte, wrapped
+(re-adoption, ``fsm.weights``): one fd, riding on that request's first byte, wrapped
 at once and handed to the backend, which checks what it is. Any other fd a
 client sends is closed the moment it is received, and a request that needs
 one and came without is refused.
