@@ -76,6 +76,7 @@ class Watcher(threading.Thread):
 
 
 def wait(cond: Callable[[], Any], timeout: float) -> Any:
+    """The first truthy ``cond()`` within ``timeout`` seconds, else None."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = cond()
