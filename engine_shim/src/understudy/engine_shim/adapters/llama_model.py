@@ -13,14 +13,22 @@ per running sequence, every slot able to hold ``max_len`` positions.
 Two paths fill the cache and give logits:
 
 * `prefill` runs a whole prompt as one batch of rows (matrix products), for
-  speed. Its result depends only on the prompt's ids.
+  speed; `prefill_chunks` runs it in chunks at fixed positions. Attention is
+  blocked: a block of ``QUERY_BLOCK`` query positions meets only the keys up
+  to its own end (the causal half is never computed), as one product per KV
+  head for all the query heads that share it. Its result depends only on the
+  prompt's ids (and the chunk grid).
 * `decode` appends rows of any number of sequences at once. Every matrix
   product there is done row by row (vector times matrix), and attention per
   row over that row's own sequence, so a row's numbers depend only on its
   sequence — never on which other rows share the step. (OpenBLAS picks its
-  kernels by the number of rows: the row of a 1-row product and the same row
-  inside an 8-row product differ in the last bits, measured with numpy
-  2.4.6's OpenBLAS 0.3.31. Row by row costs ~35% more BLAS time at 8 rows.)
+  kernels by the shape: the row of a 1-row product and the same row inside
+  an 8-row product differ in the last bits, and products of 2 to 6 rows go
+  to yet another kernel, measured with numpy 2.4's OpenBLAS 0.3.31. Calls
+  of a fixed 8 rows, zero-padded, would be batch-invariant too, but
+  OpenBLAS packs the whole weight matrix for every call: a step of 8
+  sequences was no faster than 8 row products, which stream each weight
+  from the L3 cache after the first row, and a step of 1 was 4x slower.)
 
 Together: the logits at every generated position are a function of the
 prompt and the ids before that position, bit for bit on one machine with one
@@ -51,6 +59,7 @@ import numpy.typing as npt
 from understudy.engine_shim.adapters.packing import WeightsError
 
 __all__ = [
+    "QUERY_BLOCK",
     "KVCache",
     "LlamaConfig",
     "LlamaModel",
@@ -64,6 +73,11 @@ __all__ = [
 ]
 
 F32 = npt.NDArray[np.float32]
+
+QUERY_BLOCK: Final = 128
+"""Query positions per attention block in a prefill: a block's scores, 9 heads
+x 128 x (keys so far) floats, stay in the L2/L3 caches where a 1,024-token
+prompt's whole (9, 1024, 1024) scores were 38 MB, written and read 5 times."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +203,11 @@ def _rowwise(x: F32, weight: F32) -> F32:
     wt = weight.T
     for r in range(x.shape[0]):
         np.matmul(x[r], wt, out=out[r])
+    return out
+
+
+def _matmul(x: F32, weight: F32) -> F32:
+    out: F32 = x @ weight.T
     return out
 
 
@@ -345,6 +364,8 @@ class LlamaModel:
         self._rep: Final = c.num_heads // c.num_kv_heads
         # Working memory of the model itself (not weights): 2 x max_pos x d/2 floats.
         self._cos, self._sin = rope_tables(c.head_dim, c.rope_theta, c.max_position_embeddings)
+        # A query block's diagonal square: position i attends to keys 0..i.
+        self._causal = np.triu(np.full((QUERY_BLOCK,) * 2, -np.inf, dtype=np.float32), k=1)
 
     def _check_tokens(self, tokens: Sequence[int]) -> npt.NDArray[np.int64]:
         ids = np.asarray(tokens, dtype=np.int64)
@@ -354,10 +375,11 @@ class LlamaModel:
             raise ValueError(f"token id out of range 0..{self.config.vocab_size - 1}")
         return ids
 
-    def _mlp(self, x: F32, layer: _Layer, matmul: Any) -> F32:
+    def _mlp(self, x: F32, layer: _Layer, matmul: Callable[[F32, F32], F32]) -> F32:
         h = rms_norm(x, layer.mlp_norm, self._eps)
-        out: F32 = matmul(silu(matmul(h, layer.w_gate)) * matmul(h, layer.w_up), layer.w_down)
-        return out
+        gate = silu(matmul(h, layer.w_gate))
+        gate *= matmul(h, layer.w_up)
+        return matmul(gate, layer.w_down)
 
     def prefill(self, tokens: Sequence[int], cache: KVCache, slot: int) -> F32:
         """Run ``tokens`` at positions 0.. into ``slot``; the logits after the last one.
@@ -373,28 +395,7 @@ class LlamaModel:
     ) -> F32:
         """Like `prefill`, returning the logits after every token: (len(tokens), vocab)
         (``last_only``: after the last one, (1, vocab))."""
-        c = self.config
-        ids = self._check_tokens(tokens)
-        n = ids.size
-        if n > min(cache.max_len, c.max_position_embeddings):
-            raise ValueError(f"{n} tokens exceed the context of {cache.max_len}")
-        kvh, rep, d = c.num_kv_heads, self._rep, c.head_dim
-        cos, sin = self._cos[:n], self._sin[:n]
-        causal = np.triu(np.full((n, n), -np.inf, dtype=np.float32), k=1)
-        x = self._embed[ids]
-        for li, layer in enumerate(self._layers):
-            h = rms_norm(x, layer.attn_norm, self._eps)
-            q = (h @ layer.wq.T).reshape(n, kvh, rep, d).transpose(1, 2, 0, 3)
-            k = (h @ layer.wk.T).reshape(n, kvh, d).transpose(1, 0, 2)
-            v = (h @ layer.wv.T).reshape(n, kvh, d).transpose(1, 0, 2)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            cache.k[li, slot, :, :n] = k
-            cache.v[li, slot, :, :n] = v
-            # (kv, rep, n, d) @ (kv, 1, d, n): every query head of a group meets its KV head.
-            scores = (q @ k[:, None].transpose(0, 1, 3, 2)) * self._scale + causal
-            context = _softmax(scores) @ v[:, None]  # (kv, rep, n, d)
-            x += context.transpose(2, 0, 1, 3).reshape(n, c.num_heads * d) @ layer.wo.T
-            x += self._mlp(x, layer, lambda a, w: a @ w.T)
+        x = self._extend(tokens, cache, slot, 0)
         if last_only:
             x = x[-1:]
         out: F32 = rms_norm(x, self._norm, self._eps) @ self._head.T
@@ -439,24 +440,47 @@ class LlamaModel:
         n, end = ids.size, start + ids.size
         if end > min(cache.max_len, c.max_position_embeddings):
             raise ValueError(f"{end} positions exceed the context of {cache.max_len}")
-        kvh, rep, d = c.num_kv_heads, self._rep, c.head_dim
-        cos, sin = self._cos[start:end], self._sin[start:end]
-        causal = np.triu(np.full((n, end), -np.inf, dtype=np.float32), k=start + 1)
+        kvh, d = c.num_kv_heads, c.head_dim
+        cos, sin = self._cos[start:end, None], self._sin[start:end, None]
         x = self._embed[ids]
         for li, layer in enumerate(self._layers):
             h = rms_norm(x, layer.attn_norm, self._eps)
-            q = (h @ layer.wq.T).reshape(n, kvh, rep, d).transpose(1, 2, 0, 3)
-            k = (h @ layer.wk.T).reshape(n, kvh, d).transpose(1, 0, 2)
-            v = (h @ layer.wv.T).reshape(n, kvh, d).transpose(1, 0, 2)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            cache.k[li, slot, :, start:end] = k
-            cache.v[li, slot, :, start:end] = v
-            keys, values = cache.k[li, slot, :, :end], cache.v[li, slot, :, :end]
-            scores = (q @ keys[:, None].transpose(0, 1, 3, 2)) * self._scale + causal
-            context = _softmax(scores) @ values[:, None]  # (kv, rep, n, d)
-            x += context.transpose(2, 0, 1, 3).reshape(n, c.num_heads * d) @ layer.wo.T
-            x += self._mlp(x, layer, lambda a, w: a @ w.T)
+            q = apply_rope((h @ layer.wq.T).reshape(n, c.num_heads, d), cos, sin)
+            q *= self._scale  # once per query, not once per score
+            k = apply_rope((h @ layer.wk.T).reshape(n, kvh, d), cos, sin)
+            cache.k[li, slot, :, start:end] = k.transpose(1, 0, 2)
+            cache.v[li, slot, :, start:end] = (h @ layer.wv.T).reshape(n, kvh, d).transpose(1, 0, 2)
+            context = self._attend(q, cache.k[li, slot, :, :end], cache.v[li, slot, :, :end], start)
+            x += context.reshape(n, c.num_heads * d) @ layer.wo.T
+            x += self._mlp(x, layer, _matmul)
         return x
+
+    def _attend(self, q: F32, keys: F32, values: F32, start: int) -> F32:
+        """Causal attention of queries ``q`` (n, heads, d) at positions start..
+        over ``keys`` and ``values`` (kv_heads, start + n, d); (n, heads, d).
+
+        Blocked (QUERY_BLOCK): a block of queries meets only the keys up to its
+        own last position, and only its diagonal square needs the mask. The
+        ``rep`` query heads of one KV group are rows of one product with their
+        KV head (grouped-query attention by a reshape, no copy of K or V)."""
+        n, heads, d = q.shape
+        kvh, rep = keys.shape[0], self._rep
+        # (kv, n, rep, d): a block of positions is then (kv, block * rep, d) rows.
+        grouped = q.reshape(n, kvh, rep, d).transpose(1, 0, 2, 3)
+        out = np.empty((n, kvh, rep, d), dtype=np.float32)
+        for b0 in range(0, n, QUERY_BLOCK):
+            b1 = min(b0 + QUERY_BLOCK, n)
+            rows, end = b1 - b0, start + b1
+            block = np.ascontiguousarray(grouped[:, b0:b1]).reshape(kvh, rows * rep, d)
+            scores = block @ keys[:, :end].transpose(0, 2, 1)  # (kv, rows * rep, end)
+            diagonal = scores.reshape(kvh, rows, rep, end)[..., start + b0 :]
+            diagonal += self._causal[:rows, None, :rows]
+            scores -= scores.max(axis=-1, keepdims=True)
+            np.exp(scores, out=scores)
+            scores /= scores.sum(axis=-1, keepdims=True)
+            context = scores @ values[:, :end]  # (kv, rows * rep, d)
+            out[b0:b1] = context.reshape(kvh, rows, rep, d).transpose(1, 0, 2, 3)
+        return out.reshape(n, heads, d)
 
     def decode(self, rows: Sequence[Row], cache: KVCache) -> F32:
         """Append ``rows`` to their sequences' caches; the logits after each row.
@@ -475,22 +499,25 @@ class LlamaModel:
             raise ValueError(f"position out of the context of {cache.max_len}")
         kvh, rep, d = c.num_kv_heads, self._rep, c.head_dim
         cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]
+        lengths = positions + 1
         x = self._embed[ids]
         for li, layer in enumerate(self._layers):
             h = rms_norm(x, layer.attn_norm, self._eps)
-            q = apply_rope(_rowwise(h, layer.wq).reshape(r, c.num_heads, d), cos, sin)
-            k = apply_rope(_rowwise(h, layer.wk).reshape(r, kvh, d), cos, sin)
-            v = _rowwise(h, layer.wv).reshape(r, kvh, d)
+            q = apply_rope(
+                _rowwise(h, layer.wq).reshape(r, kvh, rep, d), cos[:, None], sin[:, None]
+            )
+            q *= self._scale
             keys, values = cache.k[li], cache.v[li]
-            for i, (slot, pos) in enumerate(zip(slots, positions, strict=True)):
-                keys[slot, :, pos] = k[i]
-                values[slot, :, pos] = v[i]
+            keys[slots, :, positions] = apply_rope(
+                _rowwise(h, layer.wk).reshape(r, kvh, d), cos, sin
+            )
+            values[slots, :, positions] = _rowwise(h, layer.wv).reshape(r, kvh, d)
             context = np.empty((r, kvh, rep, d), dtype=np.float32)
-            for i, (slot, pos) in enumerate(zip(slots, positions, strict=True)):
-                ks = keys[slot, :, : pos + 1]  # (kv, pos+1, d)
-                qs = q[i].reshape(kvh, rep, d)
-                probs = _softmax((qs @ ks.transpose(0, 2, 1)) * self._scale)
-                context[i] = probs @ values[slot, :, : pos + 1]
+            # Per row over its own sequence (the module docstring): a loop over
+            # the step's rows, each one product per KV head for its rep heads.
+            for i, (slot, length) in enumerate(zip(slots, lengths, strict=True)):
+                probs = _softmax(q[i] @ keys[slot, :, :length].transpose(0, 2, 1))
+                context[i] = probs @ values[slot, :, :length]
             x += _rowwise(context.reshape(r, c.num_heads * d), layer.wo)
             x += self._mlp(x, layer, _rowwise)
         return _rowwise(rms_norm(x, self._norm, self._eps), self._head)
