@@ -11,6 +11,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from commands import parse
 
 from understudy.operator import render
 from understudy.operator.api import GpuInstance
@@ -94,35 +95,26 @@ def test_pod_layout_matches_the_contract() -> None:
     assert spec["securityContext"]["runAsUser"] == 65532
 
 
+def _argv(container: dict[str, Any]) -> list[str]:
+    return [*container["command"], *container["args"]]
+
+
 def test_lockserver_sidecar() -> None:
     ls = _pod(make(failover={"lockReconnectWindowSeconds": 7}))["spec"]["initContainers"][0]
-    assert ls["command"] + ls["args"] == [
-        "understudy",
-        "respawn",
-        "--",
-        "understudy",
-        "lockserver",
-        "serve",
-        "--socket",
-        "/run/understudy/lock.sock",
-        "--state-file",
-        "/run/understudy/lock.state",
-        "--reconnect-window",
-        "7",
-        "--metrics-port",
-        "9101",
-        "--serving-port",
-        "8000",
-    ]
-    assert ls["startupProbe"]["exec"]["command"] == [
-        "understudy",
-        "lock",
-        "status",
-        "--socket",
-        "/run/understudy/lock.sock",
-        "--timeout",
-        "1",
-    ]
+    assert ls["command"] == ["understudy"]
+    # Under the respawner, without a spare: a lock server's start is quick.
+    respawn, serve = parse(_argv(ls))
+    assert respawn["command"] == "respawn" and not respawn["spare"] and respawn["listen"] == []
+    assert (serve["command"], serve["lockserver_command"]) == ("lockserver", "serve")
+    assert serve["socket"] == "/run/understudy/lock.sock"
+    assert serve["state_file"] == "/run/understudy/lock.state"
+    assert serve["reconnect_window"] == 7
+    assert serve["metrics_port"] == 9101
+    assert serve["serving_port"] == 8000  # it keeps the serving socket for the front
+    assert serve["tcp"] is None  # a pod's lock is its Unix socket
+    (status,) = parse(ls["startupProbe"]["exec"]["command"])
+    assert (status["command"], status["lock_command"]) == ("lock", "status")
+    assert status["socket"] == serve["socket"] and status["timeout"] == 1
     assert "readinessProbe" not in ls  # routing follows the front, not the lock server
     assert "claims" not in ls["resources"]
 
@@ -130,13 +122,17 @@ def test_lockserver_sidecar() -> None:
 def test_front_sidecar_serves_the_port_under_the_respawner() -> None:
     inst = make(failover={"holdSeconds": 12, "migrationLimit": 2, "hangAfterSeconds": 1.5})
     front = _pod(inst)["spec"]["initContainers"][2]
-    assert front["command"] + front["args"] == [
-        "understudy", "respawn", "--spare", "--spare-after", "0", "--",
-        "python", "-m", "understudy.front",
-        "serve", "--run-dir", "/run/understudy", "--port", "8000",
-        "--status-port", "8090", "--hold", "12", "--migration-limit", "2",
-        "--hang-after", "1.5", "--drain", "25",
-    ]  # fmt: skip
+    # A spare at once; the child is `python -m understudy.front`, without the
+    # dispatcher's entry-point scan.
+    child = front["args"][front["args"].index("--") + 1 :]
+    assert child[:3] == ["python", "-m", "understudy.front"]
+    respawn, serve = parse(_argv(front))
+    assert respawn["spare"] and respawn["spare_after"] == 0 and respawn["listen"] == []
+    assert (serve["command"], serve["front_command"]) == ("front", "serve")
+    assert serve["run_dir"] == "/run/understudy"
+    assert (serve["port"], serve["status_port"]) == (8000, 8090)
+    assert (serve["hold"], serve["migration_limit"], serve["hang_after"]) == (12, 2, 1.5)
+    assert serve["drain"] == 25
     assert {p["containerPort"] for p in front["ports"]} == {8000, 8090}
     rp = front["readinessProbe"]
     assert rp["httpGet"] == {"path": "/ready", "port": 8090, "scheme": "HTTP"}
@@ -147,32 +143,18 @@ def test_front_sidecar_serves_the_port_under_the_respawner() -> None:
 
 def test_gms_sidecar() -> None:
     gms = _pod(make(gpus={"count": 3}))["spec"]["initContainers"][1]
-    assert gms["args"] == [
-        "respawn",  # a GMS that dies is back at once (docs/pod.md)
-        "--",
-        "understudy",
-        "gms",
-        "serve",
-        "--socket-dir",
-        "/run/understudy/gms",
-        "--devices",
-        "0,1,2",
-        "--backend",
-        "host",
-        "--metrics-port",
-        "9102",
-    ]
-    assert gms["startupProbe"]["exec"]["command"] == [
-        "understudy",
-        "gms",
-        "wait-ready",
-        "--socket-dir",
-        "/run/understudy/gms",
-        "--devices",
-        "0,1,2",
-        "--timeout",
-        "1",
-    ]
+    # A GMS that dies is back at once (docs/pod.md).
+    respawn, serve = parse(_argv(gms))
+    assert respawn["command"] == "respawn" and not respawn["spare"]
+    assert (serve["command"], serve["gms_command"]) == ("gms", "serve")
+    assert serve["socket_dir"] == "/run/understudy/gms"
+    assert serve["devices"] == (0, 1, 2)
+    assert serve["backend"] == "host"
+    assert serve["metrics_port"] == 9102
+    (ready,) = parse(gms["startupProbe"]["exec"]["command"])
+    assert (ready["command"], ready["gms_command"]) == ("gms", "wait-ready")
+    assert (ready["socket_dir"], ready["devices"]) == (serve["socket_dir"], serve["devices"])
+    assert ready["timeout"] == 1
     assert gms["resources"]["claims"] == [{"name": "gpus"}]
 
 
@@ -200,6 +182,12 @@ def test_engine_containers_env_and_probes() -> None:
         assert env["UNDERSTUDY_LOCK_RECONNECT_S"] == "15"
         assert env["POD_NAME"] == env["POD_NAMESPACE"] == "<ref>"
         port = 8100 + i
+        # The respawner restarts the engine in place from a spare, and holds
+        # its status port across the restarts (docs/pod.md).
+        respawn, run = parse(_argv(c))
+        assert respawn["spare"] and respawn["listen"] == [f"status=0.0.0.0:{port}"]
+        assert (run["command"], run["engine_command"]) == ("engine", "run")
+        assert run["engine"] is None  # the adapter comes from the environment
         sp = c["startupProbe"]
         assert sp["httpGet"]["path"] == "/startup" and sp["httpGet"]["port"] == port
         assert sp["failureThreshold"] * sp["periodSeconds"] == 600
@@ -319,7 +307,7 @@ def test_drain_grace_sets_the_pods_grace_and_the_drains_within_it() -> None:
     spec = render.pod_spec(inst, render.RenderConfig())
     assert spec["terminationGracePeriodSeconds"] == 300
     front = next(c for c in spec["initContainers"] if c["name"] == "front")
-    assert front["args"][front["args"].index("--drain") + 1] == "295"
+    assert parse(_argv(front))[1]["drain"] == 295
     for c in spec["containers"]:
         env = {e["name"]: e.get("value") for e in c["env"]}
         assert env["UNDERSTUDY_DRAIN_S"] == "295"

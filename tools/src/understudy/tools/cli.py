@@ -50,6 +50,12 @@ def _local_config(args: argparse.Namespace) -> Any:
 
 def _preflight(cfg: Any) -> str | None:
     """What would make every engine fail at start, said before anything starts."""
+    from understudy.tools.local import instance
+
+    try:  # the pod that runs is the GpuInstance's: its bounds are the options'
+        instance(cfg)
+    except ValueError as exc:
+        return str(exc)
     if cfg.engine == "reference" and not cfg.model:
         from understudy.engine_shim.adapters.minilm import ModelMissing, default_model_dir
 

@@ -1,8 +1,10 @@
 """The whole pod as local processes: ``understudy local up`` / ``down``.
 
-Same containers, commands and environment variables as the pod the operator
-renders (docs/pod.md), with every path under one directory and ports
-configurable. The supervisor plays kubelet:
+The pod is the one the operator renders (docs/pod.md): ``instance`` makes a
+GpuInstance of the options, ``render`` renders its pod, and ``tools.pod``
+turns its containers into processes, with the pod's directory, ports and
+programs made local (``places``). No container or command is spelled here.
+The supervisor plays kubelet:
 
 - sidecars first, each gated by its startup check (the lock server answers
   ``status``; every GMS socket answers; the front answers ``/live``), then
@@ -44,7 +46,10 @@ from typing import Any
 
 from understudy.gms.client import GmsError, query_state
 from understudy.lockserver import client as lock_client
-from understudy.tools import backoff, checkout
+from understudy.operator import api, render
+from understudy.operator.api import GpuInstance
+from understudy.tools import backoff, checkout, pod
+from understudy.wire.engines import DEFAULT_MODELS, EngineAdapter
 from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.local")
@@ -107,145 +112,62 @@ class Container:
     last_error: str | None = None
 
 
-def _understudy(*args: str) -> list[str]:
-    return [sys.executable, "-m", "understudy.cli", *args]
+def instance(cfg: LocalConfig) -> GpuInstance:
+    """The GpuInstance whose pod runs here (a ValueError names a setting it refuses)."""
+    if cfg.devices != tuple(range(len(cfg.devices))):
+        # Inside a pod the claim's devices are 0..N-1, and the pod is what runs here.
+        raise ValueError(f"devices {cfg.devices}: a pod's devices are 0..N-1")
+    adapter = EngineAdapter(cfg.engine)
+    return GpuInstance.from_body(
+        {
+            "metadata": {"name": "local", "namespace": "local", "uid": "local"},
+            "spec": {
+                "model": {"source": cfg.model or DEFAULT_MODELS[adapter]},
+                "engine": {"adapter": adapter.value, "args": list(cfg.engine_args)},
+                "gpus": {"count": len(cfg.devices)},
+                "gms": {"backend": "host"},
+                "failover": {
+                    "enabled": cfg.shadows > 0,
+                    "shadows": max(1, cfg.shadows),
+                    "holdSeconds": cfg.hold_s,
+                    "hangAfterSeconds": cfg.hang_after_s,
+                    "migrationLimit": cfg.migration_limit,
+                    "lockReconnectWindowSeconds": cfg.reconnect_window_s,
+                    "startupBudgetSeconds": cfg.startup_budget_s,
+                    "wakeTimeoutSeconds": cfg.wake_timeout_s,
+                    "remapTimeoutSeconds": cfg.remap_timeout_s,
+                },
+            },
+        }
+    )
 
 
-def engine_env(cfg: LocalConfig, role: str, name: str, index: int) -> dict[str, str]:
-    """The engine container's environment, as docs/pod.md specifies it."""
-    run = cfg.dir
-    defaults = {
-        "reference": "builtin:all-MiniLM-L6-v2",
-        "llama": "builtin:tiny-llama",
-        "vllm": "builtin:tiny-llama",
-    }
-    model = cfg.model or defaults.get(cfg.engine, "256MiB")
-    return {
-        "ENGINE_ROLE": role,
-        "UNDERSTUDY_ENGINE_NAME": name,
-        "UNDERSTUDY_RUN_DIR": str(run),
-        "UNDERSTUDY_LOCK_SOCKET": str(run / "lock.sock"),
-        "UNDERSTUDY_GMS_SOCKET_DIR": str(run / "gms"),
-        "UNDERSTUDY_GMS_BACKEND": "host",
-        "UNDERSTUDY_DEVICES": ",".join(map(str, cfg.devices)),
-        "UNDERSTUDY_ENGINE_ADAPTER": cfg.engine,
-        "UNDERSTUDY_MODEL": model,
-        "UNDERSTUDY_ENGINE_ARGS": json.dumps(list(cfg.engine_args)),
-        "UNDERSTUDY_STATUS_PORT": str(cfg.status_port + index),
-        "UNDERSTUDY_STARTUP_BUDGET_S": f"{cfg.startup_budget_s:g}",
-        "UNDERSTUDY_WAKE_TIMEOUT_S": f"{cfg.wake_timeout_s:g}",
-        "UNDERSTUDY_REMAP_TIMEOUT_S": f"{cfg.remap_timeout_s:g}",
-        "UNDERSTUDY_LOCK_RECONNECT_S": f"{cfg.reconnect_window_s + 5:g}",
-        "OPENBLAS_NUM_THREADS": "1",
-        "UNDERSTUDY_DRAIN_S": "25",
-        "POD_NAME": "local",
-        "POD_NAMESPACE": "local",
-        **(checkout.engine_env(cfg.engine_python) if cfg.engine_python else {}),
-    }
+def places(cfg: LocalConfig, inst: GpuInstance) -> pod.Places:
+    """Where the pod of ``inst`` lives here: ``cfg``'s directory, ports and pythons."""
+    engines = range(inst.spec.shadow_count + 1)
+    return pod.Places(
+        dir=cfg.dir,
+        ports={
+            inst.spec.serving_port: cfg.serve_port,
+            api.LOCKSERVER_METRICS_PORT: cfg.lock_metrics_port,
+            api.GMS_METRICS_PORT: cfg.gms_metrics_port,
+            api.FRONT_STATUS_PORT: cfg.front_status_port,
+            **{render.status_port(i): cfg.status_port + i for i in engines},
+        },
+        python=sys.executable,
+        engine_python=cfg.engine_python or sys.executable,
+        engine_env=checkout.engine_env(cfg.engine_python) if cfg.engine_python else {},
+    )
 
 
 def containers(cfg: LocalConfig) -> list[Container]:
-    run = cfg.dir
-    devices = ",".join(map(str, cfg.devices))
-    out = [
-        Container(
-            "lockserver",
-            # As in the pod: under the respawner, back at once after a death.
-            _understudy(
-                "respawn",
-                "--",
-                sys.executable,
-                "-m",
-                "understudy.cli",
-                "lockserver",
-                "serve",
-                "--socket",
-                str(run / "lock.sock"),
-                "--state-file",
-                str(run / "lock.state"),
-                "--reconnect-window",
-                f"{cfg.reconnect_window_s:g}",
-                "--metrics-port",
-                str(cfg.lock_metrics_port),
-                # It keeps the serving socket for the front (docs/pod.md).
-                "--serving-port",
-                str(cfg.serve_port),
-            ),
-            {},
-        ),
-        Container(
-            "gms",
-            _understudy(
-                "respawn",
-                "--",
-                sys.executable,
-                "-m",
-                "understudy.cli",
-                "gms",
-                "serve",
-                "--socket-dir",
-                str(run / "gms"),
-                "--devices",
-                devices,
-                "--backend",
-                "host",
-                "--metrics-port",
-                str(cfg.gms_metrics_port),
-            ),
-            {},
-        ),
-        Container(
-            "front",
-            # As in the pod: the respawner restarts the front in place at
-            # once, from a spare that has done its imports; its serving
-            # socket waits in the lock server meanwhile.
-            [
-                *_understudy("respawn", "--spare", "--spare-after", "0", "--"),
-                sys.executable,
-                "-m",
-                "understudy.front",
-                "serve",
-                "--run-dir",
-                str(run),
-                "--port",
-                str(cfg.serve_port),
-                "--status-port",
-                str(cfg.front_status_port),
-                "--hold",
-                f"{cfg.hold_s:g}",
-                "--migration-limit",
-                str(cfg.migration_limit),
-                "--hang-after",
-                f"{cfg.hang_after_s:g}",
-                "--drain",
-                "25",
-            ],
-            {},
-        ),
+    """The rendered pod's containers, to run here."""
+    inst = instance(cfg)
+    spec = render.pod_spec(inst, render.RenderConfig())
+    return [
+        Container(p.name, list(p.argv), dict(p.env), p.probe_port)
+        for p in pod.processes(spec, places(cfg, inst))
     ]
-    roles = [("primary", "engine-primary")] + [
-        ("shadow", f"engine-shadow-{k}") for k in range(1, cfg.shadows + 1)
-    ]
-    for index, (role, name) in enumerate(roles):
-        out.append(
-            Container(
-                name,
-                # As in the pod: the respawner restarts the engine in place.
-                [
-                    *_understudy(
-                        "respawn",
-                        "--spare",
-                        "--listen",
-                        f"status=0.0.0.0:{cfg.status_port + index}",
-                        "--",
-                    ),
-                    *(cfg.engine_python or sys.executable, "-m", "understudy.cli", "engine", "run"),
-                ],
-                engine_env(cfg, role, name, index),
-                cfg.status_port + index,
-            )
-        )
-    return out
 
 
 def _http_get(port: int, path: str, timeout: float) -> tuple[int, bytes]:
@@ -270,6 +192,8 @@ class Supervisor:
     def __init__(self, cfg: LocalConfig) -> None:
         self.cfg = cfg
         self.policy = backoff.Policy.capped(cfg.max_backoff_s)
+        self.instance = instance(cfg)
+        self.places = places(cfg, self.instance)
         self.containers = containers(cfg)
         self.stopping = False
         self.logs = cfg.dir / "logs"
@@ -319,23 +243,28 @@ class Supervisor:
         raise RuntimeError(f"{c.name} did not start within {timeout}s; see {c.log_path}")
 
     def _started(self, c: Container) -> bool:
-        run = self.cfg.dir
-        if c.name == "lockserver":
+        """The sidecar's startup probe, asked in-process: an exec probe's
+        ``understudy`` start would cost every sidecar half a second."""
+        if c.name == render.LOCKSERVER:
             try:
-                lock_client.status(run / "lock.sock", timeout=0.5)
+                lock_client.status(self._local(render.LOCK_SOCKET), timeout=0.5)
                 return True
             except lock_client.LockError:
                 return False
-        if c.name == "gms":
+        if c.name == render.GMS:
+            sockets = self._local(render.GMS_SOCKET_DIR)
             try:
                 for d in self.cfg.devices:
-                    query_state(run / "gms" / f"gms_{d}_weights.sock", 0.5)
+                    query_state(sockets / f"gms_{d}_weights.sock", 0.5)
                 return True
             except (GmsError, OSError):
                 return False
-        if c.name == "front":
+        if c.name == render.FRONT:
             return probe(self.cfg.front_status_port, "/live")
         return True
+
+    def _local(self, pod_path: str) -> Path:
+        return Path(pod.local_value(pod_path, self.places))
 
     # ---------------------------------------------------------- the loop --
 
@@ -462,7 +391,7 @@ class Supervisor:
             "run_dir": str(self.cfg.dir),
             "front_status_url": f"http://127.0.0.1:{self.cfg.front_status_port}",
             "engine": self.cfg.engine,
-            "model": engine_env(self.cfg, "primary", "engine-primary", 0)["UNDERSTUDY_MODEL"],
+            "model": self.instance.spec.model.source,
             "engine_args": list(self.cfg.engine_args),
             "engine_python": self.cfg.engine_python or sys.executable,
             "containers": {
