@@ -244,6 +244,17 @@ class Exchange:
         self._ended = True
         self._conn.exchange_done(self)
 
+    def fail(self, exc: Exception) -> None:
+        """The front failed answering (a bug): the client still learns it, by
+        a 500, or, once the answer began, by the connection's close."""
+        if self._ended:
+            return
+        with contextlib.suppress(ClientGone):
+            if self.answered:
+                self.abort()
+            else:
+                self.error(500, f"the front failed: {type(exc).__name__}")
+
 
 class ClientConnection(asyncio.Protocol):
     """One client's connection: parse requests, answer them one at a time, in order."""
@@ -496,7 +507,7 @@ class ClientConnection(asyncio.Protocol):
                 self._handler(ex)
             except Exception as exc:  # a bug: the client still gets an answer
                 log.exception("handler failed")
-                self._failed(ex, exc)
+                ex.fail(exc)
             return
         if self._refusal is not None:
             self._answer_refusal(self._refusal)
@@ -505,15 +516,6 @@ class ClientConnection(asyncio.Protocol):
                 self._set_busy(False)  # answered; idle until the next request begins
             self._arm_timer()
             self._send_continue()
-
-    def _failed(self, ex: Exchange, exc: Exception) -> None:
-        if ex.ended:
-            return
-        if ex.answered:
-            ex.abort()
-        else:
-            with contextlib.suppress(ClientGone):
-                ex.error(500, f"the front failed: {type(exc).__name__}")
 
     def exchange_done(self, ex: Exchange) -> None:
         """``ex``'s answer is out: the connection is free for the next request."""

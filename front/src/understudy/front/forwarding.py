@@ -2,14 +2,17 @@
 
 What the front reads of a request (its path, whether it is a completion and
 a stream), what an engine is sent on each attempt (the headers it may see,
-the epoch it must hold, a stream's continuation), and what of the engine's
-answer goes back (everything but the hop-by-hop headers).
+the epoch it must hold, a stream's continuation), what of the engine's
+answer goes back (everything but the hop-by-hop headers; a stream event by
+event, its token ids kept), and how a client is told that nothing more can
+be done.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -19,6 +22,9 @@ from urllib.parse import unquote
 import httptools
 
 from understudy.front import continuation, downstream, fsm, upstream
+from understudy.wire.obs import log_event
+
+log = logging.getLogger("understudy.front")
 
 EPOCH_HEADER = b"X-Understudy-Epoch"
 NOT_ACTIVE_HEADER = b"X-Understudy-Not-Active"
@@ -120,3 +126,41 @@ def relay(ex: downstream.Exchange, r: upstream.Response, body: bytes) -> None:
         declared = r.header(b"content-length")
         length = int(declared) if declared is not None and declared.isdigit() else 0
     ex.answer(r.status, headers, body, content_length=length)
+
+
+async def relay_stream(
+    req: Request, r: upstream.Response, ex: downstream.Exchange
+) -> tuple[fsm.Outcome, None]:
+    """Relay an engine's event stream, keeping the token ids it carries (what
+    a continuation sends the next engine). A client that goes away cancels
+    this (its connection's doing); an engine that does raises
+    ``upstream.UpstreamError``, a stream that is not one ``StreamError``."""
+    decoder = continuation.EventDecoder()
+    async for chunk in r.chunks():
+        for ev in decoder.feed(chunk):
+            if not ex.answered:
+                ex.open_stream(200, SSE)
+            await ex.send(ev.raw)
+            req.relayed = True
+            req.started = True
+            req.token_ids.extend(ev.token_ids)
+            if ev.done:
+                ex.end_stream()
+                return fsm.Outcome.ANSWERED, None
+    raise upstream.Broken("the stream ended without [DONE]")
+
+
+def answer_error(req: Request, ex: downstream.Exchange, status: int, message: str) -> None:
+    """The client is told why nothing more can be done for its request: an
+    error answer (``Retry-After``: it may ask again), or, in a stream that
+    already went out, a last error event."""
+    log_event(log, "gave_up", logging.ERROR, path=req.path, status=status, reason=message)
+    if ex.answered:
+        # All that is left is to end the stream with an error event the
+        # client can see, as OpenAI's streams do. The send does not wait: the
+        # stream ends here either way.
+        err = {"error": {"message": message, "type": "server_error", "code": status}}
+        with contextlib.suppress(downstream.ClientGone):
+            ex.end_stream(b"data: " + json.dumps(err).encode() + b"\n\n")
+        return
+    ex.error(status, message, retry_after=1)

@@ -5,7 +5,8 @@ request's path. It works at the asyncio Protocol level and parses answers
 with llhttp (httptools). Two ways in:
 
 - ``request`` (a coroutine): connect if no kept-alive connection is idle,
-  send, and wait for the answer's head;
+  send, and wait for the answer's head (``send`` alone: the request is out,
+  its answer to come);
 - ``send_idle`` (a plain call): send on an idle connection, if there is one,
   and be called back (``Response.on_complete``) when the whole answer is in
   or the attempt failed; no task or future. A caller that finds the answer
@@ -349,18 +350,23 @@ class Upstream:
             return None
         return self._send(self._idle.pop(), True, method, target, headers, body)
 
+    async def send(self, method: bytes, target: bytes, headers: Headers, body: bytes) -> Response:
+        """Send one request, on a kept-alive connection or a new one; its
+        answer is to come (``Response.head``). Raises Unreachable."""
+        reused = bool(self._idle)
+        conn = self._idle.pop() if reused else await self._connect()
+        return self._send(conn, reused, method, target, headers, body)
+
     async def request(
         self, method: bytes, target: bytes, headers: Headers, body: bytes
     ) -> Response:
         """Send one request and wait for the answer's head. Raises Unreachable,
         Stale (retry on a new connection) or Broken."""
-        reused = bool(self._idle)
-        conn = self._idle.pop() if reused else await self._connect()
-        resp = self._send(conn, reused, method, target, headers, body)
+        resp = await self.send(method, target, headers, body)
         try:
             return await resp.head()
         except BaseException:
-            conn.close()  # cancelled, or the engine is gone: this connection is done
+            resp.close()  # cancelled, or the engine is gone: this connection is done
             raise
 
     def _send(
