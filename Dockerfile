@@ -1,6 +1,7 @@
 # One image for every component: `understudy operator run`, `understudy
-# lockserver serve`, `understudy gms serve`, `understudy engine run` (under
-# `understudy respawn`, the engine container's small init: docs/pod.md).
+# lockserver serve`, `understudy gms serve`, `understudy engine run` (each
+# under `understudy respawn`, a container's small init, from the
+# understudy-respawner distribution: docs/pod.md).
 #
 # Builds from any Debian bookworm rootfs with python3 (>= 3.11), python3-venv
 # and ca-certificates; the only network it needs is PyPI. hack/cluster builds

@@ -22,7 +22,7 @@ from understudy.front import fsm as front
 from understudy.gms import fsm as gms
 from understudy.lockserver import fsm as lock
 from understudy.operator import lifecycle
-from understudy.wire import restart
+from understudy.respawner import restart
 from understudy.wire.machine import mermaid
 
 OUT = Path(__file__).with_name("state-machines.md")
@@ -72,7 +72,7 @@ def sections() -> list[Section]:
         ),
         Section(
             "Respawner",
-            "wire/src/understudy/wire/restart.py",
+            "respawner/src/understudy/respawner/restart.py",
             "A container's init (`understudy respawn`): a child that said it started and "
             "died is started again at once; one that died before that is backed off, and "
             "after a few failures in a row the respawner exits, which hands the container "

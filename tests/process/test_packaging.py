@@ -19,7 +19,17 @@ from localpod import free_port_block, http_json
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-COMPONENTS = ("cli", "wire", "lockserver", "gms", "engine_shim", "front", "operator", "tools")
+COMPONENTS = (
+    "cli",
+    "wire",
+    "respawner",
+    "lockserver",
+    "gms",
+    "engine_shim",
+    "front",
+    "operator",
+    "tools",
+)
 UV = Path(sys.executable).with_name("uv")
 
 
@@ -174,14 +184,16 @@ def test_the_default_distribution_installs_from_wheels(dist: Path, tmp_path: Pat
 
 
 def test_the_lock_server_alone_installs_from_sdists(dist: Path, tmp_path: Path) -> None:
-    """A slim sidecar: three sdists, built by pip, and nothing else of ours."""
+    """A slim sidecar: four sdists, built by pip, and nothing else of ours."""
     bin_ = _venv(tmp_path / "venv")
     sdists = [
-        next(dist.glob(f"understudy_{c}-0.1.0.tar.gz")) for c in ("cli", "wire", "lockserver")
+        next(dist.glob(f"understudy_{c}-0.1.0.tar.gz"))
+        for c in ("cli", "wire", "respawner", "lockserver")
     ]
     _run(bin_ / "pip", "install", "--quiet", *sdists)
     helptext = _run(bin_ / "understudy", "--help").stdout
     assert "lockserver" in helptext and "operator" not in helptext
+    assert "respawn" in helptext  # what the lock server's container runs under
     missing = subprocess.run(
         [bin_ / "understudy", "operator", "run"], capture_output=True, text=True, cwd="/"
     )

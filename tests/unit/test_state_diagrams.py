@@ -14,7 +14,8 @@ from understudy.front import fsm as front
 from understudy.gms import fsm as gms
 from understudy.lockserver import fsm as lock
 from understudy.operator import lifecycle
-from understudy.wire import machine, restart
+from understudy.respawner import restart
+from understudy.wire import machine
 
 ROOT = Path(__file__).resolve().parents[2]
 CORES = [lock, gms.weights, gms.kv, engine, front, lifecycle, restart]

@@ -31,7 +31,7 @@ PROVIDERS = {
     "render": "understudy-operator",
     "local": "understudy-tools",
     "drill": "understudy-tools",
-    "respawn": "understudy-wire",
+    "respawn": "understudy-respawner",
 }
 
 

@@ -4,9 +4,9 @@ engine/front contract and its heartbeat (``serving``, ``heartbeat``), the
 lock's persisted record (``lockrecord``), Unix-socket helpers with peer
 credentials and fd passing (``uds``), the serving socket's handover
 (``handover``), observability plumbing (``obs``), the collector's start-up
-freeze (``heap``), failpoints (``failpoints``) and a container's restarter
-(``restart``, ``respawn``). Only the framing codec is re-exported here; the
-rest is imported from its module."""
+freeze (``heap``), failpoints (``failpoints``) and the child's side of the
+respawner (``respawn``; the respawner is ``understudy.respawner``). Only the
+framing codec is re-exported here; the rest is imported from its module."""
 
 from understudy.wire.framing import (
     DEFAULT_MAX_FRAME,

@@ -1,6 +1,6 @@
 """When a container's process is started again: the restart policy (pure).
 
-``understudy respawn`` (``understudy.wire.respawn``) runs a component's
+``understudy respawn`` (``understudy.respawner.shell``) runs a component's
 process as the child of a tiny PID 1 and restarts it in place when it dies,
 so a death costs a process start instead of kubelet's CrashLoopBackOff
 (10 s, doubling to 5 min, for the second death within 10 minutes). This

@@ -11,14 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from understudy.wire import failpoints
+from understudy.engine_shim import failpoints
 
 ROOT = Path(__file__).resolve().parents[3]
 HIT = re.compile(r"""failpoints\.hit\(\s*["']([\w.-]+)["']\s*\)""")
 
 
 def _run(spec: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    code = "from understudy.wire import failpoints; failpoints.hit('engine.init'); print('after')"
+    code = (
+        "from understudy.engine_shim import failpoints\n"
+        "failpoints.hit('engine.init')\n"
+        "print('after')"
+    )
     return subprocess.run(
         [sys.executable, "-c", code],
         env={"UNDERSTUDY_FAILPOINTS": spec, "PATH": "/usr/bin:/bin"},
@@ -103,7 +107,7 @@ def test_every_listed_point_is_hit_by_the_code_and_armed_by_a_test() -> None:
 
 def _run_code(spec: str, code: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", "from understudy.wire import failpoints\n" + code],
+        [sys.executable, "-c", "from understudy.engine_shim import failpoints\n" + code],
         env={"UNDERSTUDY_FAILPOINTS": spec, "PATH": "/usr/bin:/bin"},
         capture_output=True,
         text=True,

@@ -35,9 +35,11 @@ unknown point or action is an error at import, so a typo cannot quietly test
 nothing.
 
 Every point is listed in :data:`POINTS` with where it sits and what a test
-proves with it; ``tests/unit/wire/test_failpoints.py`` fails for a listed
+proves with it; ``tests/unit/engine_shim/test_failpoints.py`` fails for a listed
 point that no test arms or no code hits, and for a hit of an unlisted name.
-This module lives in ``wire`` because every component imports wire.
+This module lives in the engine shim because every point is on an engine's
+path (its main loop, its KV pool, its adapters). It imports nothing of ours,
+so a point elsewhere means moving the module, not copying it.
 """
 
 from __future__ import annotations

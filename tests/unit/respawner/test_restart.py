@@ -1,4 +1,4 @@
-"""The respawner's restart policy (wire.restart): every (phase, event) pair,
+"""The respawner's restart policy (respawner.restart): every (phase, event) pair,
 the back-off for a child that cannot start, none for one that started."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from understudy.wire import restart
-from understudy.wire.restart import (
+from understudy.respawner import restart
+from understudy.respawner.restart import (
     ArmTimer,
     Exit,
     Exited,
