@@ -92,23 +92,41 @@ def test_a_save_then_a_load_moves_exactly_the_positions_asked(
 def test_a_cache_the_pool_cannot_read_leaves_the_connector_off() -> None:
     """Never an offer of positions it cannot load: the engine recomputes."""
     from understudy.engine_shim import kvlog
-    from understudy.engine_shim.adapters import vllm_kvconn
+    from understudy.engine_shim.adapters.vllm_kvconn import Link
     from understudy.engine_shim.kvpool import KvPool
 
     spec = kvlog.PoolSpec(
         model="m", layers=2, kv_heads=2, head_dim=64, dtype="float32", slots=1, max_len=256
     )
     pool = KvPool(memoryview(bytearray(spec.pool_bytes)), spec, 1)
-    saved = vllm_kvconn.link.caches
-    try:
-        vllm_kvconn.link.caches = [torch.zeros((4, 2, 128, 100)) for _ in range(2)]
-        assert vllm_kvconn.attach(pool) is False
-        assert vllm_kvconn.link.planner is None
-        # What vLLM hands over at start-up is proven with its kernel there, once.
-        vllm_kvconn.register({f"layers.{i}.attn": torch.zeros((4, 2, 128, 128)) for i in (1, 0)})
-        assert vllm_kvconn.link.unreadable is None and vllm_kvconn.link.caches is not None
-        assert vllm_kvconn.attach(pool) is True
-        assert vllm_kvconn.link.planner is not None
-    finally:
-        vllm_kvconn.detach()
-        vllm_kvconn.link.caches = saved
+    link = Link(caches=[torch.zeros((4, 2, 128, 100)) for _ in range(2)])
+    assert link.attach(pool) is False
+    assert link.planner is None and link.copier is None
+    # What vLLM hands over at start-up is proven with its kernel there, once.
+    link.register({f"layers.{i}.attn": torch.zeros((4, 2, 128, 128)) for i in (1, 0)})
+    assert link.unreadable is None and link.caches is not None
+    assert link.attach(pool) is True
+    assert link.planner is not None and link.copier is not None
+    link.detach()
+    assert link.planner is None and link.copier is None
+
+
+def test_each_engine_hands_its_own_link_through_vllms_config() -> None:
+    """The connector's sides, built by vLLM from its config alone, find the
+    link of the engine that built that config, and no other."""
+    import gc
+
+    from vllm.config import KVTransferConfig
+
+    from understudy.engine_shim.adapters.vllm_kvconn import Link, link_of, transfer_config
+
+    first, second = Link(), Link()
+    configs = [KVTransferConfig(**transfer_config(link)) for link in (first, second)]
+    assert link_of(configs[0].kv_connector_extra_config) is first
+    assert link_of(configs[1].kv_connector_extra_config) is second
+    with pytest.raises(ValueError, match="needs its engine's link"):
+        link_of({})
+    del second  # a closed engine's link, and its caches, go with it
+    gc.collect()
+    with pytest.raises(ValueError, match="needs its engine's link"):
+        link_of(configs[1].kv_connector_extra_config)

