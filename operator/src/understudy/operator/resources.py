@@ -28,15 +28,15 @@ from understudy.operator.api import EngineAdapter, GpuInstanceSpec, ResourceRequ
 ACTIVE_DEFAULTS: Mapping[str, str] = {"cpu": "100m", "memory": "256Mi"}
 
 # A standby's requests per adapter: a small CPU share (a sleeping engine
-# answers its probes and nothing else: ~2 millicores measured) and the memory
+# answers its probes and nothing else: 1-4 millicores measured) and the memory
 # a standby container holds, its engine process, the respawner's spare and
 # the respawner itself (RSS measured on local pods, docs/sizing.md). Never
 # more than the Active engine's requests, nor than the limits.
 STANDBY_DEFAULTS: Mapping[EngineAdapter, Mapping[str, str]] = {
     EngineAdapter.REFERENCE: {"cpu": "50m", "memory": "192Mi"},  # ~175 MB measured
     EngineAdapter.LLAMA: {"cpu": "50m", "memory": "256Mi"},  # ~200 MB (SmolLM2-135M)
-    EngineAdapter.SYNTHETIC: {"cpu": "50m", "memory": "192Mi"},
-    EngineAdapter.VLLM: {"cpu": "50m", "memory": "2Gi"},  # ~1.6 GB engine (SmolLM2, CPU)
+    EngineAdapter.SYNTHETIC: {"cpu": "50m", "memory": "192Mi"},  # ~150 MB
+    EngineAdapter.VLLM: {"cpu": "50m", "memory": "2Gi"},  # ~1.96 GB (SmolLM2 on vLLM-CPU)
 }
 
 _SUFFIX: Mapping[str, Fraction] = {
