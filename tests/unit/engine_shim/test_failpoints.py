@@ -14,7 +14,7 @@ import pytest
 from understudy.engine_shim import failpoints
 
 ROOT = Path(__file__).resolve().parents[3]
-HIT = re.compile(r"""failpoints\.hit\(\s*["']([\w.-]+)["']\s*\)""")
+HIT = re.compile(r"""failpoints\.(?:hit|value)\(\s*["']([\w.-]+)["']\s*\)""")
 
 
 def _run(spec: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
@@ -137,3 +137,17 @@ def test_return_hands_the_harm_to_the_caller_and_at_n_counts_hits() -> None:
     )
     with pytest.raises(ValueError, match="count from 1"):
         failpoints.parse("kv.seal.torn=kill@0")
+
+
+def test_return_text_gives_the_point_its_value() -> None:
+    code = "print([failpoints.value('engine.poison') for _ in range(3)])"
+    assert _run_code("", code).stdout == "[None, None, None]\n"
+    armed = _run_code("engine.poison=return(POISON PILL)@2", code)
+    assert armed.stdout == "[None, 'POISON PILL', 'POISON PILL']\n", armed.stderr
+    assert _run_code("engine.poison=return", code).stdout == "['', '', '']\n"
+    assert _run_code("engine.poison=kill", code).returncode == -9  # the action, here
+    assert failpoints.parse("engine.poison=return(x=1)")["engine.poison"] == failpoints.Action(
+        "return", text="x=1"
+    )
+    with pytest.raises(ValueError, match="return\\(TEXT\\)"):
+        failpoints.parse("engine.poison=return()")

@@ -23,7 +23,10 @@ Actions:
   exactly this point);
 - ``return``: :func:`hit` returns True, and the code at the point does the
   harm that point is named for (gofail's ``return``: a block corrupted on
-  purpose, say); unarmed, or armed otherwise, it returns False.
+  purpose, say); unarmed, or armed otherwise, it returns False;
+- ``return(TEXT)``: the same, with a value for the code at the point, which
+  reads it with :func:`value` (``engine.poison=return(POISON)``: the request
+  whose prompt holds POISON is the one that kills its engine).
 
 Any action may end in ``@N``: the point lets its first N-1 hits pass and acts
 from the N-th on (``kv.seal.torn=kill@40``: die in the 40th seal-log write,
@@ -70,10 +73,15 @@ POINTS: Final[Mapping[str, str]] = {
     "kv.block.corrupt": "the KV pool, as the next engine adopts it: a sealed block's bytes "
     "are changed under its seal (memory corrupted between two holders), and the engine "
     "finds the checksum wrong and recomputes the block instead of serving it (return)",
+    "engine.poison": "the OpenAI surface, as an engine starts a request: armed "
+    "return(MARKER), the engine SIGKILLs itself on every request whose prompt holds "
+    "MARKER, as a request that crashes whichever engine serves it would (a poison "
+    "request), and serves every other request as usual",
 }
 
 _ACTION = re.compile(
-    r"^(raise|hang|kill|return|sleep\((\d+(?:\.\d+)?)\)|exit\((\d+)\))(?:@(\d+))?$"
+    r"^(raise|hang|kill|return(?:\(([^()]+)\))?|sleep\((\d+(?:\.\d+)?)\)|exit\((\d+)\))"
+    r"(?:@(\d+))?$"
 )
 
 
@@ -86,6 +94,7 @@ class Action:
     kind: str  # raise, hang, sleep, exit, kill, return
     arg: float = 0.0
     nth: int = 1  # acts from this hit on
+    text: str = ""  # return(TEXT): what value() gives the code at the point
 
 
 def parse(spec: str) -> dict[str, Action]:
@@ -100,14 +109,14 @@ def parse(spec: str) -> dict[str, Action]:
         if match is None:
             raise ValueError(
                 f"{ENV}: {name}: {action!r} is not raise, hang, kill, return, "
-                "sleep(SECONDS) or exit(CODE), with an optional @N"
+                "return(TEXT), sleep(SECONDS) or exit(CODE), with an optional @N"
             )
         kind = action.split("(")[0].split("@")[0]
-        arg = float(match.group(2) or match.group(3) or 0.0)
-        nth = int(match.group(4) or 1)
+        arg = float(match.group(3) or match.group(4) or 0.0)
+        nth = int(match.group(5) or 1)
         if nth < 1:
             raise ValueError(f"{ENV}: {name}: @{nth}: hits count from 1")
-        armed[name] = Action(kind, arg, nth)
+        armed[name] = Action(kind, arg, nth, match.group(2) or "")
     return armed
 
 
@@ -116,33 +125,56 @@ _hits: dict[str, int] = {}
 _count = threading.Lock()
 
 
-def hit(name: str) -> bool:
-    """The failpoint ``name``: nothing unless armed (see the module). True only
-    for a point armed with ``return`` (the caller then does the harm)."""
-    if not _armed:
-        return False
+def _acting(name: str) -> Action | None:
+    """The action of ``name`` if this hit acts (armed, and past its ``@N``)."""
     action = _armed.get(name)
     if action is None:
-        return False
+        return None
     if action.nth > 1:
         with _count:
             _hits[name] = seen = _hits.get(name, 0) + 1
         if seen < action.nth:
-            return False
+            return None
+    return action
+
+
+def crash() -> None:
+    """SIGKILL this process here (the ``kill`` action; also for a point's code
+    that decides, from its ``value``, that this is where it dies)."""
+    os.kill(os.getpid(), signal.SIGKILL)
+    threading.Event().wait()  # the signal is on its way
+
+
+def value(name: str) -> str | None:
+    """The point ``name`` where its code wants a value: the TEXT of a point
+    armed ``return(TEXT)`` ("" for a plain ``return``) when this hit acts,
+    else None; any other action is taken here, as :func:`hit` takes it."""
+    if not _armed:
+        return None
+    action = _acting(name)
+    if action is None:
+        return None
+    if action.kind == "return":
+        return action.text
     if action.kind == "raise":
         raise FailpointError(f"failpoint {name} (raise)")
-    if action.kind == "return":
-        return True
     if action.kind == "sleep":
         time.sleep(action.arg)
     elif action.kind == "hang":
         threading.Event().wait()
     elif action.kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-        threading.Event().wait()  # the signal is on its way
+        crash()
     else:  # exit
         os._exit(int(action.arg))
-    return False
+    return None
+
+
+def hit(name: str) -> bool:
+    """The failpoint ``name``: nothing unless armed (see the module). True only
+    for a point armed with ``return`` (the caller then does the harm)."""
+    if not _armed:
+        return False
+    return value(name) is not None
 
 
 def armed() -> Mapping[str, Action]:

@@ -30,6 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
+from understudy.engine_shim import failpoints
 from understudy.engine_shim.generation import (
     Generator,
     IncrementalText,
@@ -241,6 +242,14 @@ def parse(gen: Generator, body: Any, chat: bool) -> Request:
     )
 
 
+def _poison(gen: Generator, req: Request) -> None:
+    """Failpoint ``engine.poison``: a request whose prompt holds the armed
+    marker kills the engine that starts it (its continuation, the next one)."""
+    marker = failpoints.value("engine.poison")
+    if marker and marker in gen.decode(req.prompt_ids):
+        failpoints.crash()
+
+
 # ------------------------------------------------------------- shaping ----
 
 
@@ -337,6 +346,7 @@ class OpenAIServer:
             return exc.response()
         self.pending += 1
         try:
+            _poison(self.gen, req)
             # An earlier engine died after streaming the generation's last token
             # but before its end: the end (usage, [DONE]) is all that is owed.
             over = finish_of(req.resume, req.params, self.gen.eos_ids) if req.resume else None
