@@ -36,8 +36,7 @@ def _round(i: int, kill_at: float, gap: float, **kw: Any) -> dict[str, Any]:
         "first_served_s": gap + 0.015,
         "rearm_s": 0.4 + 0.01 * i,
         "failed_requests": 0,
-        "streams_caught": 2,
-        "stall_max_s": 0.2 + 0.01 * i,
+        "stalls_s": [0.15, 0.2 + 0.01 * i],
         "error": "",
         **kw,
     }
@@ -158,10 +157,19 @@ def test_a_cluster_drill_shows_what_its_observer_saw(tmp_path: Path) -> None:
 
 def test_a_json_without_series_draws_what_it_can(tmp_path: Path) -> None:
     files = write_report(synthetic(with_series=False), tmp_path)
-    assert [f.name for f in files] == ["index.html", "gaps.png", "phases.png"]
+    assert [f.name for f in files] == ["index.html", "stalls.png", "gaps.png", "phases.png"]
     for f in files[1:]:
         _check_png(f)
     assert "no per-request series" in files[0].read_text()
+    # a drill from before streams were timed: no stalls to draw, and the page says so
+    old = synthetic(with_series=False)
+    for r in old["rounds"]:
+        r.pop("stalls_s", None)
+    for key in ("stall_s", "tpot_s", "streams_caught"):
+        old["summary"].pop(key)
+    files = write_report(old, tmp_path / "old")
+    assert [f.name for f in files] == ["index.html", "gaps.png", "phases.png"]
+    assert "did not time its streams" in files[0].read_text()
 
 
 def test_phases_stack_up_to_the_measured_times() -> None:

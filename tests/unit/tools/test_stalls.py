@@ -105,8 +105,8 @@ def test_the_tally_reads_each_streams_tokens_once_and_lets_them_go() -> None:
 def test_the_summary_and_its_text_lead_with_the_stall_against_the_tpot() -> None:
     stalls = [Stall(0, 0.30), Stall(0, 0.50), Stall(1, 0.40)]
     rounds = [
-        Round(1, "engine-primary", 11, 1, kill_at_s=1.0, gap_s=4.0, streams_caught=2),
-        Round(2, "engine-shadow-1", 12, 2, kill_at_s=5.0, gap_s=5.0, streams_caught=1),
+        Round(1, "engine-primary", 11, 1, kill_at_s=1.0, gap_s=4.0),
+        Round(2, "engine-shadow-1", 12, 2, kill_at_s=5.0, gap_s=5.0),
     ]
     report = Report(rounds=rounds, stalls=stalls, between=[0.1, 0.2, 0.25], clients=8)
     s = report.summary()

@@ -220,8 +220,7 @@ def _report(ses: _Session, plan: _Plan, clients: int) -> Report:
     end = time.monotonic()
     # the tally's kills are the rounds that sent one, in order
     for k, rnd in enumerate(r for r in ses.rounds if r.kill_at_s is not None):
-        mine = [x.stall_s for x in tally.stalls if x.kill == k]
-        rnd.streams_caught, rnd.stall_max_s = len(mine), max(mine, default=None)
+        rnd.stalls_s = [x.stall_s for x in tally.stalls if x.kill == k]
     return Report(
         rounds=ses.rounds,
         requests=tally.requests,

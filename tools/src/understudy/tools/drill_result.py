@@ -41,8 +41,8 @@ class Round:
     serving_ok: bool | None = None  # only the new Active engine listens for requests
     error: str = ""
     kill_at_s: float | None = None  # when the kill was sent, seconds since the clients started
-    streams_caught: int = 0  # streams with a token before the kill and one after
-    stall_max_s: float | None = None  # the longest of their stalls
+    # each stream this kill caught between two of its tokens: its stall
+    stalls_s: list[float] = field(default_factory=list)
 
 
 @dataclass

@@ -8,6 +8,9 @@ here runs a drill or reads a pod, so a committed JSON can be rendered again
 
 The charts:
 
+- ``stalls.png``: each stream's stall at each kill (its last token before →
+  its first after), round by round, against the same streams' time between
+  tokens (p50 and p99): a failover's cost as a reader of a stream feels it;
 - ``latency.png``: every request's latency at the time it completed, streaming
   and non-streaming apart, failures as red crosses, each kill a vertical line
   and the gap after it shaded;
@@ -35,7 +38,7 @@ from typing import Any
 from understudy.tools.drill_result import headline
 from understudy.tools.figures import percentile, stats, verdict
 
-CHARTS = ("latency.png", "around-kills.png", "gaps.png", "phases.png")
+CHARTS = ("stalls.png", "latency.png", "around-kills.png", "gaps.png", "phases.png")
 AROUND_KILL_S = (-0.5, 1.5)  # stretched to 1.5 × the longest gap (at most MAX_AROUND_S)
 MAX_AROUND_S = 10.0
 DPI = 100
@@ -72,6 +75,8 @@ def write_report(result: dict[str, Any], out_dir: Path) -> list[Path]:
     summary = result.get("summary", {})
     series = result.get("series") or None
     written: list[Path] = []
+    if any(r.get("stalls_s") for r in rounds):
+        written.append(stalls_chart(rounds, summary, out_dir / "stalls.png"))
     if series and series.get("rows"):
         written.append(latency_chart(series, rounds, out_dir / "latency.png"))
         written.append(around_kills_chart(series, rounds, out_dir / "around-kills.png"))
@@ -149,9 +154,20 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
+def _log_ms(ax: Any, label: str) -> None:
+    """A log y axis of milliseconds, labelled in plain numbers (2000, not 2×10³)."""
+    from matplotlib.ticker import FuncFormatter
+
+    ax.set_yscale("log")
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+    ax.tick_params(axis="y", which="minor", labelsize=7)
+    ax.set_ylabel(label)
+
+
 def _scatter(ax: Any, points: list[tuple[float, float, bool, bool]], scale: float) -> None:
     """Latency (ms) against completion time (scaled) by kind of request."""
-    from matplotlib.ticker import FuncFormatter
 
     size = 14 if len(points) < 2000 else 5
     for label, color, streaming in (
@@ -180,13 +196,39 @@ def _scatter(ax: Any, points: list[tuple[float, float, bool, bool]], scale: floa
             color=FAILED,
             label=f"failed ({len(failed)})",
         )
-    ax.set_yscale("log")
-    plain = FuncFormatter(lambda v, _: f"{v:g}")  # 2000, not 2×10³
-    ax.yaxis.set_major_formatter(plain)
-    ax.yaxis.set_minor_formatter(plain)
-    ax.tick_params(axis="y", which="minor", labelsize=7)
-    ax.set_ylabel("request latency (ms, log)")
+    _log_ms(ax, "request latency (ms, log)")
     ax.grid(True, which="major", alpha=0.3)
+
+
+def stalls_chart(rounds: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> Path:
+    fig = _figure(11, 3.8)
+    ax = fig.add_subplot()
+    points = [
+        (r.get("index", i + 1), v * 1000)
+        for i, r in enumerate(rounds)
+        for v in r.get("stalls_s") or []
+    ]
+    ax.scatter(
+        [p[0] for p in points],
+        [p[1] for p in points],
+        s=22,
+        color=STREAMING,
+        alpha=0.7,
+        label=f"a stream's stall at the kill ({len(points)} streams)",
+    )
+    tpot = summary.get("tpot_s") or {}
+    for q, style in (("p50", "--"), ("p99", ":")):
+        if q in tpot:
+            v = tpot[q] * 1000
+            ax.axhline(
+                v, color="black", ls=style, lw=1, label=f"time between tokens {q} {v:.0f} ms"
+            )
+    _log_ms(ax, "ms (log)")
+    ax.set_title("Each stream's stall at each kill, against the same streams' time between tokens")
+    ax.set_xlabel("round")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    return _save(fig, path)
 
 
 def latency_chart(series: dict[str, Any], rounds: list[dict[str, Any]], path: Path) -> Path:
@@ -356,6 +398,9 @@ STATS = (
     ("rearm_s", "re-arm: kill → Standby again"),
 )
 CAPTIONS = {
+    "stalls.png": "Each stream in flight at a kill: the time from its last token before the kill "
+    "to its first after it, against the same streams' time between tokens over the drill. A "
+    "stall near the dashed line cost its reader about one token.",
     "latency.png": "Every request's latency when it completed; the red lines are the kills "
     "and the shading after each the gap in which no request completed.",
     "around-kills.png": "Every round laid over the others, the kill at 0. Requests the front "
@@ -503,7 +548,7 @@ def _rounds(rounds: list[dict[str, Any]]) -> list[str]:
     out += [
         f"<tr><td>{r.get('index')}</td><td>{_E(str(r.get('signal', '')))}</td>"
         f"<td>{_E(str(r.get('killed')))} → {_E(str(r.get('new_active')))}</td>"
-        f"<td>{r.get('streams_caught', '–')}</td><td>{_fmt_ms(r.get('stall_max_s'))}</td>"
+        f"<td>{len(r.get('stalls_s') or [])}</td><td>{_fmt_ms(_longest(r.get('stalls_s')))}</td>"
         f"<td>{_fmt_ms(r.get('kill_to_grant_s'))}</td>"
         f"<td>{_fmt_ms(r.get('grant_to_active_s'))}</td>"
         f"<td>{_fmt_ms(r.get('gap_s'))}</td><td>{_fmt_ms(r.get('first_served_s'))}</td>"
@@ -513,6 +558,10 @@ def _rounds(rounds: list[dict[str, Any]]) -> list[str]:
     ]
     out.append("</table>")
     return out
+
+
+def _longest(values: list[float] | None) -> float | None:
+    return max(values) if values else None
 
 
 def _host_line(host: dict[str, Any]) -> str:
