@@ -17,7 +17,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, assert_never
+from collections.abc import Callable
+from typing import Any, Final, assert_never
 
 import prometheus_client as prom
 
@@ -45,6 +46,44 @@ PHASE_BUCKETS = (
 )  # fmt: skip
 # Init (re-arm or a cold load): a second to the longest startup budget.
 _INIT_BUCKETS = (0.25, 0.5, 1, 1.5, 2, 3, 5, 7.5, 10, 15, 20, 30, 60, 120, 300, 600, 1800)
+# The start-up of a restarted engine runs at this nice value (and SCHED_BATCH):
+# on a CPU the Active engine also wants, it gets ~10% (CFS weight 110 against
+# 1024), not half. Not SCHED_IDLE: that starves it outright wherever the CPUs
+# are busy, and the standby must still be ready in seconds, before the next
+# death.
+STARTUP_NICE: Final = 10
+
+
+def run_yielding(work: Callable[[], None], name: str, nice: int = STARTUP_NICE) -> None:
+    """Run ``work`` on a thread of its own at a lower CPU priority, wait for it,
+    and raise what it raised.
+
+    A thread, because Linux keeps the policy and the nice value per thread, and
+    an unprivileged thread cannot take them back (sched(7): leaving SCHED_IDLE
+    or lowering nice needs CAP_SYS_NICE or an RLIMIT_NICE above the default 0;
+    measured as uid 65534: EPERM/EACCES). The threads that serve (the lock's
+    watcher, the HTTP host, the batcher at wake) are started by the main
+    thread and keep its normal priority; threads ``work`` starts inherit the
+    lower one (GMS's watcher of the init session, which sleep drops).
+    """
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except (OSError, AttributeError) as exc:  # not Linux, or refused: go on unchanged
+            log_event(log, "startup_priority_unchanged", logging.WARNING, reason=exc)
+        try:
+            work()
+        except BaseException as exc:  # handed to the caller's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
 
 
 class Metrics:
@@ -303,9 +342,15 @@ class Shim:
         t0 = time.monotonic()
         try:
             failpoints.hit("engine.init")
-            self.weights.init(self.engine, deadline=self.s.started + cfg.startup_budget_s)
-            self.engine.sleep()
-            self.weights.sleep()
+            if respawn.restarts() and getattr(self.engine, "start_up_yields", False):
+                # Restarted behind a failover: the Active engine serves on the
+                # same CPUs, and this engine's start-up (GMS import, attach,
+                # warm-up: seconds of CPU) must not slow it. A first start
+                # has no Active to yield to. Only adapters that say their
+                # start-up may run off the main thread (vLLM's is not known to).
+                run_yielding(self._init, "start-up")
+            else:
+                self._init()
         except Exception as exc:  # any init error ends the process now
             self.feed(fsm.Fatal(f"init failed: {type(exc).__name__}: {exc}"))
         heap.freeze()  # before Standby: no full collection in a failover's path
@@ -325,6 +370,11 @@ class Shim:
         while pending:
             pending += self._do(pending.pop(0))
         threading.Event().wait()  # Active: serve until the process ends
+
+    def _init(self) -> None:
+        self.weights.init(self.engine, deadline=self.s.started + self.cfg.startup_budget_s)
+        self.engine.sleep()
+        self.weights.sleep()
 
     def _do(self, action: fsm.Action) -> list[fsm.Action]:
         match action:

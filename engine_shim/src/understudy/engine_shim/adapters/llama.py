@@ -323,6 +323,9 @@ class LlamaEngine:
     """The ``llama`` adapter: an Engine for the shim and a Generator for the OpenAI layer."""
 
     name = "llama"
+    # Its load, attach and warm-up may run on a thread other than the main one
+    # (the shim then runs a restart's start-up at a lower priority: mainloop).
+    start_up_yields = True
 
     def __init__(self, model: str = tiny_llama.BUILTIN, engine_args: Sequence[str] = ()) -> None:
         try:
