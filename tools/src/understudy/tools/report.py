@@ -201,6 +201,8 @@ def _scatter(ax: Any, points: list[tuple[float, float, bool, bool]], scale: floa
 
 
 def stalls_chart(rounds: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> Path:
+    from matplotlib.ticker import MaxNLocator
+
     fig = _figure(11, 3.8)
     ax = fig.add_subplot()
     points = [
@@ -226,6 +228,7 @@ def stalls_chart(rounds: list[dict[str, Any]], summary: dict[str, Any], path: Pa
     _log_ms(ax, "ms (log)")
     ax.set_title("Each stream's stall at each kill, against the same streams' time between tokens")
     ax.set_xlabel("round")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(True, alpha=0.3)
     ax.legend(loc="best", fontsize=8)
     return _save(fig, path)
