@@ -94,6 +94,18 @@ def test_the_local_processes_are_the_rendered_containers(name: str) -> None:
         assert child == (cfg.engine_python or sys.executable if is_engine else sys.executable)
         port = _local_ports(cfg)[r["ports"][0]["containerPort"]]
         assert c.status_port == (port if is_engine else None)
+        if is_engine:  # the runner probes the engines as the pod declares it
+            for ours, theirs in ((c.startup, r["startupProbe"]), (c.liveness, r["livenessProbe"])):
+                assert ours is not None
+                assert (ours.port, ours.path) == (port, theirs["httpGet"]["path"])
+                assert (ours.period_s, ours.timeout_s, ours.failures) == (
+                    theirs["periodSeconds"],
+                    theirs["timeoutSeconds"],
+                    theirs["failureThreshold"],
+                )
+            assert c.liveness.grace_s == r["livenessProbe"]["terminationGracePeriodSeconds"]
+        else:  # a sidecar: the runner checks its start itself
+            assert c.startup is None and c.liveness is None
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -18,11 +18,11 @@ The supervisor plays kubelet:
   engine in place at once (docs/pod.md), so an engine's death is not a
   container exit; the restarted engine rejoins as the new standby by
   importing the committed weights;
-- engine probes as the pod declares them: ``/startup`` every second until it
-  passes, then ``/live`` every second, five failures in a row → SIGTERM,
-  then SIGKILL after a one-second grace (the liveness probe's
-  ``terminationGracePeriodSeconds``) — that is how a hung (SIGSTOPped)
-  engine gets replaced.
+- engine probes as the rendered pod declares them: ``/startup`` every two
+  seconds until it passes, then ``/live`` every second, five failures in a
+  row → SIGTERM, then SIGKILL after the liveness probe's
+  ``terminationGracePeriodSeconds`` (one second) — that is how a hung
+  (SIGSTOPped) engine gets replaced.
 
 ``local.json`` in the directory records the supervisor, every container's pid
 and ports; ``understudy drill`` and ``local down`` read it.
@@ -34,6 +34,7 @@ import contextlib
 import http.client
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -82,9 +83,6 @@ class LocalConfig:
     wake_timeout_s: float = 30.0
     remap_timeout_s: float = 30.0
     max_backoff_s: float = 300.0
-    probe_period_s: float = 1.0
-    liveness_failures: int = 5  # as the pod's engine liveness probe
-    liveness_grace_s: float = 1.0
 
 
 @dataclass
@@ -93,6 +91,9 @@ class Container:
     argv: list[str]
     env: dict[str, str]
     status_port: int | None = None  # engines only
+    # An engine's probes, as the pod declares them (sidecars: None).
+    startup: pod.HttpProbe | None = None
+    liveness: pod.HttpProbe | None = None
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = 0.0
@@ -165,7 +166,14 @@ def containers(cfg: LocalConfig) -> list[Container]:
     inst = instance(cfg)
     spec = render.pod_spec(inst, render.RenderConfig())
     return [
-        Container(p.name, list(p.argv), dict(p.env), p.probe_port)
+        Container(
+            p.name,
+            list(p.argv),
+            dict(p.env),
+            p.startup.port if p.startup else None,
+            startup=p.startup,
+            liveness=p.liveness,
+        )
         for p in pod.processes(spec, places(cfg, inst))
     ]
 
@@ -216,7 +224,7 @@ class Supervisor:
         c.backoff = backoff.started(c.backoff, c.started_at)
         c.restart_at = None
         c.exited_at = None
-        c.startup_passed = c.status_port is None
+        c.startup_passed = c.startup is None
         c.live_failures = 0
         c.next_probe = c.started_at
         c.kill_deadline = None
@@ -272,7 +280,7 @@ class Supervisor:
         self.cfg.dir.mkdir(parents=True, exist_ok=True)
         for c in self.containers:
             self._start(c)
-            if c.status_port is None:
+            if c.startup is None:  # a sidecar: the next container waits for it
                 self._wait_startup(c, 30)
         log_event(
             log,
@@ -291,9 +299,8 @@ class Supervisor:
             elif c.kill_deadline is not None:
                 if now >= c.kill_deadline:
                     self._signal(c, signal.SIGKILL)
-            elif c.status_port is not None and now >= c.next_probe:
-                c.next_probe = now + self.cfg.probe_period_s
-                self._probe(c, now)
+            elif c.startup is not None and now >= c.next_probe:
+                self._probe(c, c.startup, c.liveness, now)
 
     def _exited(self, c: Container, code: int, now: float) -> None:
         """A container whose process ended: recorded once, restarted after its back-off."""
@@ -326,21 +333,30 @@ class Supervisor:
             c.restarts += 1
             self._start(c)
 
-    def _probe(self, c: Container, now: float) -> None:
+    def _probe(
+        self, c: Container, startup: pod.HttpProbe, liveness: pod.HttpProbe | None, now: float
+    ) -> None:
         """kubelet's probes: startup until it passes, then liveness, whose
-        failures end the container (SIGTERM, then SIGKILL after the grace)."""
-        assert c.proc is not None and c.status_port is not None
+        failures end the container (SIGTERM, then SIGKILL after the grace).
+        The startup probe's failures end nothing here: the engine ends itself
+        at its startup budget, which the probe's threshold only mirrors."""
+        assert c.proc is not None
         if not c.startup_passed:
-            c.startup_passed = probe(c.status_port, "/startup")
+            c.next_probe = now + startup.period_s
+            c.startup_passed = probe(startup.port, startup.path, startup.timeout_s)
             if c.startup_passed:
                 c.failures = 0
                 self._save()  # the drill waits for it: liveness is watching now
             return
-        if probe(c.status_port, "/live", timeout=self.cfg.probe_period_s):
+        if liveness is None:
+            c.next_probe = math.inf
+            return
+        c.next_probe = now + liveness.period_s
+        if probe(liveness.port, liveness.path, liveness.timeout_s):
             c.live_failures = 0
             return
         c.live_failures += 1
-        if c.live_failures >= self.cfg.liveness_failures:
+        if c.live_failures >= liveness.failures:
             log_event(
                 log,
                 "liveness_failed",
@@ -351,7 +367,7 @@ class Supervisor:
             )
             self._signal(c, signal.SIGTERM)
             self._signal(c, signal.SIGCONT)  # a stopped process must see its SIGTERM
-            c.kill_deadline = now + self.cfg.liveness_grace_s
+            c.kill_deadline = now + liveness.grace_s
 
     def run_forever(self) -> None:
         stop = []

@@ -45,6 +45,18 @@ class Places:
 
 
 @dataclass(frozen=True, slots=True)
+class HttpProbe:
+    """One of kubelet's HTTP probes of a container, at its local port."""
+
+    port: int
+    path: str
+    period_s: float
+    timeout_s: float
+    failures: int  # in a row, that fail the probe
+    grace_s: float  # a liveness kill's SIGTERM -> SIGKILL
+
+
+@dataclass(frozen=True, slots=True)
 class Process:
     """One container of the pod as a local process."""
 
@@ -54,33 +66,56 @@ class Process:
     # A native sidecar (an init container that keeps running): started in
     # order, each gated by its startup check, before the engines.
     sidecar: bool
-    # The port of the container's HTTP probes (the engines'), local.
-    probe_port: int | None
+    # An engine's probes, as the pod declares them; a sidecar's start is
+    # checked by the runner itself, and kubelet does not restart it on them.
+    startup: HttpProbe | None
+    liveness: HttpProbe | None
 
 
 def processes(pod_spec: Mapping[str, Any], places: Places) -> list[Process]:
     """The containers of ``pod_spec`` (``render.pod_spec``), sidecars first, as local processes."""
-    out = []
     for c in pod_spec["initContainers"]:
         if c.get("restartPolicy") != "Always":
             raise ValueError(f"{c['name']}: the local runner runs sidecars, not run-once inits")
-        out.append(_process(c, places, sidecar=True))
-    out += [_process(c, places, sidecar=False) for c in pod_spec["containers"]]
-    return out
+    grace = float(pod_spec["terminationGracePeriodSeconds"])
+    return [
+        *(_sidecar(c, places) for c in pod_spec["initContainers"]),
+        *(_engine(c, places, grace) for c in pod_spec["containers"]),
+    ]
 
 
-def _process(c: Mapping[str, Any], places: Places, *, sidecar: bool) -> Process:
-    child_python = places.python if sidecar else places.engine_python
+def _sidecar(c: Mapping[str, Any], places: Places) -> Process:
     env = {e["name"]: _env_value(e, places) for e in c.get("env", [])}
-    if not sidecar:
-        env.update(places.engine_env)
-    http = c.get("startupProbe", {}).get("httpGet")
+    argv = command([*c.get("command", []), *c.get("args", [])], places, places.python)
+    return Process(c["name"], argv, env, sidecar=True, startup=None, liveness=None)
+
+
+def _engine(c: Mapping[str, Any], places: Places, pod_grace: float) -> Process:
+    env = {e["name"]: _env_value(e, places) for e in c.get("env", [])}
     return Process(
         name=c["name"],
-        argv=command([*c.get("command", []), *c.get("args", [])], places, child_python),
-        env=env,
-        sidecar=sidecar,
-        probe_port=None if sidecar or http is None else places.ports[http["port"]],
+        argv=command([*c.get("command", []), *c.get("args", [])], places, places.engine_python),
+        env={**env, **places.engine_env},
+        sidecar=False,
+        startup=_http_probe(c.get("startupProbe"), places, pod_grace),
+        liveness=_http_probe(c.get("livenessProbe"), places, pod_grace),
+    )
+
+
+def _http_probe(
+    probe: Mapping[str, Any] | None, places: Places, pod_grace: float
+) -> HttpProbe | None:
+    """A rendered HTTP probe, kubelet's defaults where the pod leaves a field out."""
+    if probe is None or "httpGet" not in probe:
+        return None
+    get = probe["httpGet"]
+    return HttpProbe(
+        port=places.ports[get["port"]],
+        path=get["path"],
+        period_s=float(probe.get("periodSeconds", 10)),
+        timeout_s=float(probe.get("timeoutSeconds", 1)),
+        failures=int(probe.get("failureThreshold", 3)),
+        grace_s=float(probe.get("terminationGracePeriodSeconds", pod_grace)),
     )
 
 
