@@ -42,6 +42,34 @@ def checksum(pod: LocalPod, hold_ms: int = 0, timeout: float = 60) -> tuple[int,
     return http_json(pod.serve_port, "/v1/checksum", {"hold_ms": hold_ms}, timeout=timeout)
 
 
+def front_state(pod: LocalPod) -> dict:
+    return http_json(pod.front_port, "/state")[1]
+
+
+def wait_at_engine(pod: LocalPod, n: int, engine: dict | None = None) -> dict:
+    """Wait until ``n`` requests have gone out to an engine (``engine``: the
+    one the front routes to) and none has come back: the front's /state."""
+
+    def there() -> dict | None:
+        state = front_state(pod)
+        route = state["route"] or {}
+        if engine is not None and route.get("engine_id") != engine["engine_id"]:
+            return None
+        return state if state["at_engine"] == n and state["inflight"] == n else None
+
+    return wait_for(there, 20, 0.005, what=f"{n} request(s) at the engine")
+
+
+def engine_state(pod: LocalPod, engine: dict) -> str | None:
+    return next((e["state"] for e in pod.engines() if e.get("name") == engine["name"]), None)
+
+
+def wait_answered(clients: Clients, more: int) -> None:
+    """Wait until the clients got ``more`` answers than they have now."""
+    target = len(clients.outcomes) + more
+    wait_for(lambda: len(clients.outcomes) >= target, 30, what=f"{more} more answers")
+
+
 def _other_active(pod: LocalPod, than: dict) -> dict:
     return wait_for(
         lambda: next((e for e in pod.by_state("Active") if e["name"] != than["name"]), None),
@@ -56,7 +84,7 @@ def test_in_flight_requests_move_to_the_next_engine(pod):
     _, expected = checksum(pod)
     with concurrent.futures.ThreadPoolExecutor(4) as ex:
         futures = [ex.submit(checksum, pod, 1500) for _ in range(4)]
-        time.sleep(0.4)  # all four are now sleeping inside the Active engine
+        wait_at_engine(pod, 4, active)  # all four are inside the Active engine
         os.kill(active["pid"], signal.SIGKILL)
         answers = [f.result() for f in futures]
     assert answers == [(200, expected)] * 4
@@ -87,10 +115,10 @@ def test_a_request_that_outlives_its_migration_limit_gets_a_clear_503():
         first = pod.wait_armed()
         with concurrent.futures.ThreadPoolExecutor(1) as ex:
             fut = ex.submit(checksum, pod, 3000)
-            time.sleep(0.4)
+            wait_at_engine(pod, 1, first)
             os.kill(first["pid"], signal.SIGKILL)  # migration 1: allowed
             second = _other_active(pod, first)
-            time.sleep(0.5)  # the request now sleeps inside the second engine
+            wait_at_engine(pod, 1, second)  # the request sleeps inside the second
             os.kill(second["pid"], signal.SIGKILL)  # would be migration 2
             status, body = fut.result()
         assert status == 503
@@ -114,9 +142,10 @@ def test_sigterm_drains_the_active_engine_without_losing_a_request(pod):
     _, expected = checksum(pod)
     with concurrent.futures.ThreadPoolExecutor(4) as ex:
         inflight = [ex.submit(checksum, pod, 1500) for _ in range(2)]
-        time.sleep(0.4)
+        wait_at_engine(pod, 2, active)
         os.kill(active["pid"], signal.SIGTERM)
-        time.sleep(0.2)  # draining now: new requests wait for the next engine
+        # Draining now: new requests wait for the next engine.
+        wait_for(lambda: engine_state(pod, active) == "Draining", 10, what="draining")
         later = [ex.submit(checksum, pod) for _ in range(2)]
         answers = [f.result() for f in inflight + later]
     assert answers == [(200, expected)] * 4
@@ -172,8 +201,9 @@ class Clients:
                 status, _ = checksum(self.pod, self.hold_ms, timeout=30)
                 self.outcomes.append("ok" if status == 200 else f"HTTP {status}")
             except (OSError, http.client.HTTPException) as exc:
+                # Asked again at once: the next connection waits in the
+                # serving socket's queue for the next front.
                 self.outcomes.append(type(exc).__name__)
-                time.sleep(0.002)
 
     def close(self) -> None:
         self.stop = True
@@ -192,14 +222,14 @@ def test_a_killed_front_refuses_no_connection_and_counts_what_it_lost(pod):
     starts = []
     try:
         for _ in range(3):
-            time.sleep(0.7)
+            wait_answered(clients, 32)  # the front (a restarted one) serves them
             old = pod.front_pid()
             assert old is not None
             t0 = time.monotonic()
             os.kill(old, signal.SIGKILL)
             wait_for(lambda: pod.front_pid() not in (old, None), 20, 0.01, what="the next front")  # noqa: B023
             starts.append(time.monotonic() - t0)
-        time.sleep(0.5)
+        wait_answered(clients, 32)
     finally:
         clients.close()
     outcomes = clients.outcomes
@@ -231,12 +261,12 @@ def test_a_restarted_lock_server_takes_the_socket_from_the_front(pod):
     assert f"source={pod.dir / 'front.sock'}" in pod.log("lockserver")
     clients = Clients(pod, 4, hold_ms=20)
     try:
-        time.sleep(0.5)
+        wait_answered(clients, 16)
         front = pod.front_pid()
         assert front is not None
         os.kill(front, signal.SIGKILL)
         wait_for(lambda: pod.front_pid() not in (front, None), 20, 0.01, what="the next front")
-        time.sleep(0.5)
+        wait_answered(clients, 16)
     finally:
         clients.close()
     failed = [o for o in clients.outcomes if o != "ok"]
@@ -364,14 +394,21 @@ def test_a_client_that_hangs_up_mid_body_is_no_error(pod):
     tests/process/fuzz/test_fuzz_http.py."""
     active = pod.wait_armed()
     _, expected = checksum(pod)
-    head = b"POST /v1/checksum HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"
-    with socket.create_connection(("127.0.0.1", pod.serve_port), timeout=5) as s:
-        s.sendall(head)
-        time.sleep(0.2)  # the front now waits for the rest
-    with socket.socket(socket.AF_UNIX) as s:
-        s.connect(active["serving_socket"])
-        s.sendall(head)
-        time.sleep(0.2)
+    # "Expect: 100-continue": the server's 100 says it read the head and now
+    # waits for the body; the client sends part of it and hangs up.
+    head = (
+        b"POST /v1/checksum HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
+        b"Expect: 100-continue\r\n\r\n"
+    )
+    front = socket.create_connection(("127.0.0.1", pod.serve_port), timeout=5)
+    engine = socket.socket(socket.AF_UNIX)
+    engine.settimeout(5)
+    engine.connect(active["serving_socket"])
+    for s in (front, engine):
+        with s:
+            s.sendall(head)
+            assert s.recv(100).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+            s.sendall(b"{")
     assert checksum(pod) == (200, expected)
     wait_for(lambda: http_json(pod.front_port, "/state")[1]["inflight"] == 0, 5, what="idle")
     for name in ("front", active["name"]):
