@@ -17,8 +17,10 @@ only the node decides replaced (``Places``):
   respawner's) is a program too; an engine's runs with the engines' python;
 - the downward API (the pod's name and namespace).
 
-Model paths need nothing: ``model.path`` is mounted at the same path in the
-container. One call makes one pod; ``--pods N`` makes N with N places.
+The engines' HTTP probes come along (``HttpProbe``, at their local ports):
+the runner plays kubelet with the pod's own settings. Model paths need
+nothing: ``model.path`` is mounted at the same path in the container. One
+call makes one pod; ``--pods N`` makes N with N places.
 """
 
 from __future__ import annotations
