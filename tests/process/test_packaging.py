@@ -16,7 +16,10 @@ from pathlib import Path
 import pytest
 from localpod import free_port_block, http_json
 
-pytestmark = [pytest.mark.process, pytest.mark.slow]
+# The first test builds every distribution (an sdist, then a wheel from it, ten
+# times) in its module fixture, which pytest-timeout counts against that test:
+# minutes on a loaded 2-core machine, past the suite's 120 s default.
+pytestmark = [pytest.mark.process, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPONENTS = (
