@@ -11,6 +11,7 @@ overwritten; the handler then retries the whole level-based pass.
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from datetime import UTC, datetime
@@ -38,6 +39,17 @@ class Conflict(Exception):
 def _status_code(exc: BaseException) -> int | None:
     code = getattr(exc, "status", None)
     return code if isinstance(code, int) else None
+
+
+def _api_message(exc: BaseException) -> str:
+    """What the API server said (its Status message), else the exception's first line."""
+    body = getattr(exc, "body", None)
+    try:
+        message = json.loads(body)["message"] if body else None
+    except (ValueError, TypeError, KeyError):
+        message = None
+    text = message if isinstance(message, str) else (str(exc).splitlines() or [""])[0]
+    return text[:512]
 
 
 async def _resource(dyn: Any, api_version: str, kind: str) -> Any:
@@ -219,17 +231,17 @@ async def resize(dyn: Any, inst: GpuInstance, r: Resize) -> None:
         )
     except Exception as exc:  # any refusal: the pod works on, with its old requests
         RESIZES.labels("refused").inc()
-        log_event(
-            log, "resize_refused", logging.WARNING, pod=r.pod, status=_status_code(exc), error=exc
-        )
+        said = _api_message(exc)
+        code = _status_code(exc)
+        log_event(log, "resize_refused", logging.WARNING, pod=r.pod, status=code, error=said)
         key = f"{ns}/{r.pod}"
         if _REFUSED.get(key) != message:
             _REFUSED.pop(key, None)
             _REFUSED[key] = message
             while len(_REFUSED) > _REFUSED_LIMIT:
                 del _REFUSED[next(iter(_REFUSED))]
-            reason = f"{message}: refused ({_status_code(exc) or type(exc).__name__})"
-            await post_event(dyn, inst, EventSpec("Warning", Reason.RESIZE_REFUSED, reason))
+            why = f"{message}: refused ({code or type(exc).__name__}: {said})"
+            await post_event(dyn, inst, EventSpec("Warning", Reason.RESIZE_REFUSED, why))
         return
     _REFUSED.pop(f"{ns}/{r.pod}", None)
     RESIZES.labels("done").inc()
