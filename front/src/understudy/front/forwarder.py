@@ -16,6 +16,8 @@ through ``forwarding.answer_error``):
 - ``give_up_hold``: no route within the hold (503, ``Retry-After``);
 - ``give_up_limit``: its engines died more often than it may move, or it
   cannot move (a plain answer half relayed) (503);
+- ``isolation.answer_poison``: an engine died while it ran alone, after two
+  deaths beside others: it is the poison (422; docs/poison.md);
 - ``give_up_rejected``: the next engine refused to continue its stream (502);
 - ``answer_bug``: the front failed (500, or a stream cut short);
 - its client left (nothing to answer);
@@ -32,6 +34,7 @@ from typing import Protocol, assert_never
 
 from understudy.front import continuation, downstream, fsm, upstream
 from understudy.front import forwarding as fw
+from understudy.front.isolation import Isolation
 from understudy.front.metrics import FrontMetrics
 from understudy.wire.obs import log_event
 
@@ -74,6 +77,7 @@ class Forwarder:
         self.router = router
         self.policy = policy
         self.metrics = metrics
+        self.isolation = Isolation(metrics)  # who may go: all, but on a suspect's turn
         self.inflight = 0  # requests not finished
         # Requests sent to an engine whose answer is not whole yet: what a test
         # waits for before it kills that engine (``/state``).
@@ -102,12 +106,13 @@ class Forwarder:
         self.inflight += 1
         try:
             route = self.router.route
-            if route is not None and not req.streaming:
+            if route is not None and not req.streaming and self.isolation.open:
                 sent = self.router.upstream(route).send_idle(
                     req.method, req.target, fw.headers_for(req, route), fw.payload(req)
                 )
                 if sent is not None:
                     self.at_engine += 1
+                    self.isolation.out += 1  # let out while open (``_answered`` ends it)
                     sent.on_complete(lambda: self._answered(req, ex, route, sent))
                     return
             ex.task = asyncio.create_task(self._serve_task(req, ex, None))
@@ -124,6 +129,7 @@ class Forwarder:
         if not sent.complete or fw.not_active(sent):
             ex.task = asyncio.create_task(self._serve_task(req, ex, (route, sent)))
             return
+        self.isolation.back()
         try:
             self.router.served(route)
             fw.relay(ex, sent, sent.body())
@@ -150,15 +156,20 @@ class Forwarder:
         already under way (the fast path's), to conclude first."""
         deadline: float | None = self._loop.time() + self.policy.hold_s
         while deadline is not None:
-            if sent is not None:
-                (route, first), sent = sent, None
-            else:
-                held = await self.router.hold(deadline)
-                if held is None:
+            route, first = sent if sent is not None else (None, None)
+            # Its turn first (held behind a suspect that runs alone), then the
+            # newest route.
+            if sent is None and not await self.isolation.admit(id(req), deadline):
+                return self.give_up_hold(req, ex)
+            sent, outcome = None, None
+            try:
+                if (route := route or await self.router.hold(deadline)) is None:
+                    outcome = fsm.Outcome.UNREACHABLE  # it never ran
                     return self.give_up_hold(req, ex)
-                route, first = held, None
-            outcome, answer = await self._attempt(req, route, ex, first)
-            deadline = await self._conclude(req, ex, route, outcome, answer, deadline)
+                outcome, answer = await self._attempt(req, route, ex, first)
+            finally:  # cancelled too (its client left): the attempt is over
+                poison = self.isolation.ended(id(req), outcome)
+            deadline = await self._conclude(req, ex, route, outcome, answer, deadline, poison)
         return None
 
     async def _conclude(
@@ -169,12 +180,12 @@ class Forwarder:
         outcome: fsm.Outcome,
         answer: _Answer | None,
         deadline: float,
+        poison: bool = False,
     ) -> float | None:
         """Do what the attempt's verdict says: the deadline of the next
         attempt, or None when the request ended."""
-        v = fsm.verdict(
-            fsm.Attempt(req.streaming, req.relayed, req.migrations), outcome, self.policy
-        )
+        attempt = fsm.Attempt(req.streaming, req.relayed, req.migrations, poison)
+        v = fsm.verdict(attempt, outcome, self.policy)
         match v:
             case fsm.Verdict.RELAY:
                 self.router.served(route)
@@ -198,6 +209,9 @@ class Forwarder:
                 return None
             case fsm.Verdict.FAIL:
                 self.give_up_limit(req, ex)
+                return None
+            case fsm.Verdict.POISON:
+                self.isolation.answer_poison(req, ex)
                 return None
             case _:
                 assert_never(v)
@@ -267,7 +281,7 @@ class Forwarder:
                 return fsm.Outcome.REJECTED, None
             return fsm.Outcome.ANSWERED, (r, payload)
         except (upstream.UpstreamError, continuation.StreamError) as exc:
-            return self._attempt_broke(req, route, exc), None
+            return _attempt_broke(req, route, exc), None
         finally:
             r.close()
 
@@ -287,24 +301,18 @@ class Forwarder:
             # idle, or its engine died with the request in it. A new
             # connection tells which: it reaches the engine, or finds none
             # (then the request may have run there: a migration).
+            if not self.isolation.may_resend(id(req)):
+                # A suspect runs alone now: this one waits for its turn again.
+                return fsm.Outcome.UNREACHABLE
             headers, data = fw.headers_for(req, route), fw.payload(req)
             try:
                 return await up.request(req.method, req.target, headers, data)
             except upstream.Unreachable:
-                return self._attempt_broke(req, route, stale)
+                return _attempt_broke(req, route, stale)
             except upstream.UpstreamError as exc:
-                return self._attempt_broke(req, route, exc)
+                return _attempt_broke(req, route, exc)
         except upstream.UpstreamError as exc:
-            return self._attempt_broke(req, route, exc)
-
-    def _attempt_broke(self, req: fw.Request, route: fsm.Route, exc: Exception) -> fsm.Outcome:
-        """The attempt's connection died after the request went out."""
-        log_event(
-            log, "attempt_broken", logging.WARNING, engine=route.engine_id,
-            error=type(exc).__name__, detail=str(exc)[:200], relayed=req.relayed,
-            path=req.path,
-        )  # fmt: skip
-        return fsm.Outcome.BROKEN
+            return _attempt_broke(req, route, exc)
 
     # ----------------------------------------------------------- endings --
 
@@ -339,6 +347,7 @@ class Forwarder:
 
     def finish(self, req: fw.Request, ex: downstream.Exchange) -> None:
         """Every request ends here, once, however it ended: counted."""
+        self.isolation.finished(id(req))
         self.inflight -= 1
         if not self.inflight and self._idle is not None:
             self._idle.set()
@@ -359,3 +368,13 @@ class Forwarder:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(within):
                 await self._idle.wait()
+
+
+def _attempt_broke(req: fw.Request, route: fsm.Route, exc: Exception) -> fsm.Outcome:
+    """The attempt's connection died after the request went out."""
+    log_event(
+        log, "attempt_broken", logging.WARNING, engine=route.engine_id,
+        error=type(exc).__name__, detail=str(exc)[:200], relayed=req.relayed,
+        path=req.path,
+    )  # fmt: skip
+    return fsm.Outcome.BROKEN

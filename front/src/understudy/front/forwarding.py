@@ -150,7 +150,13 @@ async def relay_stream(
     raise upstream.Broken("the stream ended without [DONE]")
 
 
-def answer_error(req: Request, ex: downstream.Exchange, status: int, message: str) -> None:
+def answer_error(
+    req: Request,
+    ex: downstream.Exchange,
+    status: int,
+    message: str,
+    retry_after: int | None = 1,
+) -> None:
     """The client is told why nothing more can be done for its request: an
     error answer (``Retry-After``: it may ask again), or, in a stream that
     already went out, a last error event."""
@@ -159,8 +165,9 @@ def answer_error(req: Request, ex: downstream.Exchange, status: int, message: st
         # All that is left is to end the stream with an error event the
         # client can see, as OpenAI's streams do. The send does not wait: the
         # stream ends here either way.
-        err = {"error": {"message": message, "type": "server_error", "code": status}}
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        err = {"error": {"message": message, "type": kind, "code": status}}
         with contextlib.suppress(downstream.ClientGone):
             ex.end_stream(b"data: " + json.dumps(err).encode() + b"\n\n")
         return
-    ex.error(status, message, retry_after=1)
+    ex.error(status, message, retry_after=retry_after)

@@ -1,6 +1,6 @@
 """The front door's decision core: where requests go, and what a failed one does next.
 
-Three pure parts, all with time passed in:
+Four pure parts, all with time passed in:
 
 - the **routing machine** (``step``, one ``TRANSITIONS`` table): which engine
   is Active and under which epoch, from the lock's holder and the hang
@@ -15,7 +15,10 @@ Three pure parts, all with time passed in:
   give up with an error the client can act on;
 - the **heartbeat judgement** (``judge_beat``): from the times alone, whether
   the routed engine is hung, alive, or cannot be judged because the front
-  itself was not scheduled (a stall of the whole machine).
+  itself was not scheduled (a stall of the whole machine);
+- **poison isolation** (``isolate``, one ``ISOLATION`` table, and
+  ``may_send``): which requests are suspects of the engines' deaths, which
+  one runs alone, and which one is the poison (docs/poison.md).
 
 The shells feed lock events, heartbeat times and attempt outcomes and carry
 out what comes back (``router``: the routing machine and the heartbeat;
@@ -25,8 +28,8 @@ out what comes back (``router``: the routing machine and the heartbeat;
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any, assert_never
 
 from understudy.wire import machine
@@ -285,11 +288,16 @@ class Attempt:
     streaming: bool
     relayed: bool  # response bytes already went to the client
     migrations: int  # how many times this request moved to another engine
+    # Its engine died while it ran alone (``isolate``): the request is the poison.
+    poison: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Policy:
     hold_s: float = 30.0
+    # The last guard, under poison isolation: a request whose engines died
+    # more often than this fails, whoever is to blame. Isolation names a
+    # poison at its third death, so an innocent request never reaches it.
     migration_limit: int = 3
 
 
@@ -299,6 +307,7 @@ class Verdict(enum.Enum):
     MIGRATE_NEW = "new"  # send the whole request to the next Active engine
     MIGRATE_ONGOING = "ongoing"  # continue the stream on the next Active engine
     FAIL = "fail"  # tell the client: nothing more can be done within its limits
+    POISON = "poison"  # tell the client: this request kills the engines that run it
 
 
 def verdict(attempt: Attempt, outcome: Outcome, policy: Policy) -> Verdict:
@@ -313,6 +322,8 @@ def verdict(attempt: Attempt, outcome: Outcome, policy: Policy) -> Verdict:
         case Outcome.REJECTED:
             return Verdict.FAIL
         case Outcome.BROKEN:
+            if attempt.poison:
+                return Verdict.POISON
             if attempt.migrations >= policy.migration_limit:
                 return Verdict.FAIL
             if attempt.relayed:
@@ -359,3 +370,232 @@ def judge_beat(w: Watchdog, due: float, now: float, beat_at: float | None) -> Ju
         return Judged(Beat.UNKNOWN, late, 0.0)
     silent = now - beat_at
     return Judged(Beat.HUNG if silent > w.hang_after_s else Beat.ALIVE, late, silent)
+
+
+# ----------------------------------------------------- poison isolation ----
+#
+# Blame needs evidence (docs/poison.md). A request in flight when its engine
+# dies is a suspect, not a culprit: when faults stack (an engine killed, then
+# the one that took over), innocent requests die twice too. After its second
+# death a suspect runs alone; if an engine dies running only it, it is the
+# poison, and only it is told. One that completes alone is cleared.
+#
+# Requests are keys chosen by the shell. The machine holds only the requests
+# that died at least once, so the shell feeds it nothing on the path a
+# request takes when no engine dies.
+
+
+class Isolation(enum.Enum):
+    OPEN = "open"  # no suspect waits to run alone: every request may go
+    # A suspect is next to run alone: nothing else goes; it goes once no
+    # request is out at an engine (those already out finish first).
+    CLEARING = "clearing"
+    ALONE = "alone"  # the suspect is out, alone: nothing else goes
+
+
+@dataclass(frozen=True, slots=True)
+class Suspects:
+    phase: Isolation = Isolation.OPEN
+    deaths: Mapping[int, int] = field(default_factory=dict)  # request -> deaths it was in
+    waiting: tuple[int, ...] = ()  # suspects waiting for their turn alone, oldest first
+    alone: int | None = None  # the suspect whose turn it is (CLEARING, ALONE)
+
+
+@dataclass(frozen=True, slots=True)
+class Died:
+    """An engine died while this request was out at it (its attempt broke)."""
+
+    request: int
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """The suspect whose turn it is went out, alone."""
+
+    request: int
+
+
+@dataclass(frozen=True, slots=True)
+class Returned:
+    """The suspect's attempt ended without running (refused, unreachable)."""
+
+    request: int
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A request that died at least once ended, however it ended."""
+
+    request: int
+
+
+IsolationEvent = Died | Sent | Returned | Finished
+
+
+@dataclass(frozen=True, slots=True)
+class Suspected:
+    request: int
+    deaths: int
+
+
+@dataclass(frozen=True, slots=True)
+class RunAlone:
+    request: int  # its turn: nothing else goes until it ends
+
+
+@dataclass(frozen=True, slots=True)
+class Poisoned:
+    request: int
+    deaths: int  # its engines' deaths, the last one with it alone
+
+
+@dataclass(frozen=True, slots=True)
+class Cleared:
+    request: int  # ran alone and ended without a death
+
+
+IsolationAction = Suspected | RunAlone | Poisoned | Cleared
+
+
+class InvalidIsolation(machine.InvalidTransition):
+    """An event the isolation's phase does not accept (a bug in the shell)."""
+
+
+class Blame(enum.Enum):
+    """What an event means for the isolation (``blame``): the table's second key."""
+
+    FIRST = "Died (first death)"
+    SUSPECT = "Died (second death, or later while not alone)"
+    ALONE_DIED = "Died (alone)"
+    ALONE_SENT = "Sent (its turn)"
+    ALONE_RETURNED = "Returned (never ran)"
+    ALONE_ENDED = "Finished (its turn)"
+    ENDED = "Finished (not its turn)"
+    # Sent or Returned by a request whose turn it is not: in no phase (a
+    # shell that let it out broke the isolation).
+    OUT_OF_TURN = "Sent or Returned (not its turn)"
+
+
+def blame(s: Suspects, e: IsolationEvent) -> Blame:
+    """Judge an isolation event against the state (pure; the table does the rest)."""
+    match e:
+        case Died(request=r):
+            if r == s.alone and s.phase is Isolation.ALONE:
+                return Blame.ALONE_DIED
+            return Blame.SUSPECT if s.deaths.get(r, 0) >= 1 else Blame.FIRST
+        case Sent(request=r):
+            return Blame.ALONE_SENT if r == s.alone else Blame.OUT_OF_TURN
+        case Returned(request=r):
+            return Blame.ALONE_RETURNED if r == s.alone else Blame.OUT_OF_TURN
+        case Finished(request=r):
+            return Blame.ALONE_ENDED if r == s.alone else Blame.ENDED
+        case _:
+            assert_never(e)
+
+
+IsoResult = tuple[Suspects, list[IsolationAction]]
+
+
+def _next_turn(s: Suspects, actions: list[IsolationAction]) -> IsoResult:
+    """Give the turn to the oldest waiting suspect, if any; else open."""
+    if not s.waiting:
+        return replace(s, phase=Isolation.OPEN, alone=None), actions
+    first, *rest = s.waiting
+    new = replace(s, phase=Isolation.CLEARING, alone=first, waiting=tuple(rest))
+    return new, [*actions, RunAlone(first)]
+
+
+def _forget(s: Suspects, r: int) -> Suspects:
+    deaths = {k: v for k, v in s.deaths.items() if k != r}
+    return replace(s, deaths=deaths, waiting=tuple(w for w in s.waiting if w != r))
+
+
+def _first_death(s: Suspects, e: Died, now: float) -> IsoResult:
+    return replace(s, deaths={**s.deaths, e.request: 1}), [Suspected(e.request, 1)]
+
+
+def _suspect(s: Suspects, e: Died, now: float) -> IsoResult:
+    n = s.deaths[e.request] + 1
+    s = replace(s, deaths={**s.deaths, e.request: n})
+    actions: list[IsolationAction] = [Suspected(e.request, n)]
+    if e.request == s.alone or e.request in s.waiting:
+        return s, actions  # its turn is already given or queued
+    s = replace(s, waiting=(*s.waiting, e.request))
+    if s.phase is Isolation.OPEN:
+        return _next_turn(s, actions)
+    return s, actions
+
+
+def _alone_died(s: Suspects, e: Died, now: float) -> IsoResult:
+    n = s.deaths.get(e.request, 0) + 1
+    return _next_turn(_forget(s, e.request), [Poisoned(e.request, n)])
+
+
+def _alone_sent(s: Suspects, e: Sent, now: float) -> IsoResult:
+    return replace(s, phase=Isolation.ALONE), []
+
+
+def _alone_returned(s: Suspects, e: Returned, now: float) -> IsoResult:
+    # It never ran: the turn stays its own, for its next attempt.
+    return replace(s, phase=Isolation.CLEARING), []
+
+
+def _alone_ended(s: Suspects, e: Finished, now: float) -> IsoResult:
+    # Out alone and ended without a death (answered, or its client left):
+    # cleared. Still waiting for its turn (its hold ran out): just gone.
+    actions: list[IsolationAction] = [Cleared(e.request)] if s.phase is Isolation.ALONE else []
+    return _next_turn(_forget(s, e.request), actions)
+
+
+def _ended(s: Suspects, e: Finished, now: float) -> IsoResult:
+    return _forget(s, e.request), []
+
+
+OP, CL, AL = Isolation.OPEN, Isolation.CLEARING, Isolation.ALONE
+IsoEntry = machine.Entry[Suspects, IsolationAction, Isolation]
+
+
+def _into(handler: Callable[[Suspects, Any, float], IsoResult], *phases: Isolation) -> IsoEntry:
+    return machine.Entry(handler, frozenset(phases))
+
+
+# (phase, blame) -> (handler, the phases it may lead to). While a suspect
+# runs alone nothing else is out, so no other request can die then.
+ISOLATION: dict[tuple[Isolation, Blame], IsoEntry] = {
+    (OP, Blame.FIRST): _into(_first_death, OP),
+    (CL, Blame.FIRST): _into(_first_death, CL),
+    (OP, Blame.SUSPECT): _into(_suspect, CL),
+    (CL, Blame.SUSPECT): _into(_suspect, CL),
+    (AL, Blame.ALONE_DIED): _into(_alone_died, OP, CL),
+    (CL, Blame.ALONE_SENT): _into(_alone_sent, AL),
+    (AL, Blame.ALONE_RETURNED): _into(_alone_returned, CL),
+    (CL, Blame.ALONE_ENDED): _into(_alone_ended, OP, CL),
+    (AL, Blame.ALONE_ENDED): _into(_alone_ended, OP, CL),
+    (OP, Blame.ENDED): _into(_ended, OP),
+    (CL, Blame.ENDED): _into(_ended, CL),
+    (AL, Blame.ENDED): _into(_ended, AL),  # a suspect waiting its turn gave up
+}
+
+
+def isolate(s: Suspects, event: IsolationEvent, now: float) -> IsoResult:
+    """Apply one isolation event. Raises InvalidIsolation (state unchanged) on a miss."""
+    judged = blame(s, event)
+    return machine.run_step(
+        ISOLATION, lambda st, _: st.phase, s, event, now,
+        kind_of=lambda _: judged, error=InvalidIsolation,
+    )  # fmt: skip
+
+
+def may_send(s: Suspects, request: int, out: int) -> bool:
+    """May ``request`` go to an engine now, with ``out`` requests out at one?
+    Anything while no suspect waits; on a suspect's turn, only it, and only
+    once nothing else is out."""
+    match s.phase:
+        case Isolation.OPEN:
+            return True
+        case Isolation.CLEARING:
+            return request == s.alone and out == 0
+        case Isolation.ALONE:
+            return False
+        case _:
+            assert_never(s.phase)

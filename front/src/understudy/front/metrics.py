@@ -119,6 +119,16 @@ _COUNTERS = {
         "non-streaming answer cut after it began), rejected (the next engine refused "
         "a stream's continuation)",
     ),
+    "isolated": (
+        "understudy_front_isolated",
+        "Requests run alone because engines died twice while they were in flight "
+        "(suspects of poison)",
+    ),
+    "poison": (
+        "understudy_front_poison",
+        "Requests answered as a poison: an engine died while it ran alone, after two "
+        "deaths beside others",
+    ),
     "failovers": ("understudy_front_failovers", "Times the route moved to another engine"),
     "stale": (
         "understudy_front_stale_epochs",
@@ -180,6 +190,8 @@ class FrontMetrics:
         self.hold_expired = Counter()
         self.migrations = Labelled("kind")
         self.migrations_failed = Labelled("reason")
+        self.isolated = Counter()
+        self.poison = Counter()
         self.failovers = Counter()
         self.stale = Counter()
         self.hung = Counter()
