@@ -86,12 +86,19 @@ PREFILL_BUDGET: Final = 256
 # independent of each other, so the split changes no number.
 DECODE_BUDGET: Final = 32
 STOP_TIMEOUT_S: Final = 60.0
-WARMUP_IDS: Final = (0, 5, 6, 7)
 # With the KV pool, prompts run in chunks at multiples of this (of the pool's
 # block size): a continuation that reuses blocks recomputes the same chunks,
 # so the same bits. 64 positions ran as fast as one batch (measured: 8.2 s vs
 # 10.5 s for 512 positions of smollm2-135m, loaded machine); 16 took 3x longer.
 PREFILL_CHUNK: Final = 64
+# The warm-up's prompt: one whole chunk and then some, so it runs the matrix
+# kernels a real prompt runs (OpenBLAS gives products of a few rows other
+# kernels than products of a chunk's rows, and the first call of each pays
+# its set-up). In process, SmolLM2, load 3-4: warmed with 3 positions, the
+# first continuation (16 + 8 positions) after a wake took 0.7-1.3 s and the
+# next 0.35 s; warmed with a chunk, the first took 0.42-0.64 s. (At load 11
+# the two could not be told apart.)
+WARMUP_LEN: Final = PREFILL_CHUNK + 8
 
 F32 = npt.NDArray[np.float32]
 Deliver = Callable[[Step | BaseException], None]
@@ -417,11 +424,14 @@ class LlamaEngine:
         """Run prefill and decode once, at start-up: the first request in a fresh
         process pays their one-time costs, and a freshly restarted engine is
         often the next to wake. Waking touches no weights either: GMS maps RO
-        memory with its pages present."""
+        memory with its pages present. On a cache of its own (the KV pool is
+        not mapped yet, and holds another engine's sequences)."""
         assert self.model is not None
-        cache = KVCache(self.config, 1, len(WARMUP_IDS))
-        self.model.prefill(WARMUP_IDS[:-1], cache, 0)
-        self.model.decode([Row(0, len(WARMUP_IDS) - 1, WARMUP_IDS[-1])], cache)
+        ids = [i % self.config.vocab_size for i in range(WARMUP_LEN + 1)]
+        cache = KVCache(self.config, 1, len(ids))
+        # (prefill is the same _extend over the whole prompt: one path warms both)
+        self.model.prefill_chunks(ids[:-1], cache, 0, 0, PREFILL_CHUNK)
+        self.model.decode([Row(0, WARMUP_LEN, ids[-1])], cache)
 
     # --- sleep / wake -------------------------------------------------------------
 
