@@ -1,8 +1,12 @@
 """vLLM on the real cluster: the engine image built from hack/vllm/Dockerfile
 (hack/vllm/image: buildah, cached by content hash, imported into the
 cluster's containerd), the chart helm-installed with the operator in-cluster,
-and the ``gpuinstance-vllm-cpu`` sample applied (two shadows). Through the
+and the ``gpuinstance-vllm-cpu`` sample applied as shipped (two shadows; only
+the image and the device class substituted: it fits the tier's two-CPU node
+because a standby requests a standby's share, docs/sizing.md). Through the
 Service:
+
+- the sample answers "Paris";
 
 - the drill: 10 deaths of the Active engine, cycling SIGKILL, SIGSEGV and
   SIGSTOP, under 8 clients streaming chat and text completions: no request
@@ -26,12 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from procs import wait_settled
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this tier's helpers
 import test_e2e
-from test_e2e import Instance
+from test_samples import Shipped, chat, shipped
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.vllm]
 
@@ -66,24 +69,17 @@ def vllm_image(cluster: Any) -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
-def _vllm_sample(name: str, device_class: str, image: str) -> dict[str, Any]:
-    doc = yaml.safe_load((ROOT / "manifests/samples/gpuinstance-vllm-cpu.yaml").read_text())
-    doc["metadata"] = {"name": name}
-    doc["spec"]["gpus"]["deviceClassName"] = device_class
-    doc["spec"]["engine"]["image"] = image
+def _vllm_sample(device_class: str, image: str) -> dict[str, Any]:
+    doc = shipped("vllm-cpu", device_class, image)
     # The sample's two shadows keep the pod armed while a killed engine
     # re-imports vLLM.
     assert doc["spec"]["failover"]["shadows"] == 2
-    # Three engines on a two-core node shared with the rest of the tier: the
-    # sample's CPU request is a real server's; a standby idles.
-    doc["spec"]["engine"]["resources"]["requests"]["cpu"] = "100m"
     return doc
 
 
-class VllmInstance(Instance):
+class VllmInstance(Shipped):
     def __init__(self, cluster: Any, ns: str, image: str) -> None:
-        self.cluster, self.ns, self.name = cluster, ns, "vllm"
-        cluster.apply(json.dumps(_vllm_sample(self.name, cluster.device_class, image)), ns)
+        super().__init__(cluster, ns, _vllm_sample(cluster.device_class, image))
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +96,11 @@ def vllm_instance(installed: Any, vllm_image: str) -> Iterator[VllmInstance]:
 
 
 # The first test also builds the image (~8 min cold) and starts the pod.
+@pytest.mark.timeout(5400)
+def test_the_sample_as_shipped_answers_through_the_service(vllm_instance: VllmInstance) -> None:
+    assert "Paris" in chat(vllm_instance.url(), "What is the capital of France?")
+
+
 @pytest.mark.timeout(5400)
 def test_vllm_drill_through_the_service(vllm_instance: VllmInstance) -> None:
     report = vllm_instance.drill(
