@@ -332,7 +332,7 @@ def _kill_drill(args: argparse.Namespace, target: Any, observer: Any) -> int:
     try:
         report = drill_mod.drill(
             target,
-            args.kills or 10,
+            args.kills if args.kills is not None else 10,
             sig,
             timeout=args.timeout,
             log=say,
@@ -340,6 +340,9 @@ def _kill_drill(args: argparse.Namespace, target: Any, observer: Any) -> int:
             scenario=args.scenario,
             clients=args.clients,
             max_tokens=args.max_tokens,
+            takeover_delay=args.takeover_delay,
+            every=args.every,
+            poison=args.poison,
         )
     finally:
         _stop(observer)
@@ -431,8 +434,40 @@ def _cold_start_line(cold: dict[str, Any]) -> str:
     )
 
 
+def _stacked_fault_args(dr: argparse.ArgumentParser) -> None:
+    """The drill's faults that stack: a second one in each round, rounds back
+    to back, and a poison."""
+    from understudy.tools import drill
+
+    dr.add_argument(
+        "--scenario",
+        choices=drill.SCENARIOS,
+        help="a second fault in every round: kill the engine that took over as soon as it "
+        "serves; or kill the lock server, or GMS, during the failover",
+    )
+    dr.add_argument(
+        "--takeover-delay",
+        type=float,
+        default=0.0,
+        help="takeover-kill: seconds after the new engine is seen Active before it is killed",
+    )
+    dr.add_argument(
+        "--every",
+        type=float,
+        help="rounds back to back: each round's kill this many seconds after the last "
+        "round's, once the pod is armed again",
+    )
+    dr.add_argument(
+        "--poison",
+        metavar="MARKER",
+        help="also send one request whose prompt holds MARKER (engines armed with "
+        "UNDERSTUDY_FAILPOINTS=engine.poison=return(MARKER)); it must be told apart as "
+        "the poison, and is reported apart from the failures",
+    )
+
+
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from understudy.tools import drill, drill_sidecar
+    from understudy.tools import drill_sidecar
     from understudy.tools.local import DEFAULT_DIR
 
     local = sub.add_parser("local", help="the whole pod as local processes")
@@ -507,12 +542,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         default="KILL",
         help="KILL, STOP (hang) or SEGV, or a list (KILL,SEGV,STOP) cycled through the rounds",
     )
-    dr.add_argument(
-        "--scenario",
-        choices=drill.SCENARIOS,
-        help="a second fault in every round: kill the engine that took over as soon as it "
-        "serves; or kill the lock server, or GMS, during the failover",
-    )
+    _stacked_fault_args(dr)
     dr.add_argument("--dir", default=str(DEFAULT_DIR), help="the local pod to drill")
     dr.add_argument("--target", help="serving URL to load (default: the local pod's)")
     dr.add_argument(

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from understudy.tools import figures
-from understudy.tools.drill_load import Client, Kind, fold, kinds_for
+from understudy.tools.drill_load import Client, Kind, Poisoner, fold, kinds_for
 from understudy.tools.drill_result import Report, Round, round_line
 from understudy.tools.drill_target import Target
 from understudy.tools.drill_watch import Watcher, wait
@@ -101,6 +101,8 @@ class _Plan:
     timeout: float
     rearm: bool
     check_serving: bool
+    takeover_delay: float = 0.0  # takeover-kill: after the new engine is seen Active
+    every: float | None = None  # a round's kill this long after the last one's, at the soonest
 
 
 def _kill(ses: _Session, plan: _Plan, rnd: Round, active: dict[str, Any]) -> tuple[float, float]:
@@ -108,6 +110,9 @@ def _kill(ses: _Session, plan: _Plan, rnd: Round, active: dict[str, Any]) -> tup
     failover); returns the kill's monotonic and wall-clock times."""
     sig = plan.sigs[(rnd.index - 1) % len(plan.sigs)]
     time.sleep(0.2)  # steady traffic before the kill
+    if plan.every and (kills := ses.killed_at()):
+        # Rounds back to back: faults stack on requests that lived through the last one.
+        time.sleep(max(0.0, kills[-1] + plan.every - time.monotonic()))
     t_kill, wall_kill = time.monotonic(), time.time()
     ses.target.kill(active, sig)
     rnd.kill_at_s = t_kill - ses.origin
@@ -119,7 +124,9 @@ def _kill(ses: _Session, plan: _Plan, rnd: Round, active: dict[str, Any]) -> tup
     elif plan.scenario == "takeover-kill":
         taker = ses.watcher.until(lambda es: figures.successor(es, rnd.killed_epoch), plan.timeout)
         if taker is not None:
-            # The engine that just took over dies too, as soon as it serves.
+            # The engine that just took over dies too, as soon as it serves
+            # (or ``takeover_delay`` later: with requests sent to it).
+            time.sleep(plan.takeover_delay)
             ses.target.kill(taker, sig)
             rnd.also_killed = taker["name"]
             rnd.killed_epoch = taker.get("epoch") or rnd.killed_epoch
@@ -193,11 +200,16 @@ def drill(
     check_serving: bool = True,
     clients: int = 16,
     max_tokens: int = 32,
+    takeover_delay: float = 0.0,
+    every: float | None = None,
+    poison: str | None = None,
 ) -> Report:
-    """``kills`` rounds of: wait until armed, kill the Active engine, measure."""
+    """``kills`` rounds of: wait until armed, kill the Active engine, measure.
+    ``poison``: also send one request holding this marker (the pod's engines
+    armed with failpoint ``engine.poison``), reported apart."""
     sigs = sig if isinstance(sig, list) else [sig]
     names = [signal.Signals(x).name.removeprefix("SIG") for x in sigs]
-    plan = _Plan(sigs, names, scenario, timeout, rearm, check_serving)
+    plan = _Plan(sigs, names, scenario, timeout, rearm, check_serving, takeover_delay, every)
     watcher = Watcher(target)
     watcher.start()
     first = watcher.until(figures.armed, timeout)
@@ -206,13 +218,24 @@ def drill(
         raise RuntimeError(f"pod not armed (one Active, at least one Standby) within {timeout}s")
     kinds = kinds_for(first[0].get("adapter", "reference"), max_tokens)
     ses = _Session(target, watcher, kinds, clients)
+    poisoner = Poisoner(target.serve_url, poison) if poison else None
     try:
+        if poisoner is not None:
+            poisoner.start()
         for i in range(1, kills + 1):
             if not _round(ses, plan, i, log):
                 break
+        if poisoner is not None:
+            poisoner.join(poisoner.timeout)
+            # The others served after it, once the pod is armed again, count too.
+            ses.watcher.until(figures.armed, timeout)
+            time.sleep(2.0)
     finally:
         ses.close()
-    return _report(ses, plan, clients)
+    report = _report(ses, plan, clients)
+    if poisoner is not None:
+        report.poison = dict(poisoner.result)
+    return report
 
 
 def _report(ses: _Session, plan: _Plan, clients: int) -> Report:

@@ -185,6 +185,45 @@ class Client(threading.Thread):
                 time.sleep(0.002)  # refused at once while nobody serves: don't spin
 
 
+class Poisoner(threading.Thread):
+    """One poison request (its prompt holds the marker that failpoint
+    ``engine.poison`` was armed with), sent once: a pod is to run it alone
+    and tell its client, after at most three engine deaths, and fail nothing
+    else (docs/poison.md). What it was answered is ``result``."""
+
+    def __init__(self, url: str, marker: str, timeout: float = 120.0) -> None:
+        super().__init__(name="drill-poison", daemon=True)
+        parsed = urllib.parse.urlsplit(url)
+        self.host, self.port = parsed.hostname or "127.0.0.1", parsed.port or 80
+        self.body = {"prompt": f"Tell me about {marker}.", "max_tokens": 8, "temperature": 0}
+        self.timeout = timeout
+        self.result: dict[str, Any] = {"sent": 1, "told": 0}
+
+    def run(self) -> None:
+        time.sleep(1.0)  # among the others' requests, not before them
+        t0 = time.monotonic()
+        try:
+            conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+            conn.request("POST", "/v1/completions", json.dumps(self.body), _JSON)
+            resp = conn.getresponse()
+            data = resp.read()
+            conn.close()
+        except (OSError, http.client.HTTPException) as exc:
+            self.result["error"] = type(exc).__name__
+            return
+        self.result["status"], self.result["seconds"] = resp.status, time.monotonic() - t0
+        try:
+            message = str(json.loads(data)["error"]["message"])
+        except (ValueError, KeyError, TypeError):
+            message = data[:200].decode(errors="replace")
+        self.result["message"] = message
+        # Told as the poison: a 4xx that says why (the front's isolation).
+        self.result["told"] = int(400 <= resp.status < 500 and "alone" in message)
+
+
+_JSON = {"Content-Type": "application/json"}
+
+
 def fold(pool: list[Client], tally: Tally, before: float, kills: list[float]) -> None:
     """Move the requests that ended before ``before`` from the clients into the
     tally. A client's requests are one at a time, so they end in order; only

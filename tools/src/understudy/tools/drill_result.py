@@ -64,6 +64,9 @@ class Report:
     # intervals between tokens
     stalls: list[Stall] = field(default_factory=list)
     between: list[float] = field(default_factory=list)
+    # The poison request (drill --poison), apart from the failures: what it
+    # was answered (drill_load.Poisoner.result)
+    poison: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         def col(name: str) -> list[float]:
@@ -92,6 +95,8 @@ class Report:
             "kill_to_active_s": stats(col("kill_to_active_s")),
             "rearm_s": stats(col("rearm_s")),
             **self.unarmed,
+            "poison_sent": self.poison.get("sent", 0),
+            "poison_told": self.poison.get("told", 0),
         }
 
     def passed(self) -> bool:
@@ -153,6 +158,7 @@ def render(report: Report) -> str:
         f"{s['wrong_answers']} wrong answers, {s['split_brain']} split-brain, "
         f"{s['epoch_regressions']} epoch regressions, "
         f"{s['serving_violations']} serving violations ({s['clients']} clients)",
+        *(_poison_line(report.poison) if report.poison else []),
         f"{'':40} {'p50':>9} {'p95':>9} {'p99':>9} {'max':>9}  (ms)",
     ]
     for key, label in ROWS:
@@ -172,6 +178,12 @@ def render(report: Report) -> str:
     return "\n".join(lines)
 
 
+def _poison_line(p: dict[str, Any]) -> list[str]:
+    told = "told as the poison" if p.get("told") else "NOT told as the poison"
+    answer = p.get("error") or f"HTTP {p.get('status')} after {p.get('seconds', 0):.2f} s"
+    return [f"poison: {p.get('sent', 0)} sent, {told} ({answer}: {p.get('message', '')!r})"]
+
+
 def to_json(report: Report, *, series: bool = False) -> dict[str, Any]:
     """The drill's JSON; with ``series``, also every request (thinned out in a
     long drill: see request_series) for ``understudy drill --report``."""
@@ -181,6 +193,7 @@ def to_json(report: Report, *, series: bool = False) -> dict[str, Any]:
         "rounds": [asdict(r) for r in report.rounds],
         "split_brain": report.split_brain,
         "epoch_regressions": report.epoch_regressions,
+        "poison": report.poison,
     }
     if series:
         out["series"] = report.series

@@ -57,6 +57,8 @@ def verdict(s: Mapping[str, Any]) -> bool:
         and not s["split_brain"]
         and not s["epoch_regressions"]
         and not s["serving_violations"]
+        # a poison sent and not told apart from the others (drill --poison)
+        and s.get("poison_told", 0) == s.get("poison_sent", 0)
     )
 
 
