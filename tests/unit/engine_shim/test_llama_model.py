@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from understudy.engine_shim.adapters import llama_model
 from understudy.engine_shim.adapters.llama_model import (
     KVCache,
     LlamaConfig,
@@ -276,3 +277,22 @@ def test_top_p_keeps_the_smallest_nucleus_and_temperature_sharpens() -> None:
     assert {sample(logits, 1.0, 0.01, seed=1, position=p) for p in range(200)} == {0}
     cold = [sample(logits, 0.05, 1.0, seed=3, position=p) for p in range(500)]
     assert cold.count(0) > 495
+
+
+def test_decode_in_weight_blocks_keeps_rows_independent_and_exact(
+    model: LlamaModel, tok: ChatTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The row-by-row products over blocks of a weight's rows (the output head
+    of a real model is many blocks): a row still does not depend on the rows
+    beside it, and the logits are the full forward's."""
+    monkeypatch.setattr(llama_model, "ROWWISE_BLOCK_BYTES", 100 * 256 * 4)  # 100 rows a block
+    prompts = [tok.encode(t) for t in ("alpha beta", "one two three four", "x")]
+    cache = KVCache(model.config, len(prompts), 64)
+    for slot, ids in enumerate(prompts):
+        model.prefill(ids, cache, slot)
+    rows = [Row(slot, len(ids), 7 + slot) for slot, ids in enumerate(prompts)]
+    together = model.decode(rows, cache)
+    for i, row in enumerate(rows):
+        assert np.array_equal(model.decode([row], cache)[0], together[i])
+    full = model.forward([*prompts[1], 8], KVCache(model.config, 1, 64), 0)
+    assert np.abs(together[1] - full[-1]).max() < 1e-4
