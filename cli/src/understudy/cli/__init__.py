@@ -27,6 +27,7 @@ PROVIDERS = {
     "engine": "understudy-engine-shim",
     "model": "understudy-engine-shim",
     "front": "understudy-front",
+    "gateway": "understudy-front",
     "operator": "understudy-operator",
     "render": "understudy-operator",
     "local": "understudy-tools",

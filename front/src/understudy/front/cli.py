@@ -90,6 +90,41 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gateway(args: argparse.Namespace) -> int:
+    """``understudy gateway``: parse, one frozen config, run."""
+    import asyncio
+
+    import uvloop
+
+    from understudy.front import gateway, pods
+    from understudy.wire.obs import setup_logging
+
+    try:
+        listed = tuple(pods.parse_pod(p) for p in args.pod or ())
+    except pods.PodListError as exc:
+        print(f"understudy gateway: {exc}", file=sys.stderr)
+        return 2
+    if bool(listed) == bool(args.pods_file):
+        print("understudy gateway: give --pod (repeatable) or --pods-file", file=sys.stderr)
+        return 2
+    setup_logging()
+    cfg = gateway.GatewayConfig(
+        pods=listed,
+        pods_file=Path(args.pods_file) if args.pods_file else None,
+        port=args.port,
+        host=args.host,
+        metrics_port=args.metrics_port,
+        hold_s=args.hold,
+        migration_limit=args.migration_limit,
+        silence_s=args.silence,
+        drain_s=args.drain,
+        idle_s=args.idle_timeout,
+    )
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(gateway.run(cfg))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m understudy.front``: the front's commands without the dispatcher."""
     parser = argparse.ArgumentParser(prog="understudy")
@@ -121,7 +156,10 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "--hold", type=_positive, default=30.0, help="seconds a request waits for an Active engine"
     )
     serve.add_argument(
-        "--migration-limit", type=int, default=3, help="times a request may move to another engine"
+        "--migration-limit",
+        type=int,
+        default=8,
+        help="times a request may move to another engine (the last guard: docs/poison.md)",
     )
     serve.add_argument(
         "--hang-after",
@@ -139,3 +177,44 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         help="seconds a client connection may stay idle, or take to send a request",
     )
     serve.set_defaults(func=cmd_serve)
+    _add_gateway(sub)
+
+
+def _add_gateway(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    gw = sub.add_parser(
+        "gateway",
+        help="the fleet's front door: routes to pods, moves their streams when a pod dies",
+    )
+    gw.add_argument(
+        "--pod",
+        action="append",
+        help="a pod front's address, http://HOST:PORT[?status=PORT][&name=NAME] (repeatable)",
+    )
+    gw.add_argument(
+        "--pods-file",
+        help="a JSON list of pod addresses, re-read when it changes (instead of --pod)",
+    )
+    gw.add_argument("--port", type=int, default=8000, help="the port clients use")
+    gw.add_argument("--host", default="0.0.0.0")
+    gw.add_argument(
+        "--metrics-port", type=int, default=8091, help="/live, /ready, /metrics, /state"
+    )
+    gw.add_argument(
+        "--hold", type=_positive, default=30.0, help="seconds a request waits for a ready pod"
+    )
+    gw.add_argument(
+        "--migration-limit", type=int, default=3, help="times a request may move to another pod"
+    )
+    gw.add_argument(
+        "--silence",
+        type=_positive,
+        default=1.0,
+        help="seconds without a probe's answer or a stream's heartbeat that make a pod dead",
+    )
+    gw.add_argument(
+        "--drain", type=_positive, default=25.0, help="on SIGTERM, seconds to finish in-flight"
+    )
+    gw.add_argument(
+        "--idle-timeout", type=_positive, default=75.0, help="seconds a client may stay idle"
+    )
+    gw.set_defaults(func=cmd_gateway)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from understudy.wire.serving import (
+    BEAT_EVENT,
     FIELD,
     Continuation,
     ContinuationError,
@@ -65,7 +66,8 @@ class EventDecoder:
                 return out
             block = bytes(self._buf[: end + 2])
             del self._buf[: end + 2]
-            out.append(_event(block))
+            if block != BEAT_EVENT:  # a pod front's heartbeat is the gateway's alone
+                out.append(_event(block))
 
     @property
     def pending(self) -> int:

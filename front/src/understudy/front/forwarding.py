@@ -10,6 +10,7 @@ be done.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -23,6 +24,16 @@ import httptools
 
 from understudy.front import continuation, downstream, fsm, upstream
 from understudy.wire.obs import log_event
+from understudy.wire.serving import (
+    BEAT_EVENT,
+    BEAT_INTERVAL_S,
+    FIELD,
+    RELAY_HEADER,
+    RELAY_TOKENS,
+    ContinuationError,
+    parse_continuation,
+    token_comment,
+)
 
 log = logging.getLogger("understudy.front")
 
@@ -56,6 +67,10 @@ class Request:
     started: bool = False
     token_ids: list[int] = field(default_factory=list)
     rejection: str = ""  # the answer the next engine gave the stream's continuation
+    # A gateway's request (``wire.serving.RELAY_HEADER``): its stream keeps
+    # the token comments and is heartbeaten while it is open (``beats``).
+    relay_tokens: bool = False
+    beats: asyncio.Task[None] | None = None
 
 
 def parse(ex: downstream.Exchange, now: float) -> Request:
@@ -76,13 +91,33 @@ def parse(ex: downstream.Exchange, now: float) -> Request:
     # the decoded path could hold bytes that are not Latin-1 or even CR LF,
     # which the engine's request line must never see.
     req = Request(method, path, ex.target, headers, ex.body, doc, streaming, now)
+    req.relay_tokens = any(
+        k.lower() == RELAY_HEADER.lower() and v == RELAY_TOKENS for k, v in ex.headers
+    )
     if doc is not None:
         prefix = "chatcmpl" if path.endswith("chat/completions") else "cmpl"
         # 128 random bits, as uuid4's hex (the uuid module imports platform:
         # milliseconds of a restarted front's start).
         req.request_id = f"{prefix}-{os.urandom(16).hex()}"
         req.created = int(time.time())
+        if req.relay_tokens:
+            _continue_from(req, doc)
     return req
+
+
+def _continue_from(req: Request, doc: dict[str, Any]) -> None:
+    """A gateway's request starts where the gateway says: its ids, and the
+    tokens it already relayed (a stream moved here from a pod that died).
+    A continuation that breaks the contract is dropped, as a client's is."""
+    try:
+        c = parse_continuation(doc.get(FIELD))
+    except ContinuationError:
+        return
+    req.request_id = c.request_id or req.request_id
+    req.created = c.created if c.created is not None else req.created
+    if c.resume is not None:
+        req.token_ids = list(c.resume.token_ids)
+        req.started = c.resume.started
 
 
 def _path(target: bytes) -> str:
@@ -140,7 +175,12 @@ async def relay_stream(
         for ev in decoder.feed(chunk):
             if not ex.answered:
                 ex.open_stream(200, SSE)
-            await ex.send(ev.raw)
+                if req.relay_tokens:
+                    req.beats = asyncio.create_task(_beat(ex), name="stream-beat")
+            if req.relay_tokens:  # the gateway continues after these if we die
+                await ex.send(token_comment(ev.token_ids) + b"\n" + ev.raw)
+            else:
+                await ex.send(ev.raw)
             req.relayed = True
             req.started = True
             req.token_ids.extend(ev.token_ids)
@@ -148,6 +188,16 @@ async def relay_stream(
                 ex.end_stream()
                 return fsm.Outcome.ANSWERED, None
     raise upstream.Broken("the stream ended without [DONE]")
+
+
+async def _beat(ex: downstream.Exchange) -> None:
+    """Heartbeat a gateway's open stream until it ends, across this front's
+    own failovers too (a stream waiting for the next engine is not a dead
+    pod), so that only a pod that is gone or frozen falls silent."""
+    with contextlib.suppress(downstream.ClientGone):
+        while not ex.ended:
+            await asyncio.sleep(BEAT_INTERVAL_S)
+            await ex.send(BEAT_EVENT)
 
 
 def answer_error(

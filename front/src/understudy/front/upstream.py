@@ -40,6 +40,7 @@ _IDLE_MAX = 64  # kept-alive connections per engine
 _BUFFER_HIGH = 1024 * 1024
 _NO_BODY = frozenset({204, 304})
 _FRAMING = (b"content-length", b"transfer-encoding")
+_SSE = b"text/event-stream"
 
 
 class UpstreamError(Exception):
@@ -218,6 +219,12 @@ class _Conn(asyncio.Protocol):
         self.closed = False
         self._paused = False
         self._resp: Response | None = None
+        self.last_rx = 0.0  # loop time of the last bytes received
+
+    def streaming(self) -> bool:
+        """An event stream is being answered on this connection."""
+        r = self._resp
+        return r is not None and r.status == 200 and r.header(b"content-type") == _SSE
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A stream transport (uvloop's are not asyncio.Transport subclasses).
@@ -225,7 +232,7 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self._pool.forget(self)
+        self._pool.forget(self, lost=True)
         if self._resp is not None:
             self._resp._lost(exc)
 
@@ -273,6 +280,8 @@ class _Conn(asyncio.Protocol):
             self.close()  # bytes nobody asked for: the connection cannot be trusted
             return
         resp._got_bytes = True
+        if self._pool.tcp is not None:  # a pod's stream: its silence is judged
+            self.last_rx = asyncio.get_running_loop().time()
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -308,12 +317,49 @@ class _Conn(asyncio.Protocol):
 
 
 class Upstream:
-    """Requests to one engine's socket."""
+    """Requests to one engine's socket (or, for a fleet gateway, to one pod's
+    front over TCP: ``tcp``, with ``headers`` added to every request)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        tcp: tuple[str, int] | None = None,
+        headers: Headers | None = None,
+        connect_s: float = 1.0,
+    ) -> None:
         self.path = path
+        self.tcp = tcp
+        self._extra = b"".join(k + b": " + v + b"\r\n" for k, v in headers or ())
+        # A TCP peer that is gone without a reset (a node lost) would hold a
+        # connect for minutes; a Unix socket answers at once either way.
+        self._connect_s = connect_s
         self._idle: list[_Conn] = []
+        self._open: set[_Conn] = set()
         self.closed = False
+
+    def given_up(self) -> bool:
+        return self.closed
+
+    @property
+    def busy(self) -> int:
+        """Connections with a request on them (or just finishing one)."""
+        return len(self._open) - len(self._idle)
+
+    def quiet_since(self) -> float | None:
+        """The loop time of the last bytes of the quietest answer in
+        progress that is an event stream (its peer heartbeats it); None when
+        there is none."""
+        times = [c.last_rx for c in self._open if c.streaming()]
+        return min(times) if times else None
+
+    def abort(self) -> None:
+        """Close every connection, busy ones too (their answers break), and
+        connect no more: the peer is judged dead."""
+        self.closed = True
+        for conn in list(self._open):
+            conn.close()
+        self._idle.clear()
 
     def release(self, conn: _Conn) -> None:
         if not self.closed and len(self._idle) < _IDLE_MAX:
@@ -321,9 +367,11 @@ class Upstream:
         else:
             conn.close()
 
-    def forget(self, conn: _Conn) -> None:
+    def forget(self, conn: _Conn, lost: bool = False) -> None:
         if conn in self._idle:
             self._idle.remove(conn)
+        if lost:
+            self._open.discard(conn)
 
     def drop_idle(self) -> None:
         for conn in self._idle:
@@ -335,11 +383,23 @@ class Upstream:
         self.drop_idle()
 
     async def _connect(self) -> _Conn:
+        if self.closed:
+            raise Unreachable(f"{self.path}: given up on")
         loop = asyncio.get_running_loop()
         try:
-            _, conn = await loop.create_unix_connection(lambda: _Conn(self), self.path)
+            if self.tcp is None:
+                _, conn = await loop.create_unix_connection(lambda: _Conn(self), self.path)
+            else:
+                async with asyncio.timeout(self._connect_s):
+                    _, conn = await loop.create_connection(lambda: _Conn(self), *self.tcp)
         except OSError as exc:
             raise Unreachable(f"{self.path}: {exc.strerror or exc}") from None
+        except TimeoutError:
+            raise Unreachable(f"{self.path}: no connection in {self._connect_s}s") from None
+        if self.given_up():  # aborted while connecting
+            conn.close()
+            raise Unreachable(f"{self.path}: given up on")
+        self._open.add(conn)
         return conn
 
     def send_idle(
@@ -374,6 +434,7 @@ class Upstream:
     ) -> Response:
         head = [b"%s %s HTTP/1.1\r\nHost: engine\r\n" % (method, target)]
         head.append(b"Content-Length: %d\r\n" % len(body))
+        head.append(self._extra)
         head += [name + b": " + value + b"\r\n" for name, value in headers]
         head.append(b"\r\n")
         resp = Response(conn, head_only=method == b"HEAD", reused=reused)

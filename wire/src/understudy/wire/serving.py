@@ -22,6 +22,13 @@ between an engine and the pod's front door.
   :func:`parse_token_comment`), so the front
   (``understudy.front.continuation``) and the engines
   (``understudy.engine_shim.openai_api``) cannot spell a key differently.
+- **Relay to a gateway.** A request that carries ``RELAY_HEADER`` comes from
+  a fleet gateway, which continues the stream on another pod if this one
+  dies: the pod's front takes the request's own ``FIELD`` as where to start
+  (the gateway's ids and the tokens it already relayed), keeps each event's
+  token comment in what it relays, and writes ``BEAT_EVENT`` on the open
+  stream every ``BEAT_INTERVAL_S`` that nothing else went out, so that a
+  frozen pod's silence is measurable. An OpenAI client ignores comments.
 
 Pure: names and formats only. Writing and reading a heartbeat is
 ``understudy.wire.heartbeat``.
@@ -38,6 +45,12 @@ from typing import Any
 SERVE_DIR = "serve"
 FIELD = "understudy"
 TOKENS_PREFIX = b": tokens="
+RELAY_HEADER = b"X-Understudy-Relay"
+RELAY_TOKENS = b"tokens"
+BEAT_COMMENT = b": beat"
+BEAT_EVENT = BEAT_COMMENT + b"\n\n"
+# A gateway judges a stream silent past a few of these (its --silence).
+BEAT_INTERVAL_S = 0.25
 # seq, pid, epoch, monotonic ns, seq again: a reader that sees the two
 # sequence numbers differ read a record half-written and tries again.
 BEAT_RECORD = struct.Struct("<QqqqQ")
