@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
 from datetime import UTC, datetime
 from typing import Any
@@ -197,11 +198,14 @@ async def scale(dyn: Any, inst: GpuInstance, replicas: int) -> None:
     log_event(log, "scaled", instance=inst.metadata.name, replicas=replicas)
 
 
-# Resizes refused so far, by pod, with what was asked: a cluster that refuses
-# them (in-place resize off) gets one Event per pod and request, not one per
-# pass. Bounded: the oldest is forgotten first.
-_REFUSED: dict[str, str] = {}
+# Resizes refused so far, by pod: what was asked and when (monotonic). A
+# cluster that refuses them (in-place resize off, or Kubernetes 1.36 with DRA
+# claims: docs/sizing.md) gets one Event per pod and request, and the same
+# request again only after RESIZE_RETRY_S, not one per pass. Bounded: the
+# oldest is forgotten first.
+_REFUSED: dict[str, tuple[str, float]] = {}
 _REFUSED_LIMIT = 1024
+RESIZE_RETRY_S = 300.0
 
 
 def _resize_message(r: Resize) -> str:
@@ -225,6 +229,11 @@ async def resize(dyn: Any, inst: GpuInstance, r: Resize) -> None:
         {"name": name, "resources": {"requests": dict(req)}} for name, req in r.requests.items()
     ]
     message = _resize_message(r)
+    key = f"{ns}/{r.pod}"
+    before = _REFUSED.get(key)
+    recent = before is not None and time.monotonic() - before[1] < RESIZE_RETRY_S
+    if before is not None and before[0] == message and recent:
+        return  # refused a moment ago: the next pass after RESIZE_RETRY_S asks again
     try:
         await dyn.request(
             "patch", path, body={"spec": {"containers": containers}}, content_type=STRATEGIC
@@ -234,16 +243,15 @@ async def resize(dyn: Any, inst: GpuInstance, r: Resize) -> None:
         said = _api_message(exc)
         code = _status_code(exc)
         log_event(log, "resize_refused", logging.WARNING, pod=r.pod, status=code, error=said)
-        key = f"{ns}/{r.pod}"
-        if _REFUSED.get(key) != message:
-            _REFUSED.pop(key, None)
-            _REFUSED[key] = message
-            while len(_REFUSED) > _REFUSED_LIMIT:
-                del _REFUSED[next(iter(_REFUSED))]
+        _REFUSED.pop(key, None)
+        _REFUSED[key] = (message, time.monotonic())
+        while len(_REFUSED) > _REFUSED_LIMIT:
+            del _REFUSED[next(iter(_REFUSED))]
+        if before is None or before[0] != message:
             why = f"{message}: refused ({code or type(exc).__name__}: {said})"
             await post_event(dyn, inst, EventSpec("Warning", Reason.RESIZE_REFUSED, why))
         return
-    _REFUSED.pop(f"{ns}/{r.pod}", None)
+    _REFUSED.pop(key, None)
     RESIZES.labels("done").inc()
     log_event(log, "resized", pod=r.pod, active=r.active)
     await post_event(dyn, inst, EventSpec("Normal", Reason.RESIZED, message))
