@@ -91,6 +91,15 @@ def sections() -> list[Section]:
             mermaid(front.TRANSITIONS, initial=front.Phase.WAITING),
         ),
         Section(
+            "Front door poison isolation",
+            "front/src/understudy/front/fsm.py",
+            "Which requests may go to an engine (docs/poison.md): all while OPEN; after a "
+            "request's second death beside others it runs alone (CLEARING until nothing else "
+            "is out, then ALONE); a death while it runs alone names it the poison. An edge "
+            "names the event and, in brackets, what it meant (`blame`).",
+            mermaid(front.ISOLATION, initial=front.Isolation.OPEN),
+        ),
+        Section(
             "GpuInstance replica",
             "operator/src/understudy/operator/lifecycle.py",
             "One replica of a GpuInstance, as the operator sees it. The planner's checks "

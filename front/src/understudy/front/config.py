@@ -15,8 +15,9 @@ class FrontConfig:
     status_port: int = 8090  # /live, /ready, /metrics, /pressure, /state
     # A request that finds no Active engine waits this long for one.
     hold_s: float = 30.0
-    # A request may move to another engine this many times.
-    migration_limit: int = 3
+    # A request may move to another engine this many times: the last guard,
+    # above what poison isolation lets a request reach (docs/poison.md).
+    migration_limit: int = 8
     # An Active engine whose heartbeat is older than this is hung.
     hang_after_s: float = 1.0
     beat_check_s: float = 0.1

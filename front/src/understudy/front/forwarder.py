@@ -161,14 +161,15 @@ class Forwarder:
             # newest route.
             if sent is None and not await self.isolation.admit(id(req), deadline):
                 return self.give_up_hold(req, ex)
-            sent, outcome = None, None
+            sent, outcome, engine = None, None, ""
             try:
                 if (route := route or await self.router.hold(deadline)) is None:
                     outcome = fsm.Outcome.UNREACHABLE  # it never ran
                     return self.give_up_hold(req, ex)
+                engine = route.engine_id
                 outcome, answer = await self._attempt(req, route, ex, first)
             finally:  # cancelled too (its client left): the attempt is over
-                poison = self.isolation.ended(id(req), outcome)
+                poison = self.isolation.ended(id(req), outcome, engine)
             deadline = await self._conclude(req, ex, route, outcome, answer, deadline, poison)
         return None
 

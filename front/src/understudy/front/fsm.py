@@ -297,8 +297,9 @@ class Policy:
     hold_s: float = 30.0
     # The last guard, under poison isolation: a request whose engines died
     # more often than this fails, whoever is to blame. Isolation names a
-    # poison at its third death, so an innocent request never reaches it.
-    migration_limit: int = 3
+    # poison at its third death; an innocent one moves at most twice, and
+    # once more for each turn alone sent to an engine already dead.
+    migration_limit: int = 8
 
 
 class Verdict(enum.Enum):
@@ -399,6 +400,10 @@ class Suspects:
     deaths: Mapping[int, int] = field(default_factory=dict)  # request -> deaths it was in
     waiting: tuple[int, ...] = ()  # suspects waiting for their turn alone, oldest first
     alone: int | None = None  # the suspect whose turn it is (CLEARING, ALONE)
+    # Engines seen dying (the latest few): a suspect sent alone to one of
+    # them went to an engine dead before it (the route had not moved yet),
+    # and its break there is no evidence against it.
+    dead: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,6 +411,7 @@ class Died:
     """An engine died while this request was out at it (its attempt broke)."""
 
     request: int
+    engine: str = ""  # the engine it was out at
 
 
 @dataclass(frozen=True, slots=True)
@@ -467,6 +473,7 @@ class Blame(enum.Enum):
     FIRST = "Died (first death)"
     SUSPECT = "Died (second death, or later while not alone)"
     ALONE_DIED = "Died (alone)"
+    ALONE_MISSED = "Died (alone, at an engine already dead)"
     ALONE_SENT = "Sent (its turn)"
     ALONE_RETURNED = "Returned (never ran)"
     ALONE_ENDED = "Finished (its turn)"
@@ -479,9 +486,9 @@ class Blame(enum.Enum):
 def blame(s: Suspects, e: IsolationEvent) -> Blame:
     """Judge an isolation event against the state (pure; the table does the rest)."""
     match e:
-        case Died(request=r):
+        case Died(request=r, engine=engine):
             if r == s.alone and s.phase is Isolation.ALONE:
-                return Blame.ALONE_DIED
+                return Blame.ALONE_MISSED if engine and engine in s.dead else Blame.ALONE_DIED
             return Blame.SUSPECT if s.deaths.get(r, 0) >= 1 else Blame.FIRST
         case Sent(request=r):
             return Blame.ALONE_SENT if r == s.alone else Blame.OUT_OF_TURN
@@ -505,18 +512,28 @@ def _next_turn(s: Suspects, actions: list[IsolationAction]) -> IsoResult:
     return new, [*actions, RunAlone(first)]
 
 
+_DEAD_KEPT = 8  # engines remembered dead: more than die within one suspect's turn
+
+
+def _seen_dying(s: Suspects, e: Died) -> Suspects:
+    if not e.engine or e.engine in s.dead:
+        return s
+    return replace(s, dead=(*s.dead, e.engine)[-_DEAD_KEPT:])
+
+
 def _forget(s: Suspects, r: int) -> Suspects:
     deaths = {k: v for k, v in s.deaths.items() if k != r}
     return replace(s, deaths=deaths, waiting=tuple(w for w in s.waiting if w != r))
 
 
 def _first_death(s: Suspects, e: Died, now: float) -> IsoResult:
+    s = _seen_dying(s, e)
     return replace(s, deaths={**s.deaths, e.request: 1}), [Suspected(e.request, 1)]
 
 
 def _suspect(s: Suspects, e: Died, now: float) -> IsoResult:
     n = s.deaths[e.request] + 1
-    s = replace(s, deaths={**s.deaths, e.request: n})
+    s = replace(_seen_dying(s, e), deaths={**s.deaths, e.request: n})
     actions: list[IsolationAction] = [Suspected(e.request, n)]
     if e.request == s.alone or e.request in s.waiting:
         return s, actions  # its turn is already given or queued
@@ -528,7 +545,13 @@ def _suspect(s: Suspects, e: Died, now: float) -> IsoResult:
 
 def _alone_died(s: Suspects, e: Died, now: float) -> IsoResult:
     n = s.deaths.get(e.request, 0) + 1
-    return _next_turn(_forget(s, e.request), [Poisoned(e.request, n)])
+    return _next_turn(_forget(_seen_dying(s, e), e.request), [Poisoned(e.request, n)])
+
+
+def _alone_missed(s: Suspects, e: Died, now: float) -> IsoResult:
+    # Sent alone to an engine whose death others had reported already: it
+    # never ran alone. No death counted; the turn stays its own.
+    return replace(s, phase=Isolation.CLEARING), []
 
 
 def _alone_sent(s: Suspects, e: Sent, now: float) -> IsoResult:
@@ -567,6 +590,7 @@ ISOLATION: dict[tuple[Isolation, Blame], IsoEntry] = {
     (OP, Blame.SUSPECT): _into(_suspect, CL),
     (CL, Blame.SUSPECT): _into(_suspect, CL),
     (AL, Blame.ALONE_DIED): _into(_alone_died, OP, CL),
+    (AL, Blame.ALONE_MISSED): _into(_alone_missed, CL),
     (CL, Blame.ALONE_SENT): _into(_alone_sent, AL),
     (AL, Blame.ALONE_RETURNED): _into(_alone_returned, CL),
     (CL, Blame.ALONE_ENDED): _into(_alone_ended, OP, CL),

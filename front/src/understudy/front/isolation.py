@@ -63,13 +63,14 @@ class Isolation:
             self._feed(fsm.Sent(key))
         return True
 
-    def ended(self, key: int, outcome: fsm.Outcome | None) -> bool:
-        """A request's attempt ended (``None``: cut short, its client left);
-        True when it is the poison."""
+    def ended(self, key: int, outcome: fsm.Outcome | None, engine: str = "") -> bool:
+        """A request's attempt at ``engine`` ended (``None``: cut short, its
+        client left); True when it is the poison."""
         self.out -= 1
         poison = False
         if outcome is fsm.Outcome.BROKEN:
-            poison = any(isinstance(a, fsm.Poisoned) for a in self._feed(fsm.Died(key)))
+            actions = self._feed(fsm.Died(key, engine))
+            poison = any(isinstance(a, fsm.Poisoned) for a in actions)
         elif (
             outcome in (fsm.Outcome.NOT_ACTIVE, fsm.Outcome.UNREACHABLE)
             and key == self.state.alone

@@ -293,11 +293,11 @@ class FailoverSpec(_Model):
         "before answering 503 with Retry-After.",
     )
     migration_limit: int = Field(
-        default=3,
+        default=8,
         ge=0,
         le=16,
         description="How many times a request may move to the next Active engine after its "
-        "engine died.",
+        "engine died: the last guard, above poison isolation (docs/poison.md).",
     )
     hang_after_seconds: float = Field(
         default=1.0,

@@ -509,7 +509,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "--hang-after", type=float, default=1.0, help="front: heartbeat silence that means hung"
     )
     up.add_argument(
-        "--migration-limit", type=int, default=3, help="front: moves allowed per request"
+        "--migration-limit", type=int, default=8, help="front: moves allowed per request"
     )
     up.add_argument("--reconnect-window", type=float, default=10.0)
     up.add_argument("--startup-budget", type=float, default=600.0)

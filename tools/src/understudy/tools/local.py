@@ -77,7 +77,7 @@ class LocalConfig:
     front_status_port: int = 9103
     hold_s: float = 30.0
     hang_after_s: float = 1.0
-    migration_limit: int = 3
+    migration_limit: int = 8
     reconnect_window_s: float = 10.0
     startup_budget_s: float = 600.0
     wake_timeout_s: float = 30.0
