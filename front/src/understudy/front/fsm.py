@@ -397,7 +397,10 @@ class Isolation(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class Suspects:
     phase: Isolation = Isolation.OPEN
-    deaths: Mapping[int, int] = field(default_factory=dict)  # request -> deaths it was in
+    # request -> the engines that died while it was out at them. One engine's
+    # death counts once: a request sent again to it before the lock named the
+    # next one breaks there again, which is no second death.
+    deaths: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
     waiting: tuple[int, ...] = ()  # suspects waiting for their turn alone, oldest first
     alone: int | None = None  # the suspect whose turn it is (CLEARING, ALONE)
     # Engines seen dying (the latest few): a suspect sent alone to one of
@@ -474,6 +477,7 @@ class Blame(enum.Enum):
     SUSPECT = "Died (second death, or later while not alone)"
     ALONE_DIED = "Died (alone)"
     ALONE_MISSED = "Died (alone, at an engine already dead)"
+    REPEAT = "Died (again, at the same engine)"
     ALONE_SENT = "Sent (its turn)"
     ALONE_RETURNED = "Returned (never ran)"
     ALONE_ENDED = "Finished (its turn)"
@@ -489,7 +493,10 @@ def blame(s: Suspects, e: IsolationEvent) -> Blame:
         case Died(request=r, engine=engine):
             if r == s.alone and s.phase is Isolation.ALONE:
                 return Blame.ALONE_MISSED if engine and engine in s.dead else Blame.ALONE_DIED
-            return Blame.SUSPECT if s.deaths.get(r, 0) >= 1 else Blame.FIRST
+            seen = s.deaths.get(r, ())
+            if engine and engine in seen:
+                return Blame.REPEAT
+            return Blame.SUSPECT if seen else Blame.FIRST
         case Sent(request=r):
             return Blame.ALONE_SENT if r == s.alone else Blame.OUT_OF_TURN
         case Returned(request=r):
@@ -528,12 +535,13 @@ def _forget(s: Suspects, r: int) -> Suspects:
 
 def _first_death(s: Suspects, e: Died, now: float) -> IsoResult:
     s = _seen_dying(s, e)
-    return replace(s, deaths={**s.deaths, e.request: 1}), [Suspected(e.request, 1)]
+    return replace(s, deaths={**s.deaths, e.request: (e.engine,)}), [Suspected(e.request, 1)]
 
 
 def _suspect(s: Suspects, e: Died, now: float) -> IsoResult:
-    n = s.deaths[e.request] + 1
-    s = replace(_seen_dying(s, e), deaths={**s.deaths, e.request: n})
+    engines = (*s.deaths[e.request], e.engine)
+    n = len(engines)
+    s = replace(_seen_dying(s, e), deaths={**s.deaths, e.request: engines})
     actions: list[IsolationAction] = [Suspected(e.request, n)]
     if e.request == s.alone or e.request in s.waiting:
         return s, actions  # its turn is already given or queued
@@ -544,7 +552,7 @@ def _suspect(s: Suspects, e: Died, now: float) -> IsoResult:
 
 
 def _alone_died(s: Suspects, e: Died, now: float) -> IsoResult:
-    n = s.deaths.get(e.request, 0) + 1
+    n = len(s.deaths.get(e.request, ())) + 1
     return _next_turn(_forget(_seen_dying(s, e), e.request), [Poisoned(e.request, n)])
 
 
@@ -570,6 +578,10 @@ def _alone_ended(s: Suspects, e: Finished, now: float) -> IsoResult:
     return _next_turn(_forget(s, e.request), actions)
 
 
+def _repeat(s: Suspects, e: Died, now: float) -> IsoResult:
+    return s, []
+
+
 def _ended(s: Suspects, e: Finished, now: float) -> IsoResult:
     return _forget(s, e.request), []
 
@@ -591,6 +603,8 @@ ISOLATION: dict[tuple[Isolation, Blame], IsoEntry] = {
     (CL, Blame.SUSPECT): _into(_suspect, CL),
     (AL, Blame.ALONE_DIED): _into(_alone_died, OP, CL),
     (AL, Blame.ALONE_MISSED): _into(_alone_missed, CL),
+    (OP, Blame.REPEAT): _into(_repeat, OP),
+    (CL, Blame.REPEAT): _into(_repeat, CL),
     (CL, Blame.ALONE_SENT): _into(_alone_sent, AL),
     (AL, Blame.ALONE_RETURNED): _into(_alone_returned, CL),
     (CL, Blame.ALONE_ENDED): _into(_alone_ended, OP, CL),

@@ -32,6 +32,7 @@ class Isolation:
         self.metrics = metrics
         self.state = fsm.Suspects()
         self.out = 0  # requests allowed out and whose attempt has not ended
+        self._poisoned: dict[int, int] = {}  # poison -> its engines' deaths, until answered
         self._changed = asyncio.Event()
         self._loop = asyncio.get_running_loop()
 
@@ -43,9 +44,6 @@ class Isolation:
     def may_resend(self, key: int) -> bool:
         """May a request that is out already go out again on a new connection?"""
         return self.open or key == self.state.alone
-
-    def deaths(self, key: int) -> int:
-        return self.state.deaths.get(key, 0)
 
     async def admit(self, key: int, deadline: float) -> bool:
         """Wait until the request may go (False: not before ``deadline``); it is
@@ -69,8 +67,10 @@ class Isolation:
         self.out -= 1
         poison = False
         if outcome is fsm.Outcome.BROKEN:
-            actions = self._feed(fsm.Died(key, engine))
-            poison = any(isinstance(a, fsm.Poisoned) for a in actions)
+            for a in self._feed(fsm.Died(key, engine)):
+                if isinstance(a, fsm.Poisoned):
+                    self._poisoned[a.request] = a.deaths
+                    poison = True
         elif (
             outcome in (fsm.Outcome.NOT_ACTIVE, fsm.Outcome.UNREACHABLE)
             and key == self.state.alone
@@ -96,7 +96,7 @@ class Isolation:
         """Tell the poison's client. A 4xx with no Retry-After: clients
         (OpenAI's SDK among them) retry a 5xx, and each retry would kill
         engines again."""
-        deaths = req.migrations + 1
+        deaths = self._poisoned.pop(id(req), req.migrations + 1)
         message = (
             f"this request killed the engine that ran it alone, after {deaths - 1} "
             f"engine deaths beside other requests ({deaths} in all); it is not sent again"
