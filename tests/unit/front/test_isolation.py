@@ -54,19 +54,27 @@ def test_a_first_death_is_a_suspicion_and_stops_nothing() -> None:
     s, actions = run(Suspects(), Died(1), Died(2))
     assert s.phase is OP and dict(s.deaths) == {1: ("",), 2: ("",)}
     assert actions == [Suspected(1, 1), Suspected(2, 1)]
-    assert may_send(s, 1, out=5) and may_send(s, 3, out=5)
+    assert may_send(s, 1, out=5, routed_for=1.0) and may_send(s, 3, out=5, routed_for=1.0)
 
 
 def test_after_its_second_death_a_suspect_runs_alone_once_nothing_else_is_out() -> None:
     s, actions = run(Suspects(), Died(1), Died(2), Died(1))
     assert (s.phase, s.alone) == (CL, 1)
     assert actions[-2:] == [Suspected(1, 2), RunAlone(1)]
-    assert not may_send(s, 1, out=1)  # another request is still out: it finishes first
-    assert not may_send(s, 2, out=0)  # not its turn: held
-    assert may_send(s, 1, out=0)
+    assert not may_send(s, 1, out=1, routed_for=1.0)  # another is out: it finishes first
+    assert not may_send(s, 2, out=0, routed_for=1.0)  # not its turn: held
+    assert may_send(s, 1, out=0, routed_for=1.0)
     s, _ = run(s, Sent(1))
     assert s.phase is AL
-    assert not may_send(s, 2, out=1) and not may_send(s, 3, out=1)
+    assert not may_send(s, 2, out=1, routed_for=1.0) and not may_send(s, 3, out=1, routed_for=1.0)
+
+
+def test_a_turn_alone_waits_for_the_route_to_stand() -> None:
+    """An engine that took over and dies at once is no trial of a suspect."""
+    s, _ = run(Suspects(), Died(1, "a"), Died(1, "b"))
+    assert not may_send(s, 1, out=0, routed_for=fsm.TRUSTED_AFTER_S - 0.01)
+    assert may_send(s, 1, out=0, routed_for=fsm.TRUSTED_AFTER_S)
+    assert may_send(Suspects(), 2, out=0, routed_for=0.0)  # nobody else waits for it
 
 
 def test_an_engine_death_while_it_runs_alone_names_the_poison_at_its_third_death() -> None:
@@ -109,7 +117,7 @@ def test_one_engine_death_counts_once_however_often_the_request_broke_there() ->
 def test_a_suspect_refused_before_it_ran_keeps_its_turn() -> None:
     s, _ = run(Suspects(), Died(1), Died(1), Sent(1), Returned(1))
     assert (s.phase, s.alone) == (CL, 1)
-    assert may_send(s, 1, out=0)
+    assert may_send(s, 1, out=0, routed_for=1.0)
 
 
 def test_a_suspect_whose_wait_ran_out_passes_its_turn_without_being_cleared() -> None:
@@ -201,7 +209,7 @@ class Isolating(RuleBasedStateMachine):
 
     @rule(r=st.integers(1, 5))
     def send(self, r: int) -> None:
-        if r in self.out or not may_send(self.s, r, len(self.out)):
+        if r in self.out or not may_send(self.s, r, len(self.out), 1.0):
             return
         self.out.add(r)
         if r == self.s.alone:
@@ -370,7 +378,7 @@ async def test_innocents_through_back_to_back_double_faults_all_complete() -> No
             answers.append(c.status)
 
     t0 = pod.loop.time()
-    for t in (0.1, 0.2, 3.1, 3.2):
+    for t in (0.1, 0.2, 4.1, 4.2):  # the second round after the first one's turns alone
         pod.loop.call_at(t0 + t, pod.kill_active)
     await asyncio.gather(*(client(i) for i in range(8)))
     await asyncio.sleep(0)

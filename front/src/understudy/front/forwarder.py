@@ -159,7 +159,7 @@ class Forwarder:
             route, first = sent if sent is not None else (None, None)
             # Its turn first (held behind a suspect that runs alone), then the
             # newest route.
-            if sent is None and not await self.isolation.admit(id(req), deadline):
+            if sent is None and not await self.isolation.admit(id(req), deadline, self.router):
                 return self.give_up_hold(req, ex)
             sent, outcome, engine = None, None, ""
             try:

@@ -624,15 +624,22 @@ def isolate(s: Suspects, event: IsolationEvent, now: float) -> IsoResult:
     )  # fmt: skip
 
 
-def may_send(s: Suspects, request: int, out: int) -> bool:
-    """May ``request`` go to an engine now, with ``out`` requests out at one?
-    Anything while no suspect waits; on a suspect's turn, only it, and only
-    once nothing else is out."""
+# A suspect's turn alone waits until the route has stood this long: an
+# engine that took over and dies at once (a fault stacked on the failover,
+# the cluster's takeover-kill) is not a trial of the suspect.
+TRUSTED_AFTER_S = 0.5
+
+
+def may_send(s: Suspects, request: int, out: int, routed_for: float) -> bool:
+    """May ``request`` go to an engine now, with ``out`` requests out at one
+    and the route standing for ``routed_for`` seconds? Anything while no
+    suspect waits; on a suspect's turn, only it, once nothing else is out
+    and the route has stood ``TRUSTED_AFTER_S``."""
     match s.phase:
         case Isolation.OPEN:
             return True
         case Isolation.CLEARING:
-            return request == s.alone and out == 0
+            return request == s.alone and out == 0 and routed_for >= TRUSTED_AFTER_S
         case Isolation.ALONE:
             return False
         case _:

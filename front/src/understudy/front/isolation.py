@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import assert_never
+from typing import Protocol, assert_never
 
 from understudy.front import downstream, fsm
 from understudy.front import forwarding as fw
@@ -23,6 +23,15 @@ from understudy.front.metrics import FrontMetrics
 from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.front")
+
+# While a request may not go, it looks again this often (as well as when the
+# isolation changes): the route standing long enough is not an event here.
+_RECHECK_S = 0.02
+
+
+class Routed(Protocol):
+    @property
+    def route(self) -> fsm.Route | None: ...
 
 
 class Isolation:
@@ -32,6 +41,8 @@ class Isolation:
         self.metrics = metrics
         self.state = fsm.Suspects()
         self.out = 0  # requests allowed out and whose attempt has not ended
+        self._route: fsm.Route | None = None  # the route last seen, and since when
+        self._since = 0.0
         self._poisoned: dict[int, int] = {}  # poison -> its engines' deaths, until answered
         self._changed = asyncio.Event()
         self._loop = asyncio.get_running_loop()
@@ -45,21 +56,28 @@ class Isolation:
         """May a request that is out already go out again on a new connection?"""
         return self.open or key == self.state.alone
 
-    async def admit(self, key: int, deadline: float) -> bool:
+    async def admit(self, key: int, deadline: float, router: Routed) -> bool:
         """Wait until the request may go (False: not before ``deadline``); it is
         then out until ``ended``."""
-        while not fsm.may_send(self.state, key, self.out):
+        while not fsm.may_send(self.state, key, self.out, self._routed_for(router.route)):
             remaining = deadline - self._loop.time()
             if remaining <= 0:
                 return False
             changed = self._changed
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(remaining):
+                async with asyncio.timeout(min(remaining, _RECHECK_S)):
                     await changed.wait()
         self.out += 1
         if key == self.state.alone:
             self._feed(fsm.Sent(key))
         return True
+
+    def _routed_for(self, route: fsm.Route | None) -> float:
+        """How long ``route`` has stood, as far as this has seen (0: none)."""
+        now = self._loop.time()
+        if route != self._route:
+            self._route, self._since = route, now
+        return now - self._since if route is not None else 0.0
 
     def ended(self, key: int, outcome: fsm.Outcome | None, engine: str = "") -> bool:
         """A request's attempt at ``engine`` ended (``None``: cut short, its
