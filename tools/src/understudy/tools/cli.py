@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from understudy.wire.engines import ENGINE_PYTHON
 from understudy.wire.engines import NAMES as ENGINES
 
 
@@ -67,10 +68,10 @@ def _preflight(cfg: Any) -> str | None:
 
 
 def cmd_local_up(args: argparse.Namespace) -> int:
-    from understudy.tools.local import KeepsFailing, Supervisor, wait_serving
+    from understudy.tools.local import Supervisor
     from understudy.wire.obs import setup_logging
 
-    if args.engine == "vllm" and not args.engine_python:
+    if args.engine in ENGINE_PYTHON and not args.engine_python:  # vllm, torch
         from understudy.tools import checkout
 
         try:
@@ -92,20 +93,56 @@ def cmd_local_up(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    if args.pods > 1:
+        return _fleet_up(cfg, args)
     if args.detach:
         return _detach(cfg, args.ready_timeout, ports)
     setup_logging()
     sup = Supervisor(cfg)
-
-    def announce() -> None:
-        try:
-            if wait_serving(cfg.serve_port, ports, args.ready_timeout, cfg.dir):
-                _print_where(cfg, os.getpid())
-        except KeepsFailing as exc:
-            print(f"understudy local up: {exc}", file=sys.stderr, flush=True)
-
-    threading.Thread(target=announce, daemon=True).start()
+    threading.Thread(target=_announce, args=(cfg, ports, args.ready_timeout), daemon=True).start()
     sup.run_forever()
+    return 0
+
+
+def _announce(cfg: Any, ports: list[int], ready_timeout: float) -> None:
+    """Say where the pod serves once it does (or why it never will)."""
+    from understudy.tools.local import KeepsFailing, wait_serving
+
+    try:
+        if wait_serving(cfg.serve_port, ports, ready_timeout, cfg.dir):
+            _print_where(cfg, os.getpid())
+    except KeepsFailing as exc:
+        print(f"understudy local up: {exc}", file=sys.stderr, flush=True)
+
+
+def _add_down(sub: argparse._SubParsersAction[argparse.ArgumentParser], default: Path) -> None:
+    down = sub.add_parser("down", help="stop a local pod (or pods: --pods N)")
+    down.add_argument("--dir", default=str(default))
+    down.set_defaults(func=cmd_local_down)
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be 1 or more")
+    return value
+
+
+def _fleet_up(cfg: Any, args: argparse.Namespace) -> int:
+    """``local up --pods N``: N pods, each in DIR/pod-I, behind the gateway on --port."""
+    from understudy.tools.fleet import Fleet, wait_fleet
+    from understudy.wire.obs import setup_logging
+
+    if args.detach:
+        proc = _spawn(cfg)
+        if not wait_fleet(cfg, args.pods, args.ready_timeout * args.pods):
+            print(f"local pods not serving; logs in {cfg.dir}", file=sys.stderr)
+            return 1
+        print(json.dumps({"serving": f"http://127.0.0.1:{cfg.serve_port}", "dir": str(cfg.dir),
+                          "supervisor_pid": proc.pid}), flush=True)  # fmt: skip
+        return 0
+    setup_logging()
+    Fleet(cfg, args.pods).run_forever()
     return 0
 
 
@@ -124,18 +161,7 @@ def _detach(cfg: Any, ready_timeout: float, ports: list[int]) -> int:
     """``local up --detach``: the pod in a new session; return once it serves."""
     from understudy.tools.local import KeepsFailing, wait_serving
 
-    cfg.dir.mkdir(parents=True, exist_ok=True)
-    argv = [a for a in sys.argv[1:] if a != "--detach"]
-    if cfg.engine_python and "--engine-python" not in argv:
-        argv += ["--engine-python", cfg.engine_python]  # resolved once, here
-    with open(cfg.dir / "supervisor.log", "ab") as logf:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "understudy.cli", *argv],
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+    proc = _spawn(cfg)
     try:
         serving = wait_serving(cfg.serve_port, ports, ready_timeout, cfg.dir)
     except KeepsFailing as exc:
@@ -150,6 +176,22 @@ def _detach(cfg: Any, ready_timeout: float, ports: list[int]) -> int:
         return 1 if proc.poll() is None else proc.returncode or 1
     _print_where(cfg, proc.pid)
     return 0
+
+
+def _spawn(cfg: Any) -> subprocess.Popen[bytes]:
+    """This command again without --detach, in a new session, logging to DIR."""
+    cfg.dir.mkdir(parents=True, exist_ok=True)
+    argv = [a for a in sys.argv[1:] if a != "--detach"]
+    if cfg.engine_python and "--engine-python" not in argv:
+        argv += ["--engine-python", cfg.engine_python]  # resolved once, here
+    with open(cfg.dir / "supervisor.log", "ab") as logf:
+        return subprocess.Popen(
+            [sys.executable, "-m", "understudy.cli", *argv],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
 
 def _print_where(cfg: Any, pid: int) -> None:
@@ -208,12 +250,26 @@ def cmd_local_down(args: argparse.Namespace) -> int:
         deadline = time.monotonic() + 15
         while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-    for c in state["containers"].values():  # in case the supervisor itself was killed
-        if c.get("pid") and _alive(c["pid"]):
+    gateway = state.get("gateway", {}).get("pid")  # local up --pods N
+    for pid in [gateway, *(c.get("pid") for c in _containers(state))]:
+        if pid and _alive(pid):  # in case the supervisor itself was killed
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(c["pid"], signal.SIGKILL)
+                os.killpg(pid, signal.SIGKILL)
     print(json.dumps({"stopped": str(directory)}))
     return 0
+
+
+def _containers(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """A local pod's containers; with --pods N, every pod's (those still recorded)."""
+    from understudy.tools.local import read_state
+
+    if "pods" not in state:
+        return list(state["containers"].values())
+    out: list[dict[str, Any]] = []
+    for pod in state["pods"].values():
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            out += read_state(Path(pod["dir"]))["containers"].values()
+    return out
 
 
 def _drill_usage_error(args: argparse.Namespace) -> str | None:
@@ -523,15 +579,20 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "at once, then 10 s doubling to this cap; kubelet's maxContainerRestartPeriod)",
     )
     up.add_argument(
+        "--pods",
+        type=_at_least_one,
+        default=1,
+        help="run this many pods (each in DIR/pod-I, its ports after the last pod's) behind "
+        "the fleet gateway, which serves --port",
+    )
+    up.add_argument(
         "--detach", action="store_true", help="run in the background; return once the pod serves"
     )
     up.add_argument(
         "--ready-timeout", type=float, default=None, help="seconds (default 120; vllm: 600)"
     )
     up.set_defaults(func=cmd_local_up)
-    down = local_sub.add_parser("down", help="stop a local pod")
-    down.add_argument("--dir", default=str(DEFAULT_DIR))
-    down.set_defaults(func=cmd_local_down)
+    _add_down(local_sub, DEFAULT_DIR)
 
     dr = sub.add_parser("drill", help="kill the active engine under load and measure failovers")
     dr.add_argument(
