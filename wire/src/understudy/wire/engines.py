@@ -20,6 +20,7 @@ class EngineAdapter(StrEnum):
     LLAMA = "llama"
     REFERENCE = "reference"
     SYNTHETIC = "synthetic"
+    TORCH = "torch"
     VLLM = "vllm"
 
 
@@ -31,5 +32,11 @@ DEFAULT_MODELS: Final[Mapping[EngineAdapter, str]] = {
     EngineAdapter.LLAMA: "builtin:tiny-llama",
     EngineAdapter.REFERENCE: "builtin:all-MiniLM-L6-v2",
     EngineAdapter.SYNTHETIC: "256MiB",
+    EngineAdapter.TORCH: "builtin:tiny-llama",
     EngineAdapter.VLLM: "builtin:tiny-llama",
 }
+
+# Adapters whose engines need torch, which lives in the vLLM venv, not ours:
+# they run under that venv's python (engine_shim.python_env), and a tool run
+# from a checkout resolves it for them (tools.checkout).
+ENGINE_PYTHON: Final = frozenset({EngineAdapter.TORCH, EngineAdapter.VLLM})

@@ -36,6 +36,7 @@ from aiohttp import web
 from understudy.engine_shim import kvlog, openai_api
 from understudy.engine_shim.adapters import models, tiny_llama
 from understudy.engine_shim.adapters.base import AdapterError, Engine, KvPoolRequest, UsesKvPool
+from understudy.engine_shim.adapters.llama_backend import Cache, Forward
 from understudy.engine_shim.adapters.llama_model import (
     KVCache,
     LlamaConfig,
@@ -48,6 +49,7 @@ from understudy.engine_shim.adapters.llama_text import ChatTokenizer
 from understudy.engine_shim.adapters.model_cache import cache_dir
 from understudy.engine_shim.adapters.packing import (
     WEIGHTS_FILE,
+    TensorRecord,
     WeightsError,
     pack_into,
     packed_size,
@@ -63,7 +65,7 @@ from understudy.engine_shim.generation import (
 from understudy.engine_shim.kvlog import PoolSpec
 from understudy.engine_shim.kvpool import KvPool
 from understudy.engine_shim.step_thread import StepThread, send
-from understudy.gms.client import GmsClient
+from understudy.gms.client import Allocation, GmsClient
 
 __all__ = ["Batcher", "LlamaEngine", "NotServing", "Request"]
 
@@ -128,7 +130,7 @@ class Batcher(StepThread[Request]):
     (``steps``: decode calls so far)."""
 
     def __init__(
-        self, model: LlamaModel, cache: KVCache, max_model_len: int, pool: KvPool | None = None
+        self, model: Forward[Any], cache: Cache, max_model_len: int, pool: KvPool | None = None
     ) -> None:
         super().__init__("llama-batcher")
         self.model = model
@@ -357,7 +359,7 @@ class LlamaEngine:
         self.max_num_seqs: int = args.max_num_seqs
         self.max_pending: int = args.max_pending
         self.stuck_after_s: float = args.stuck_after
-        self.model: LlamaModel | None = None
+        self.model: Forward[Any] | None = None
         self._digest = config_digest(self.model_dir)
         self._private: bytearray | None = None
         self._batcher: Batcher | None = None
@@ -408,7 +410,7 @@ class LlamaEngine:
         if alloc is None:
             raise AdapterError(f"metadata points at allocation {meta['allocation']}, not in GMS")
         try:
-            self.model = LlamaModel(views_from(alloc.view(), meta["records"]), self.config)
+            self.model = self._new_model(alloc, meta["records"])
         except WeightsError as exc:
             raise AdapterError(str(exc)) from exc
         self._warm_up()
@@ -417,8 +419,23 @@ class LlamaEngine:
         """Weights in a buffer of this process instead of GMS (tests, benchmarks)."""
         self._private = bytearray(packed_size(self.model_dir))
         records = pack_into(self._private, self.model_dir)
-        self.model = LlamaModel(views_from(self._private, records), self.config)
+        self.model = self._new_model(self._private, records)
         self._warm_up()
+
+    # --- the compute back-end (llama_backend): numpy here, torch in adapters.torch ---
+
+    def _new_model(
+        self, memory: Allocation | bytearray, records: Sequence[TensorRecord]
+    ) -> Forward[Any]:
+        """The model over the packed weights in ``memory`` (never a copy)."""
+        host = memory.view() if isinstance(memory, Allocation) else memory
+        return LlamaModel(views_from(host, records), self.config)
+
+    def _new_cache(self, slots: int, max_len: int, pool: KvPool | None = None) -> Cache:
+        """A cache of the engine's own, or the pool's arena (nothing allocated or copied)."""
+        if pool is None:
+            return KVCache(self.config, slots, max_len)
+        return KVCache(self.config, slots, max_len, pool.k, pool.v)
 
     def _warm_up(self) -> None:
         """Run prefill and decode once, at start-up: the first request in a fresh
@@ -428,7 +445,7 @@ class LlamaEngine:
         not mapped yet, and holds another engine's sequences)."""
         assert self.model is not None
         ids = [i % self.config.vocab_size for i in range(WARMUP_LEN + 1)]
-        cache = KVCache(self.config, 1, len(ids))
+        cache = self._new_cache(1, len(ids))
         # (prefill is the same _extend over the whole prompt: one path warms both)
         self.model.prefill_chunks(ids[:-1], cache, 0, 0, PREFILL_CHUNK)
         self.model.decode([Row(0, WARMUP_LEN, ids[-1])], cache)
@@ -445,10 +462,9 @@ class LlamaEngine:
             raise AdapterError("wake before attach")
         pool = self.kv_pool
         if pool is None:
-            cache = KVCache(self.config, self.max_num_seqs, self.max_model_len)
+            cache = self._new_cache(self.max_num_seqs, self.max_model_len)
         else:  # the cache is the pool's arena: nothing is allocated, nothing copied
-            spec = pool.spec
-            cache = KVCache(self.config, spec.slots, spec.max_len, pool.k, pool.v)
+            cache = self._new_cache(pool.spec.slots, pool.spec.max_len, pool)
         batcher = Batcher(self.model, cache, self.max_model_len, pool)
         batcher.start()
         self._batcher = batcher

@@ -31,13 +31,13 @@ import copy
 import hashlib
 import json
 import threading
-import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from understudy.engine_shim.adapters import torch_memory
 from understudy.gms.client import Allocation, GmsClient
 
 LOAD_FORMAT: Final = "understudy"
@@ -97,30 +97,9 @@ def layout_key(model_dir: Path, dtype: str, vllm_version: str) -> str:
 
 
 def _tensor(alloc: Allocation, offset: int, nbytes: int, device: str) -> Any:
-    """A uint8 tensor over ``nbytes`` of GMS memory at ``offset`` (no copy)."""
-    import torch
-
-    if device == "cpu":
-        with warnings.catch_warnings():
-            # A read-only mapping: writing through it would fault, and vLLM
-            # only reads weights.
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.frombuffer(alloc.view(), dtype=torch.uint8, count=nbytes, offset=offset)
-    # CUDA VMM memory (UNVERIFIED): a device pointer, wrapped through the CUDA
-    # array interface, which torch imports without a copy.
-    cai = _CudaArray(alloc.address + offset, nbytes)
-    return torch.as_tensor(cai, device=device)
-
-
-class _CudaArray:
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (ptr, False),
-            "version": 3,
-            "strides": None,
-        }
+    """A uint8 tensor over ``nbytes`` of GMS memory at ``offset`` (no copy; on
+    a GPU through the CUDA array interface, UNVERIFIED: see ``vllm``)."""
+    return torch_memory.tensor_over(alloc, offset, nbytes, device)
 
 
 def _view(raw: Any, dtype: Any, shape: list[int]) -> Any:
