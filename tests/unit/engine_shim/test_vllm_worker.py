@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,11 +40,14 @@ class FakeEngine:
     fail_on_step: bool = False
     live: dict[str, list[int]] = field(default_factory=dict)  # id -> [made, max]
     aborted: list[str] = field(default_factory=list)
+    steps: int = 0
+    added: dict[str, int] = field(default_factory=dict)  # id -> steps before it came in
 
     def add_request(self, rid: str, prompt: dict[str, Any], params: Any) -> None:
         if rid in self.refuse:
             raise ValueError("prompt too long for vLLM")
         self.live[rid] = [0, params]
+        self.added[rid] = self.steps
 
     def abort_request(self, ids: list[str]) -> None:
         self.aborted += ids
@@ -56,6 +60,7 @@ class FakeEngine:
     def step(self) -> list[_Output]:
         if self.fail_on_step:
             raise RuntimeError("EngineCore died")
+        self.steps += 1
         out = []
         for rid, state in list(self.live.items()):
             made, limit = state
@@ -100,6 +105,30 @@ def test_tokens_and_the_finish_reason_reach_each_request() -> None:
     steps_a, steps_b = _drain(got_a), _drain(got_b)
     assert steps_a == [Step(10), Step(11), Step(12), Step(13), Step(14, "length")]
     assert steps_b == [Step(10, "length")]
+    w.stop("done")
+    assert not fatal
+
+
+def test_requests_arriving_together_at_an_idle_engine_enter_vllm_in_one_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failover's continuations reach the new engine a few milliseconds
+    apart: the first must not be stepped alone while the others wait a step.
+    (The quiet time is stretched here so that a loaded machine's scheduling
+    cannot split them.)"""
+    from understudy.engine_shim.adapters import vllm
+
+    monkeypatch.setattr(vllm, "ADMIT_QUIET_S", 2.0)
+    monkeypatch.setattr(vllm, "ADMIT_MAX_S", 30.0)
+    engine = FakeEngine()
+    w, fatal = _worker(engine)
+    reqs = [_request(rid, 3) for rid in "abc"]
+    for req, _ in reqs:
+        w.submit(req)
+        time.sleep(0.005)
+    for _, got in reqs:
+        assert _drain(got)[-1] == Step(12, "length")
+    assert engine.added == {"a": 0, "b": 0, "c": 0}
     w.stop("done")
     assert not fatal
 
@@ -172,3 +201,37 @@ def test_an_explicit_flag_is_found_by_option_not_by_substring(
     from understudy.engine_shim.adapters.vllm import given
 
     assert given(args, *flags) is want
+
+
+@pytest.mark.parametrize(
+    ("args", "slots"),
+    [
+        ([], 8),  # KV_POOL_SLOTS: the streams a failover continues without recomputing
+        (["--max-num-seqs", "16"], 16),  # a slot per sequence vLLM runs at once
+        (["--max-num-seqs=16", "--kv-pool-slots", "3"], 3),  # said outright
+    ],
+)
+def test_the_pool_has_a_slot_per_sequence_in_the_batch(args: list[str], slots: int) -> None:
+    from types import SimpleNamespace
+
+    from understudy.engine_shim.adapters import tiny_llama
+    from understudy.engine_shim.adapters.vllm import VllmEngine, given
+
+    engine = VllmEngine(tiny_llama.BUILTIN, args)
+    vllm_default = 128  # what vLLM's config holds when --max-num-seqs is not given
+    engine._config = SimpleNamespace(
+        model_config=SimpleNamespace(
+            get_num_layers=lambda _: 2,
+            get_num_kv_heads=lambda _: 1,
+            get_head_size=lambda: 4,
+            dtype="torch.float32",
+        ),
+        parallel_config=None,
+        scheduler_config=SimpleNamespace(
+            max_num_seqs=16 if given(args, "--max-num-seqs") else vllm_default
+        ),
+    )
+    engine.max_model_len = 64
+    spec = engine._kv_spec()
+    assert spec is not None
+    assert spec.slots == slots

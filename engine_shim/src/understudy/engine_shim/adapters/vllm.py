@@ -82,8 +82,22 @@ VLLM_ENV_DEFAULTS: Final = {
 KV_AT_WAKE: Final = ("lazy", "populate")
 # Sequences the GMS KV pool keeps (each max_model_len positions of every
 # layer's keys and values): the running requests a failover continues without
-# recomputing, and the prefixes later requests can reuse.
-KV_POOL_SLOTS: Final = 4
+# recomputing, and the prefixes later requests can reuse. By default one per
+# sequence vLLM runs at once (--max-num-seqs) where the command line sets it,
+# else the llama engine's batch: vLLM's own default (128-256 on CPU) is an
+# admission limit, not a batch two cores run, and a slot is max_model_len
+# positions of address space (SmolLM2: 0.38 GB). With fewer slots than
+# streams, a failover recomputes the streams without one (4 slots, 8 clients).
+KV_POOL_SLOTS: Final = 8
+
+# An idle engine that gets a request waits for the next one before it steps:
+# until none has come for ADMIT_QUIET_S, at most ADMIT_MAX_S. The front sends
+# a failover's continuations together, and a step started on the first alone
+# made the others wait a whole step (seen in a drill: one continuation loaded,
+# the other seven one step later, 0.1-1 s on loaded cores). A lone request on
+# an idle engine pays ADMIT_QUIET_S; a busy engine never waits.
+ADMIT_QUIET_S: Final = 0.02
+ADMIT_MAX_S: Final = 0.1
 
 Deliver = Callable[[Step | BaseException], None]
 _ids = itertools.count()
@@ -162,6 +176,8 @@ class Worker(StepThread[Request]):
                 self._cond.wait()
             if self._stopping:
                 return None
+            if not self._running:
+                self._gather()
             new = [r for r in self._waiting if not r.cancelled]
             self._waiting.clear()
             aborts = [r.id for r in self._aborts if r.id in self._running]
@@ -169,6 +185,17 @@ class Worker(StepThread[Request]):
                 self._running.pop(rid, None)
             self._aborts.clear()
         return new, aborts
+
+    def _gather(self) -> None:
+        """Under the lock, with nothing in vLLM: let the requests arriving
+        together come in, so that one step admits them all (ADMIT_QUIET_S)."""
+        end = time.monotonic() + ADMIT_MAX_S
+        seen = len(self._waiting)
+        while not self._stopping and (left := end - time.monotonic()) > 0:
+            self._cond.wait(min(ADMIT_QUIET_S, left))
+            if len(self._waiting) == seen:
+                return
+            seen = len(self._waiting)
 
     def _submit(self, new: list[Request], aborts: list[str]) -> None:
         if aborts:
@@ -231,14 +258,14 @@ def _our_args(args: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--huge-pages", choices=("on", "off"), default="on")
     parser.add_argument("--kv-pool", choices=("on", "off"), default="on")
     parser.add_argument("--kv-adopt", choices=("on", "off"), default="on")
-    parser.add_argument("--kv-pool-slots", type=int, default=KV_POOL_SLOTS)
+    parser.add_argument("--kv-pool-slots", type=int, default=None)
     try:
         ns, rest = parser.parse_known_args(list(args))
     except (argparse.ArgumentError, SystemExit) as exc:
         raise AdapterError(f"vllm engine arguments {list(args)}: {exc}") from None
     if ns.max_pending < 1:
         raise AdapterError("--max-pending must be at least 1")
-    if ns.kv_pool_slots < 1:
+    if ns.kv_pool_slots is not None and ns.kv_pool_slots < 1:
         raise AdapterError("--kv-pool-slots must be at least 1")
     return ns, rest
 
@@ -293,6 +320,15 @@ class VllmEngine:
     """The ``vllm`` adapter: an Engine for the shim and a Generator for the OpenAI layer."""
 
     name = "vllm"
+    # Its start-up may run on a thread other than the main one, and a restart's
+    # does, at a lower priority (mainloop.run_yielding): vLLM's import and
+    # engine build are a minute of CPU on two loaded cores, taken from the
+    # Active engine continuing the streams of the one that died. The threads
+    # that serve are not the start-up's: the worker thread is started at wake
+    # by the main thread, and torch's OpenMP (libgomp) gives each thread that
+    # opens a parallel region a team of its own, so the worker's team is
+    # created by the worker, at the normal priority.
+    start_up_yields = True
 
     def __init__(
         self,
@@ -316,7 +352,7 @@ class VllmEngine:
         self.huge_pages = ours.huge_pages == "on"
         self.kv_pool_on = ours.kv_pool == "on"
         self.kv_adopt = ours.kv_adopt == "on"
-        self.kv_slots: int = ours.kv_pool_slots
+        self.kv_slots: int | None = ours.kv_pool_slots  # None: from the batch (_kv_spec)
         self.kv_spec: kvlog.PoolSpec | None = None  # known once the config is built (prepare)
         # What this engine shares with vLLM's KV connector (both its sides)
         self._kv_link = vllm_kvconn.Link()
@@ -559,13 +595,17 @@ class VllmEngine:
             log_event(log, "kv_pool_off", logging.WARNING, reason="not built for a GPU engine")
             return None
         mc, block = self._config.model_config, kvlog.BLOCK_TOKENS
+        slots = self.kv_slots
+        if slots is None:  # a slot per sequence vLLM runs at once (KV_POOL_SLOTS says why)
+            batch = given(self.vllm_args, "--max-num-seqs")
+            slots = int(self._config.scheduler_config.max_num_seqs) if batch else KV_POOL_SLOTS
         return kvlog.PoolSpec(
             model=self._layout_key,
             layers=int(mc.get_num_layers(self._config.parallel_config)),
             kv_heads=int(mc.get_num_kv_heads(self._config.parallel_config)),
             head_dim=int(mc.get_head_size()),
             dtype=str(mc.dtype).removeprefix("torch."),
-            slots=self.kv_slots,
+            slots=slots,
             max_len=-(-self.max_model_len // block) * block,
             block_tokens=block,
         )
