@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import http.client
+import itertools
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ import signal
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ TOKENS = 48
 # under the other tests' load (the gateway judges the pod dead at the reset;
 # the continuation's prefill on the other pod is most of it).
 NEXT_TOKEN_BOUND_S = 10.0
+FREEZE_S = 5.0
 
 
 class Fleet:
@@ -179,10 +182,18 @@ def test_a_malformed_request_is_refused_by_the_gateway_and_reaches_no_pod(fleet:
     assert fleet.front_requests() == before
 
 
-def test_a_pod_killed_whole_loses_no_request_and_its_streams_go_on_token_exact(
-    fleet: Fleet,
-) -> None:
-    # The uninterrupted answers, one run of every request.
+def _stall(times: list[float], fault_at: float) -> float:
+    """A stream's longest wait for its next token from ``fault_at`` on (tokens
+    already on their way when a pod froze arrive after it: the stall follows)."""
+    after = [fault_at, *(t for t in times if t > fault_at)]
+    return max(b - a for a, b in itertools.pairwise(after))
+
+
+def _round(fleet: Fleet, fault: Callable[[Path], int]) -> tuple[int, list[float]]:
+    """Eight clients' requests, twice each, with ``fault`` done to the pod
+    serving the most of them while they are answered: what ``fault`` said,
+    and each stream's next token after it (those open when it began).
+    Every request answered, each as its uninterrupted run answered it."""
     with concurrent.futures.ThreadPoolExecutor(CLIENTS) as ex:
         baseline = {
             (i, n): ex.submit(_request, fleet, i, n) for i in range(CLIENTS) for n in range(2)
@@ -192,28 +203,28 @@ def test_a_pod_killed_whole_loses_no_request_and_its_streams_go_on_token_exact(
 
     def client(i: int) -> None:
         for n in range(2):
-            fut: Any = None
+            got: Any = None
             try:
-                fut = _request(fleet, i, n)
+                got = _request(fleet, i, n)
             except Exception as exc:
-                fut = exc
-            answers[i, n] = fut
+                got = exc
+            answers[i, n] = got
 
     with concurrent.futures.ThreadPoolExecutor(CLIENTS) as ex:
         clients = [ex.submit(client, i) for i in range(CLIENTS)]
-        # Every pod busy with requests in the middle of their answers.
+        # Both pods busy, and streams in the middle of their answers.
         wait_for(
-            lambda: all(p["busy"] > 0 for p in fleet.gateway()["pods"]), 60, 0.01,
-            what="both pods serving",
+            lambda: all(p["busy"] > 0 for p in fleet.gateway()["pods"])
+            and any(p["streams"] > 0 for p in fleet.gateway()["pods"]),
+            60, 0.01, what="both pods serving, a stream open",
         )  # fmt: skip
         time.sleep(0.3)  # a few tokens into the streams
-        busiest = max(fleet.gateway()["pods"], key=lambda p: p["busy"])
+        busiest = max(fleet.gateway()["pods"], key=lambda p: (p["streams"], p["busy"]))
         directory = Path(fleet.state()["pods"][busiest["name"]]["dir"])
-        killed_at = time.monotonic()
-        killed = kill_pod(directory)
+        fault_at = time.monotonic()
+        said = fault(directory)
         for c in clients:
             c.result(timeout=300)
-    assert killed >= 6, killed  # lock server, GMS, front, engines and their respawners
     failed = {k: repr(v) for k, v in answers.items() if isinstance(v, Exception)}
     assert not failed, failed
     for key, got in answers.items():
@@ -221,20 +232,52 @@ def test_a_pod_killed_whole_loses_no_request_and_its_streams_go_on_token_exact(
         assert len(got["ids"]) == 1, (key, got["ids"])  # one answer id across pods
         if "parts" in got:
             assert got["parts"] == want[key]["parts"], key
-    # The streams that were open at the kill: their next token after it.
     gaps = [
-        next(t for t in a["times"] if t > killed_at) - killed_at
+        _stall(a["times"], fault_at)
         for (_, n), a in answers.items()
-        if n == 0 and a["times"] and a["times"][0] < killed_at < a["times"][-1]
+        if n == 0 and a["times"] and a["times"][0] < fault_at < a["times"][-1]
     ]
-    assert gaps, "no stream was open at the kill"
-    assert max(gaps) <= NEXT_TOKEN_BOUND_S, sorted(gaps)
-    assert fleet.gateway_metric("understudy_gateway_migrations_total") >= 1
+    assert gaps, "no stream was open at the fault"
     log = (fleet.dir / "logs" / "gateway.log").read_text()
     assert "event=migrating kind=ongoing" in log  # a stream went on from the other pod
-    # The supervisor brings the pod back, as kubelet would, and the gateway
-    # routes to it again.
-    wait_for(lambda: fleet.routable() == 2, 180, 0.2, what="the killed pod routable again")
-    print(
-        f"kill -> next token: max {max(gaps):.3f}s over {len(gaps)} streams; load {os.getloadavg()}"
-    )
+    # The pod comes back (restarted by the supervisor as kubelet would, or
+    # thawed), and the gateway routes to it again.
+    wait_for(lambda: fleet.routable() == 2, 180, 0.2, what="the pod routable again")
+    return said, gaps
+
+
+def test_a_pod_killed_whole_loses_no_request_and_its_streams_go_on_token_exact(
+    fleet: Fleet,
+) -> None:
+    killed, gaps = _round(fleet, kill_pod)
+    assert killed >= 6, killed  # lock server, GMS, front, engines and their respawners
+    assert max(gaps) <= NEXT_TOKEN_BOUND_S, sorted(gaps)
+    assert fleet.gateway_metric('understudy_gateway_migrations_total{reason="reset"}') >= 1
+    print(f"kill -> stall: max {max(gaps):.3f}s over {len(gaps)} streams; "
+          f"load {os.getloadavg()}")  # fmt: skip
+
+
+def freeze_pod(directory: Path) -> int:
+    """SIGSTOP every process of the pod for FREEZE_S, then SIGCONT (a
+    partition that heals, a node that stalls)."""
+    pids = pod_processes(directory)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+    time.sleep(FREEZE_S)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    return len(pids)
+
+
+def test_a_frozen_pod_is_found_silent_and_its_requests_go_on_elsewhere(fleet: Fleet) -> None:
+    frozen, gaps = _round(fleet, freeze_pod)
+    assert frozen >= 6, frozen
+    # Its streams stalled until it was found silent past --silence (1 s: its
+    # probes and its streams' heartbeats), then went on from the other pod,
+    # long before the pod thawed.
+    assert 0.5 <= max(gaps) <= min(NEXT_TOKEN_BOUND_S, FREEZE_S), sorted(gaps)
+    assert fleet.gateway_metric('understudy_gateway_migrations_total{reason="silent"}') >= 1
+    print(f"freeze -> stall (detection included): max {max(gaps):.3f}s over "
+          f"{len(gaps)} streams; load {os.getloadavg()}")  # fmt: skip

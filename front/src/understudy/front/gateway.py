@@ -338,6 +338,7 @@ class PodRouter:
                 "generation": p.generation,
                 "reason": p.reason,
                 "busy": self._busy(p.name),
+                "streams": self._ups[p.name][1].streams if p.name in self._ups else 0,
             }
             for p in self.fleet.pods.values()
         ]

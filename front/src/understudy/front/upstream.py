@@ -346,6 +346,11 @@ class Upstream:
         """Connections with a request on them (or just finishing one)."""
         return len(self._open) - len(self._idle)
 
+    @property
+    def streams(self) -> int:
+        """Event streams being answered."""
+        return sum(c.streaming() for c in self._open)
+
     def quiet_since(self) -> float | None:
         """The loop time of the last bytes of the quietest answer in
         progress that is an event stream (its peer heartbeats it); None when
