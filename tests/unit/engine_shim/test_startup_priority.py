@@ -8,12 +8,7 @@ import threading
 
 import pytest
 
-from understudy.engine_shim.mainloop import (
-    STARTUP_NICE,
-    autogroup_nice,
-    run_yielding,
-    set_autogroup_nice,
-)
+from understudy.engine_shim.mainloop import STARTUP_NICE, run_yielding
 
 
 def _priority() -> tuple[int, int]:
@@ -39,17 +34,3 @@ def test_what_the_work_raises_reaches_the_caller() -> None:
 
     with pytest.raises(RuntimeError, match="no weights"):
         run_yielding(fail, "start-up")
-
-
-@pytest.mark.skipif(autogroup_nice() != 0, reason="no autogroup at nice 0 (sched(7))")
-def test_the_process_autogroup_yields_for_the_work_only() -> None:
-    """A thread's nice counts only within its autogroup, and each local engine
-    is a session (an autogroup) of its own: the whole process yields while
-    the work runs, and is back at 0 for the threads that serve."""
-    seen: list[int | None] = []
-    try:
-        run_yielding(lambda: seen.append(autogroup_nice()), "start-up")
-        assert seen == [STARTUP_NICE]
-        assert autogroup_nice() == 0
-    finally:
-        set_autogroup_nice(0, tries=100)

@@ -54,36 +54,6 @@ _INIT_BUCKETS = (0.25, 0.5, 1, 1.5, 2, 3, 5, 7.5, 10, 15, 20, 30, 60, 120, 300, 
 STARTUP_NICE: Final = 10
 
 
-AUTOGROUP: Final = "/proc/self/autogroup"
-
-
-def autogroup_nice() -> int | None:
-    """The nice value of this process's autogroup (None: it has none)."""
-    try:
-        with open(AUTOGROUP) as f:
-            return int(f.read().split()[-1])  # "/autogroup-25 nice 0"
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def set_autogroup_nice(nice: int, tries: int = 20) -> bool:
-    """Set the nice value of this process's autogroup (sched(7)); False where
-    there is none (a container's cgroup: the kernel ignores it there) or the
-    kernel refused. The kernel takes one change every 0.1 s from all
-    unprivileged callers together (EAGAIN): retried for up to ``tries`` times
-    that."""
-    for _ in range(tries):
-        try:
-            with open(AUTOGROUP, "w") as f:
-                f.write(str(nice))
-            return True
-        except BlockingIOError:
-            time.sleep(0.1)
-        except OSError:
-            return False
-    return False
-
-
 def run_yielding(work: Callable[[], None], name: str, nice: int = STARTUP_NICE) -> None:
     """Run ``work`` on a thread of its own at a lower CPU priority, wait for it,
     and raise what it raised.
@@ -109,18 +79,15 @@ def run_yielding(work: Callable[[], None], name: str, nice: int = STARTUP_NICE) 
         except BaseException as exc:  # handed to the caller's thread
             failure.append(exc)
 
-    # A thread's nice counts only against the threads of its own autogroup,
-    # and each engine the local pod runs is a session of its own: the Active
-    # engine is another autogroup, and a start-up at nice 10 took 0.7 of its
-    # CPU time in a drill. So the autogroup yields too, for the start-up only:
-    # its nice back to 0 is allowed unprivileged (only a negative one is not).
-    before = autogroup_nice()
-    lowered = before is not None and before < nice and set_autogroup_nice(nice)
+    # A thread's nice weighs only against the threads of its own autogroup
+    # (or cgroup): each local engine is a session of its own, and a
+    # restart's start-up at thread nice 10 still took 0.7x the Active's CPU
+    # in a drill. Lowering the process's autogroup instead starved its
+    # status port at load 30 (a liveness kill of the restarting engine), so
+    # it is not done.
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     thread.join()
-    if lowered and before is not None and not set_autogroup_nice(before, tries=100):
-        log_event(log, "autogroup_priority_kept", logging.WARNING, nice=nice)
     if failure:
         raise failure[0]
 
