@@ -22,7 +22,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,14 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from understudy.tools.local import STATE_FILE, LocalConfig, Supervisor, probe, wait_serving
+from understudy.tools.local import (
+    STATE_FILE,
+    LocalConfig,
+    Supervisor,
+    probe,
+    run_until_signalled,
+    wait_serving,
+)
 from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.local")
@@ -143,16 +149,7 @@ class Fleet:
             self._save()
 
     def run_forever(self) -> None:
-        stop = []
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.append(1))
-        try:
-            self.up()
-            while not stop:
-                self.tick()
-                time.sleep(0.02)
-        finally:
-            self.down()
+        run_until_signalled(self)
 
     def down(self) -> None:
         if self.gateway is not None and self.gateway.poll() is None:

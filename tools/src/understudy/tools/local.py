@@ -43,7 +43,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from understudy.gms.client import GmsError, query_state
 from understudy.lockserver import client as lock_client
@@ -370,16 +370,7 @@ class Supervisor:
             c.kill_deadline = now + liveness.grace_s
 
     def run_forever(self) -> None:
-        stop = []
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.append(1))
-        try:
-            self.up()
-            while not stop:
-                self.tick()
-                time.sleep(0.02)
-        finally:
-            self.down()
+        run_until_signalled(self)
 
     def down(self) -> None:
         self.stopping = True
@@ -462,6 +453,28 @@ def last_error_line(path: Path | None) -> str | None:
         ln.strip() for ln in tail.splitlines() if ln.strip() and " understudy.respawn " not in ln
     ]
     return lines[-1][:400] if lines else None
+
+
+class Supervised(Protocol):
+    """What ``run_until_signalled`` drives: one pod's supervisor, or a fleet's."""
+
+    def up(self) -> None: ...
+    def tick(self) -> None: ...
+    def down(self) -> None: ...
+
+
+def run_until_signalled(what: Supervised) -> None:
+    """Bring ``what`` up and tick it until SIGTERM or SIGINT, then bring it down."""
+    stop = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.append(1))
+    try:
+        what.up()
+        while not stop:
+            what.tick()
+            time.sleep(0.02)
+    finally:
+        what.down()
 
 
 class KeepsFailing(RuntimeError):
