@@ -167,15 +167,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         default=1.0,
         help="seconds without a heartbeat that make the Active engine hung (it is killed)",
     )
-    serve.add_argument(
-        "--drain", type=_positive, default=25.0, help="on SIGTERM, seconds to finish in-flight"
-    )
-    serve.add_argument(
-        "--idle-timeout",
-        type=_positive,
-        default=75.0,
-        help="seconds a client connection may stay idle, or take to send a request",
-    )
+    _add_client_side(serve)
     serve.set_defaults(func=cmd_serve)
     _add_gateway(sub)
 
@@ -211,10 +203,18 @@ def _add_gateway(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         default=1.0,
         help="seconds without a probe's answer or a stream's heartbeat that make a pod dead",
     )
-    gw.add_argument(
+    _add_client_side(gw)
+    gw.set_defaults(func=cmd_gateway)
+
+
+def _add_client_side(parser: argparse.ArgumentParser) -> None:
+    """The options of the side that faces clients, the same for a pod's front and a gateway."""
+    parser.add_argument(
         "--drain", type=_positive, default=25.0, help="on SIGTERM, seconds to finish in-flight"
     )
-    gw.add_argument(
-        "--idle-timeout", type=_positive, default=75.0, help="seconds a client may stay idle"
+    parser.add_argument(
+        "--idle-timeout",
+        type=_positive,
+        default=75.0,
+        help="seconds a client connection may stay idle, or take to send a request",
     )
-    gw.set_defaults(func=cmd_gateway)
