@@ -315,6 +315,21 @@ class Row:
     token: int
 
 
+# A decoder layer's weights in a checkpoint, in ``_Layer``'s field order: every
+# back-end (numpy here, torch in llama_torch) reads them by these names.
+LAYER_PARTS: Final = (
+    "input_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "post_attention_layernorm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+
+
 @dataclass(frozen=True, slots=True)
 class _Layer:
     attn_norm: F32
@@ -352,22 +367,7 @@ class LlamaModel:
         """The arrays the forward pass reads, by name: the caller's, not copies."""
         self._embed = used["model.embed_tokens.weight"]
         self._layers: Final = tuple(
-            _Layer(
-                *(
-                    used[f"model.layers.{n}.{part}.weight"]
-                    for part in (
-                        "input_layernorm",
-                        "self_attn.q_proj",
-                        "self_attn.k_proj",
-                        "self_attn.v_proj",
-                        "self_attn.o_proj",
-                        "post_attention_layernorm",
-                        "mlp.gate_proj",
-                        "mlp.up_proj",
-                        "mlp.down_proj",
-                    )
-                )
-            )
+            _Layer(*(used[f"model.layers.{n}.{part}.weight"] for part in LAYER_PARTS))
             for n in range(c.num_layers)
         )
         self._norm = used["model.norm.weight"]

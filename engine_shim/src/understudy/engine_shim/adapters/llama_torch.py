@@ -36,7 +36,12 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from understudy.engine_shim.adapters.llama_model import LlamaConfig, Row, rope_tables
+from understudy.engine_shim.adapters.llama_model import (
+    LAYER_PARTS,
+    LlamaConfig,
+    Row,
+    rope_tables,
+)
 from understudy.engine_shim.adapters.packing import TensorRecord, WeightsError
 
 __all__ = ["PREFILL_CHUNK", "TorchCache", "TorchModel", "host_tensors", "typed"]
@@ -48,17 +53,6 @@ PREFILL_CHUNK: Final = 64
 """Positions per chunk of a whole-prompt `prefill` (the llama engine's chunk):
 a prompt's scores are then (kv heads, 64 x group, keys), never the whole
 prompt squared."""
-_LAYER_PARTS: Final = (
-    "input_layernorm",
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "post_attention_layernorm",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
 
 
 def host_tensors(views: Mapping[str, npt.NDArray[np.generic]]) -> dict[str, Tensor]:
@@ -138,7 +132,7 @@ class TorchModel:
             torch.set_num_threads(1)  # the module docstring: one reduction order
         self._embed = used["model.embed_tokens.weight"]
         self._layers: Final = tuple(
-            _Layer(*[used[f"model.layers.{n}.{part}.weight"] for part in _LAYER_PARTS])
+            _Layer(*[used[f"model.layers.{n}.{part}.weight"] for part in LAYER_PARTS])
             for n in range(c.num_layers)
         )
         self._norm = used["model.norm.weight"]
