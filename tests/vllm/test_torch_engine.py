@@ -36,6 +36,18 @@ GREEDY = SamplingParams(max_tokens=40, temperature=0)
 SEEDED = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=1234)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def torch_threads() -> Iterator[None]:
+    """The torch engine runs torch on one thread, a setting of the whole process
+    (an engine's own, in a pod). Here the process is pytest's: put it back, or
+    vLLM-CPU tests after these one run its attention with metadata built for
+    another thread count ('Check failed: thread_num == thread_num (2 vs. 1)')
+    and the engine exits."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
 def make(cls: type[LlamaEngine], model_dir: Path, *args: str) -> LlamaEngine:
     engine = cls(str(model_dir), args)
     engine.attach_private()
