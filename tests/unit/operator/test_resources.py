@@ -74,9 +74,11 @@ def test_satisfied_checks_only_the_requests_it_is_given() -> None:
 def test_every_adapter_has_standby_defaults(adapter: EngineAdapter) -> None:
     """A measured one (docs/sizing.md), or the largest for one not measured yet."""
     defaults = resources.standby_defaults(adapter)
-    assert set(defaults) == {"cpu", "memory"}
+    assert set(defaults) == {"memory"}
     inst = make(engine={"adapter": adapter.value, "resources": {"requests": {"memory": "8Gi"}}})
-    assert resources.standby_requests(inst.spec) == defaults
+    # The CPU request is the Active's: its weight when it serves (resources.py).
+    cpu = resources.ACTIVE_DEFAULTS["cpu"]
+    assert resources.standby_requests(inst.spec) == {"cpu": cpu, **defaults}
 
 
 def test_the_active_gets_engine_resources_and_a_standby_the_adapter_default() -> None:
@@ -89,7 +91,7 @@ def test_the_active_gets_engine_resources_and_a_standby_the_adapter_default() ->
     active = resources.for_role(inst.spec, active=True)
     standby = resources.for_role(inst.spec, active=False)
     assert active.requests == {"cpu": "4", "memory": "32Gi"}
-    assert standby.requests == resources.standby_defaults(EngineAdapter.VLLM)
+    assert standby.requests == {"cpu": "4", **resources.standby_defaults(EngineAdapter.VLLM)}
     # One set of limits: any engine can serve the moment it takes the lock.
     assert active.limits == standby.limits == {"memory": "48Gi"}
 
@@ -99,7 +101,7 @@ def test_standby_resources_override_the_default_per_resource() -> None:
         engine={"adapter": "llama", "resources": {"requests": {"cpu": 1, "memory": "2Gi"}}},
         failover={"standbyResources": {"requests": {"memory": "700Mi"}}},
     )
-    assert resources.standby_requests(inst.spec) == {"cpu": "50m", "memory": "700Mi"}
+    assert resources.standby_requests(inst.spec) == {"cpu": "1", "memory": "700Mi"}
 
 
 def test_a_default_never_exceeds_the_active_requests_nor_the_limits() -> None:

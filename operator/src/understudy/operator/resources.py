@@ -27,18 +27,28 @@ from understudy.operator.api import EngineAdapter, GpuInstanceSpec, ResourceRequ
 # An engine container's requests when engine.resources names none.
 ACTIVE_DEFAULTS: Mapping[str, str] = {"cpu": "100m", "memory": "256Mi"}
 
-# A standby's requests per adapter: a small CPU share (a sleeping engine
-# answers its probes and nothing else: 1-4 millicores measured) and the memory
-# a standby container holds, its engine process, the respawner's spare and
-# the respawner itself (RSS measured on local pods, docs/sizing.md). Never
-# more than the Active engine's requests, nor than the limits.
+# A standby's memory request per adapter: what a standby container holds,
+# its engine process, the respawner's spare and the respawner itself (RSS
+# measured on local pods, docs/sizing.md). Never more than the Active
+# engine's requests, nor than the limits.
+#
+# Its CPU request is the Active engine's unless failover.standbyResources
+# names one. A sleeping engine uses 1-4 millicores, but a CPU request is also
+# the container's weight when CPUs are contended, and the containers keep
+# their weights through a failover while in-place resize cannot move them
+# (Kubernetes 1.36 refuses every resize of a container that holds a DRA
+# claim, docs/sizing.md). A small standby request then leaves the new Active
+# at a standby's weight beside the restarted engine's start-up at the
+# Active's: on the cluster's vLLM drill, the rounds that killed the primary
+# stalled 10-19 s with no request completed (bound 10 s), against 1-8 s for
+# the others.
 STANDBY_DEFAULTS: Mapping[EngineAdapter, Mapping[str, str]] = {
-    EngineAdapter.REFERENCE: {"cpu": "50m", "memory": "192Mi"},  # ~175 MB measured
-    EngineAdapter.LLAMA: {"cpu": "50m", "memory": "256Mi"},  # ~200 MB (SmolLM2-135M)
-    EngineAdapter.SYNTHETIC: {"cpu": "50m", "memory": "192Mi"},  # ~150 MB
+    EngineAdapter.REFERENCE: {"memory": "192Mi"},  # ~175 MB measured
+    EngineAdapter.LLAMA: {"memory": "256Mi"},  # ~200 MB (SmolLM2-135M)
+    EngineAdapter.SYNTHETIC: {"memory": "192Mi"},  # ~150 MB
     # ~1.1 GB (tiny-llama): engine 567 MB + spare 527 MB, most of it torch's libraries
-    EngineAdapter.TORCH: {"cpu": "50m", "memory": "1152Mi"},
-    EngineAdapter.VLLM: {"cpu": "50m", "memory": "2Gi"},  # ~1.96 GB (SmolLM2 on vLLM-CPU)
+    EngineAdapter.TORCH: {"memory": "1152Mi"},
+    EngineAdapter.VLLM: {"memory": "2Gi"},  # ~1.96 GB (SmolLM2 on vLLM-CPU)
 }
 # An adapter not measured yet: the largest standby above (the ones that
 # import torch hold the most), still capped by the Active engine's requests.
@@ -99,7 +109,9 @@ def standby_requests(spec: GpuInstanceSpec) -> dict[str, str]:
     limits = spec.engine.resources.limits
     caps = {k: min(v, limits.get(k, v), key=quantity) for k, v in active.items()}
     given = spec.failover.standby_resources.requests
-    return _filled(standby_defaults(spec.engine.adapter), caps, given)
+    # The CPU default is the Active's own (STANDBY_DEFAULTS says why).
+    defaults = {"cpu": active["cpu"], **standby_defaults(spec.engine.adapter)}
+    return _filled(defaults, caps, given)
 
 
 def role_requests(spec: GpuInstanceSpec, *, active: bool) -> dict[str, str]:
