@@ -36,6 +36,7 @@ import contextlib
 import http
 import json
 import logging
+import signal
 import socket
 import time
 from collections import deque
@@ -648,3 +649,13 @@ class Server:
         self.stop_accepting()
         for conn in list(self.connections):
             conn.close()
+
+
+async def until_stopped() -> None:
+    """Return at SIGTERM or SIGINT (the pod's front and the gateway drain their
+    clients then)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

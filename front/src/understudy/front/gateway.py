@@ -415,14 +415,8 @@ class Gateway:
 
 async def run(cfg: GatewayConfig) -> None:
     """Serve until SIGTERM/SIGINT, then drain."""
-    import signal
-
     gw = Gateway(cfg)
     await gw.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await downstream.until_stopped()
     log_event(log, "draining", inflight=gw.forwarder.inflight, held=gw.router.held)
     await gw.drain()

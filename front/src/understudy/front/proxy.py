@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import socket
 import time
 from typing import Any
@@ -200,10 +199,6 @@ async def run(cfg: FrontConfig, started: float | None = None) -> None:
     from understudy.wire.respawn import notify_ready
 
     notify_ready()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await downstream.until_stopped()
     log_event(log, "draining", inflight=front.forwarder.inflight, held=front.router.held)
     await front.drain()
