@@ -195,7 +195,10 @@ def _add_gateway(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "--hold", type=_positive, default=30.0, help="seconds a request waits for a ready pod"
     )
     gw.add_argument(
-        "--migration-limit", type=int, default=3, help="times a request may move to another pod"
+        "--migration-limit",
+        type=int,
+        default=8,
+        help="times a request may move to another pod (the last guard: docs/poison.md)",
     )
     gw.add_argument(
         "--silence",

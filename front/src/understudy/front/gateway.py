@@ -56,7 +56,7 @@ class GatewayConfig:
     metrics_port: int = 8091  # /live, /ready, /metrics, /pressure, /state
     # A request (or a stream being moved) waits this long for a ready pod.
     hold_s: float = 30.0
-    migration_limit: int = 3
+    migration_limit: int = 8  # the pod's front's: one poison rule (docs/poison.md)
     # A pod whose probes, or one of whose open streams, are silent this long
     # is dead (its front heartbeats every stream every BEAT_INTERVAL_S).
     silence_s: float = 1.0
