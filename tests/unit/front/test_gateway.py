@@ -131,6 +131,9 @@ async def test_the_metrics_are_the_gateways_own() -> None:
     text = generate_latest(r.metrics.registry).decode()
     assert "understudy_front_" not in text
     assert 'understudy_gateway_migrations_total{reason="reset"} 1.0' in text
+    # the other reasons at 0 before their first move: an alert's increase() sees it
+    for reason in ("refused", "silent", "removed"):
+        assert f'understudy_gateway_migrations_total{{reason="{reason}"}} 0.0' in text
     assert "understudy_gateway_pods_routable 1.0" in text
     assert "understudy_gateway_requests_held 0.0" in text
     await r.close()

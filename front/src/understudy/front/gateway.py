@@ -93,6 +93,11 @@ def admit(method: bytes, path: str, body: bytes) -> str | None:
     return None
 
 
+# How a pod is found dead (``pods.Broke``, ``pods.Silent``, a pod that leaves
+# the list): the reasons of ``understudy_gateway_migrations_total``.
+_DEATHS = ("refused", "reset", "silent", "removed")
+
+
 class GatewayMetrics(FrontMetrics):
     """The forwarder's metrics under the gateway's names, less the engine
     routing's (lock, epochs, hangs), and the pods'."""
@@ -131,8 +136,12 @@ class GatewayMetrics(FrontMetrics):
             "refused, reset, silent (no heartbeat or probe past the deadline), removed",
             labels=["reason"],
         )
-        for reason, c in sorted(self.moved.by.items()):
-            moved.add_metric([reason], c.value)
+        # Every reason from the start, at 0 until its first move: a rule's
+        # increase() cannot see a series' first sample, so a series that
+        # appeared with the first move would hide it (docs/monitoring.md).
+        for reason in sorted({*_DEATHS, *self.moved.by}):
+            c = self.moved.by.get(reason)
+            moved.add_metric([reason], c.value if c is not None else 0.0)
         yield moved
         yield GaugeMetricFamily(
             self._OWN + "pods_routable", "Pods ready to take requests", value=self.routable.get()
