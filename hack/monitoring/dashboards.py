@@ -68,8 +68,10 @@ def _query_variable(name: str, label: str, query: str) -> dash.QueryVariable:
     )
 
 
-def _pod_variables() -> list[dash.DatasourceVariable | dash.QueryVariable]:
-    anchor = "understudy_front_routing"  # one series per pod, from a sidecar that outlives engines
+def _pod_variables(
+    # one series per pod, from a sidecar that outlives engines
+    anchor: str = "understudy_front_routing",
+) -> list[dash.DatasourceVariable | dash.QueryVariable]:
     return [
         _datasource_variable(),
         _query_variable("namespace", "Namespace", f"label_values({anchor}, namespace)"),
@@ -650,6 +652,48 @@ def failover() -> dash.Dashboard:
                 _quantiles("understudy_front_request_duration_seconds", sel, "$__rate_interval"),
             )
         )
+        .with_row(dash.Row("Poison isolation"))
+        .with_panel(
+            _stat(
+                "Poison requests over the time range",
+                "Requests the front named the poison, per pod: each killed the engine that "
+                "ran it alone, after two engine deaths beside other requests, and was "
+                "answered 422 (docs/poison.md; alert UnderstudyPoisonRequest).",
+                "none",
+                [
+                    (
+                        "sum by (namespace, pod) "
+                        f"(increase(understudy_front_poison_total{{{sel}}}[$__range]))",
+                        "{{pod}}",
+                    )
+                ],
+                _steps((None, "green"), (0.5, "red")),
+                width=6,
+                instant=True,
+            )
+        )
+        .with_panel(
+            _series(
+                "Suspects run alone and poisons",
+                "Turns alone: requests that were in flight at two engine deaths, run with "
+                "nothing beside them (the pod serves one request at a time meanwhile); "
+                "poison: one of them killed the engine it ran alone on.",
+                "none",
+                [
+                    (
+                        "sum by (namespace, pod) (increase(understudy_front_isolated_total"
+                        f"{{{sel}}}[$__rate_interval]))",
+                        "run alone {{pod}}",
+                    ),
+                    (
+                        "sum by (namespace, pod) (increase(understudy_front_poison_total"
+                        f"{{{sel}}}[$__rate_interval]))",
+                        "poison {{pod}}",
+                    ),
+                ],
+                width=18,
+            )
+        )
         .with_row(dash.Row("GPU Memory Service"))
         .with_panel(
             _series(
@@ -792,7 +836,202 @@ def fleet() -> dash.Dashboard:
     )
 
 
-DASHBOARDS = {"failover": failover, "fleet": fleet}
+def gateway() -> dash.Dashboard:
+    """The fleet gateway (docs/gateway.md): the pods it can route to, the
+    requests it moved off dead pods, and what its clients felt. Its series
+    carry the gateway's own pod, not the pods behind it."""
+    sel = POD
+    return (
+        dash.Dashboard("Understudy gateway")
+        .uid("understudy-gateway")
+        .description(
+            "The fleet gateway in front of a GpuInstance's pods: pods routable, requests "
+            "moved off dead pods by how each was found dead, held and answered requests."
+        )
+        .tags(["understudy", "gateway"])
+        .readonly()
+        .time("now-1h", "now")
+        .refresh("30s")
+        .tooltip(model.DashboardCursorSync.CROSSHAIR)
+        .variables(list(_pod_variables("understudy_gateway_pods_routable")))
+        .with_row(dash.Row("Pods"))
+        .with_panel(
+            _stat(
+                "Pods routable",
+                "Pods each gateway replica can send requests to now (their fronts answer "
+                "/ready). 0 is an outage (requests are held, then answered 503); 1 leaves "
+                "nowhere to move a stream if that pod dies.",
+                "none",
+                [
+                    (
+                        f"min by (namespace, pod) (understudy_gateway_pods_routable{{{sel}}})",
+                        "{{pod}}",
+                    )
+                ],
+                _steps((None, "red"), (1, "orange"), (2, "green")),
+                width=8,
+                instant=True,
+            )
+        )
+        .with_panel(
+            _stat(
+                "Requests moved off dead pods over the time range",
+                "Requests the gateway moved to another pod because theirs died, by how it "
+                "was found dead: reset, refused, silent (past --silence), removed (left the "
+                "endpoint list). Alert UnderstudyGatewayPodDied.",
+                "none",
+                [
+                    (
+                        "sum by (reason) (increase(understudy_gateway_migrations_total"
+                        f"{{{sel}}}[$__range]))",
+                        "{{reason}}",
+                    )
+                ],
+                _steps((None, "green"), (0.5, "orange")),
+                width=8,
+                instant=True,
+            )
+        )
+        .with_panel(
+            _stat(
+                "Poison requests over the time range",
+                "Requests the gateway named the poison: each killed a pod that ran it alone, "
+                "after two pod deaths beside other requests, and was answered 422.",
+                "none",
+                [
+                    (
+                        f"sum (increase(understudy_gateway_poison_total{{{sel}}}[$__range]))",
+                        "poison",
+                    )
+                ],
+                _steps((None, "green"), (0.5, "red")),
+                width=8,
+                instant=True,
+            )
+        )
+        .with_panel(
+            _series(
+                "Pods routable over time",
+                "Pods each gateway replica can route to. A dead pod drops out at once; it "
+                "comes back only when it answers a probe sent after its death.",
+                "none",
+                [
+                    (
+                        f"min by (namespace, pod) (understudy_gateway_pods_routable{{{sel}}})",
+                        "{{pod}}",
+                    )
+                ],
+            )
+        )
+        .with_panel(
+            _series(
+                "Requests moved off dead pods",
+                "Requests moved to another pod (a stream continued where it stopped, a plain "
+                "request replayed), by how their pod was found dead; and requests that could "
+                "not be moved, by reason.",
+                "none",
+                [
+                    (
+                        "sum by (reason) (increase(understudy_gateway_migrations_total"
+                        f"{{{sel}}}[$__rate_interval]))",
+                        "{{reason}}",
+                    ),
+                    (
+                        "sum by (reason) (increase(understudy_gateway_migrations_failed_total"
+                        f"{{{sel}}}[$__rate_interval]))",
+                        "failed {{reason}}",
+                    ),
+                ],
+            )
+        )
+        .with_row(dash.Row("Requests"))
+        .with_panel(
+            _series(
+                "Held and in-flight requests",
+                "Requests in flight to a pod and requests held while no pod is routable, "
+                "per gateway replica; how many per second had to wait.",
+                "none",
+                [
+                    (
+                        f"sum by (namespace, pod) (understudy_gateway_requests_inflight{{{sel}}})",
+                        "in flight {{pod}}",
+                    ),
+                    (
+                        f"sum by (namespace, pod) (understudy_gateway_requests_held{{{sel}}})",
+                        "held now {{pod}}",
+                    ),
+                    (
+                        "sum (rate(understudy_gateway_held_requests_total"
+                        f"{{{sel}}}[$__rate_interval]))",
+                        "held per second",
+                    ),
+                ],
+                width=8,
+            )
+        )
+        .with_panel(
+            _series(
+                "Requests by status",
+                "Answers of the gateway per second by HTTP status class, and holds that "
+                "expired (503 after the hold).",
+                "reqps",
+                [
+                    (
+                        "sum by (code) (rate(understudy_gateway_requests_total"
+                        f"{{{sel}}}[$__rate_interval]))",
+                        "{{code}}",
+                    ),
+                    (
+                        "sum (rate(understudy_gateway_hold_expired_total"
+                        f"{{{sel}}}[$__rate_interval]))",
+                        "hold expired",
+                    ),
+                ],
+                width=8,
+            )
+        )
+        .with_panel(
+            _series(
+                "Suspects run alone and poisons",
+                "Requests in flight at two pod deaths, run with nothing beside them; "
+                "poison: one of them killed the pod it ran alone on.",
+                "none",
+                [
+                    (
+                        "sum (increase(understudy_gateway_isolated_total"
+                        f"{{{sel}}}[$__rate_interval]))",
+                        "run alone",
+                    ),
+                    (
+                        "sum (increase(understudy_gateway_poison_total"
+                        f"{{{sel}}}[$__rate_interval]))",
+                        "poison",
+                    ),
+                ],
+                width=8,
+            )
+        )
+        .with_panel(
+            _series(
+                "Hold time",
+                "How long held requests waited for a routable pod, p50 / p95 / p99.",
+                "s",
+                _quantiles("understudy_gateway_hold_seconds", sel, "$__rate_interval"),
+            )
+        )
+        .with_panel(
+            _series(
+                "Request duration",
+                "Time from a request's arrival at the gateway to the end of its answer, "
+                "moves to other pods included.",
+                "s",
+                _quantiles("understudy_gateway_request_duration_seconds", sel, "$__rate_interval"),
+            )
+        )
+    )
+
+
+DASHBOARDS = {"failover": failover, "fleet": fleet, "gateway": gateway}
 
 
 def render(build: dash.Dashboard) -> str:

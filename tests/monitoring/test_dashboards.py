@@ -43,9 +43,10 @@ def test_check_mode_catches_a_stale_file(tmp_path: Path) -> None:
 
 def test_dashboards_have_uids_and_variables() -> None:
     boards = {json.loads(f.read_text())["uid"]: json.loads(f.read_text()) for f in FILES}
-    assert set(boards) == {"understudy-failover", "understudy-fleet"}
-    names = [v["name"] for v in boards["understudy-failover"]["templating"]["list"]]
-    assert names == ["datasource", "namespace", "gpuinstance", "pod", "job", "instance"]
+    assert set(boards) == {"understudy-failover", "understudy-fleet", "understudy-gateway"}
+    for uid in ("understudy-failover", "understudy-gateway"):  # the label contract's five
+        names = [v["name"] for v in boards[uid]["templating"]["list"]]
+        assert names == ["datasource", "namespace", "gpuinstance", "pod", "job", "instance"]
     for board in boards.values():
         for panel in board["panels"]:
             if panel["type"] != "row":
