@@ -278,7 +278,8 @@ def failover() -> dash.Dashboard:
         .uid("understudy-failover")
         .description(
             "Failover of Understudy pods: Active and standby engines, the client-visible "
-            "gap, detection, wake and re-arm times, the lock, held and migrated requests, GMS."
+            "gap, detection, wake and re-arm times, the lock, held and migrated requests, "
+            "poison isolation, GMS."
         )
         .tags(["understudy", "failover"])
         .readonly()
