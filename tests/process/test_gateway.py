@@ -28,6 +28,8 @@ import pytest
 from localpod import free_port_block, http_json
 from procs import Proc, understudy, wait_for
 
+from understudy.tools.drill_target import pod_processes
+
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 CLIENTS = 8
@@ -104,21 +106,6 @@ class Fleet:
         kill_pod(self.dir)  # whatever a stopped supervisor left
         self.proc.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def pod_processes(directory: Path) -> list[int]:
-    """Every process with ``directory`` in its command line."""
-    mark = str(directory).encode()
-    out = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and int(proc.name) != os.getpid():
-            with contextlib.suppress(OSError):
-                argv = (proc / "cmdline").read_bytes().split(b"\0")
-                if any(
-                    a == mark or a.startswith(mark + b"/") or a.endswith(b"=" + mark) for a in argv
-                ):
-                    out.append(int(proc.name))
-    return out
 
 
 def kill_pod(directory: Path) -> int:

@@ -285,6 +285,10 @@ def _drill_usage_error(args: argparse.Namespace) -> str | None:
             return "--report draws kill rounds, not --sidecar"
     if args.from_json and not args.report:
         return "--from needs --report DIR"
+    from understudy.tools.drill_fleet import SCENARIOS as POD_SCENARIOS
+
+    if args.scenario in POD_SCENARIOS and (args.kube or args.sidecar or args.target):
+        return f"--scenario {args.scenario} drills a local fleet (local up --pods N) only"
     return None
 
 
@@ -303,12 +307,16 @@ def _redraw(args: argparse.Namespace) -> int:
 
 
 def _drill_target(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The pod to drill, and the cluster observer (None for a local pod)."""
-    from understudy.tools.drill_target import LocalTarget
+    """The pod to drill, and the cluster observer (None for a local pod); a
+    pod scenario's is the local fleet."""
+    from understudy.tools.drill_fleet import SCENARIOS as POD_SCENARIOS
+    from understudy.tools.drill_target import FleetTarget, LocalTarget
 
     target: Any
     observer = None
-    if args.kube:
+    if args.scenario in POD_SCENARIOS:
+        target = FleetTarget(Path(args.dir).absolute())
+    elif args.kube:
         from understudy.tools.drill_kube import KubeTarget
 
         namespace, _, name = args.kube.rpartition("/")
@@ -375,31 +383,52 @@ def _sidecar_drill(args: argparse.Namespace, target: Any, observer: Any) -> int:
     return 0
 
 
-def _kill_drill(args: argparse.Namespace, target: Any, observer: Any) -> int:
-    from understudy.tools import drill as drill_mod
-    from understudy.tools import drill_result
+def _fleet_drill(args: argparse.Namespace, target: Any, say: Any) -> Any:
+    from understudy.tools import drill_fleet
+
+    return drill_fleet.fleet_drill(
+        target,
+        args.kills if args.kills is not None else 10,
+        args.scenario,
+        freeze_s=args.freeze_seconds,
+        timeout=args.timeout,
+        log=say,
+        clients=args.clients,
+        max_tokens=args.max_tokens,
+    )
+
+
+def _engine_drill(args: argparse.Namespace, target: Any, say: Any) -> Any:
+    from understudy.tools import drill
 
     sig = [
         getattr(signal, f"SIG{name.strip().upper().removeprefix('SIG')}")
         for name in args.signal.split(",")
     ]
+    return drill.drill(
+        target,
+        args.kills if args.kills is not None else 10,
+        sig,
+        timeout=args.timeout,
+        log=say,
+        check_serving=not args.target,
+        scenario=args.scenario,
+        clients=args.clients,
+        max_tokens=args.max_tokens,
+        takeover_delay=args.takeover_delay,
+        every=args.every,
+        poison=args.poison,
+    )
+
+
+def _kill_drill(args: argparse.Namespace, target: Any, observer: Any) -> int:
+    from understudy.tools import drill_fleet, drill_result
+
     say = (lambda line: print(line, file=sys.stderr)) if args.json else print
     load_start = os.getloadavg()
     try:
-        report = drill_mod.drill(
-            target,
-            args.kills if args.kills is not None else 10,
-            sig,
-            timeout=args.timeout,
-            log=say,
-            check_serving=not args.target,
-            scenario=args.scenario,
-            clients=args.clients,
-            max_tokens=args.max_tokens,
-            takeover_delay=args.takeover_delay,
-            every=args.every,
-            poison=args.poison,
-        )
+        run = _fleet_drill if args.scenario in drill_fleet.SCENARIOS else _engine_drill
+        report = run(args, target, say)
     finally:
         _stop(observer)
     result = drill_result.to_json(report, series=args.series or bool(args.report))
@@ -493,13 +522,22 @@ def _cold_start_line(cold: dict[str, Any]) -> str:
 def _stacked_fault_args(dr: argparse.ArgumentParser) -> None:
     """The drill's faults that stack: a second one in each round, rounds back
     to back, and a poison."""
-    from understudy.tools import drill
+    from understudy.tools import drill, drill_fleet
 
     dr.add_argument(
         "--scenario",
-        choices=drill.SCENARIOS,
+        choices=(*drill.SCENARIOS, *drill_fleet.SCENARIOS),
         help="a second fault in every round: kill the engine that took over as soon as it "
-        "serves; or kill the lock server, or GMS, during the failover",
+        "serves; or kill the lock server, or GMS, during the failover. Or, on a local fleet "
+        "(local up --pods N), a fault to the pod serving the most streams instead of an "
+        "engine: pod-kill SIGKILLs all its processes (a node's loss), pod-freeze SIGSTOPs "
+        "them for --freeze-seconds (a partition that heals)",
+    )
+    dr.add_argument(
+        "--freeze-seconds",
+        type=float,
+        default=5.0,
+        help="pod-freeze: how long the pod's processes stay stopped",
     )
     dr.add_argument(
         "--takeover-delay",

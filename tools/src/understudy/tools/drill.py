@@ -48,15 +48,14 @@ SCENARIOS = ("takeover-kill", "lockserver", "gms")
 STEADY_S = 30.0  # the stretch before each kill whose gaps between answers are the baseline
 
 
-class _Session:
-    """One drill's moving parts: the clients, the watcher, the tally of what
-    they recorded and the rounds so far. The figures come from ``figures``."""
+class Session:
+    """One drill's load: the clients, the tally of what they recorded and the
+    rounds so far. The figures come from ``figures``; a pod's drill adds its
+    watcher (``_Session``), a fleet's its pods' (``drill_fleet``)."""
 
-    def __init__(self, target: Target, watcher: Watcher, kinds: list[Kind], clients: int) -> None:
-        self.target = target
-        self.watcher = watcher
+    def __init__(self, serve_url: str, kinds: list[Kind], clients: int) -> None:
         self.kinds = kinds
-        self.pool = [Client(target.serve_url, kinds, i) for i in range(clients)]
+        self.pool = [Client(serve_url, kinds, i) for i in range(clients)]
         self.tally = Tally()
         self.rounds: list[Round] = []
         self.origin = time.monotonic()
@@ -82,13 +81,59 @@ class _Session:
         return t0
 
     def close(self) -> None:
+        """Stop the clients and fold everything they recorded."""
         for c in self.pool:
             c.stop.set()
         for c in self.pool:
             c.join(120)
+        self.fold(float("inf"))
+
+    def served_again(self, rnd: Round, t_kill: float, timeout: float) -> None:
+        """Wait for the first request started after the kill to be answered;
+        fill in the round's first-served, gap and failures (or its error)."""
+        ok = wait(lambda: figures.first_served(self.samples(), t_kill), timeout)
+        if ok is None:
+            rnd.error = rnd.error or f"no successful request within {timeout}s of the kill"
+            return
+        samples = self.samples()
+        rnd.first_served_s = ok.end - t_kill
+        rnd.gap_s = figures.client_gap(samples, t_kill, ok)
+        rnd.failed_requests = figures.failed_between(samples, t_kill, ok.end + timeout)
+
+    def report(self, signal: str, clients: int) -> Report:
+        """What every drill reports of its load: the requests, the answers
+        that differ, and each round's streams' stalls."""
+        tally = self.tally
+        # the tally's kills are the rounds that sent one, in order
+        for k, rnd in enumerate(r for r in self.rounds if r.kill_at_s is not None):
+            rnd.stalls_s = [x.stall_s for x in tally.stalls if x.kill == k]
+        return Report(
+            rounds=self.rounds,
+            requests=tally.requests,
+            failed_requests=tally.failed,
+            wrong_answers=tally.wrong_answers(),
+            signal=signal,
+            clients=clients,
+            by_kind=tally.by_kind,
+            errors=tally.errors,
+            series=tally.series(self.kinds, self.origin, self.killed_at()),
+            stalls=tally.stalls,
+            between=tally.between,
+        )
+
+
+class _Session(Session):
+    """A pod's drill: the load, and the watcher on the pod's engines."""
+
+    def __init__(self, target: Target, watcher: Watcher, kinds: list[Kind], clients: int) -> None:
+        super().__init__(target.serve_url, kinds, clients)
+        self.target = target
+        self.watcher = watcher
+
+    def close(self) -> None:
+        super().close()
         self.watcher.stop.set()
         self.watcher.join(5)
-        self.fold(float("inf"))
 
 
 @dataclass(frozen=True)
@@ -145,14 +190,7 @@ def _measure(ses: _Session, plan: _Plan, rnd: Round, t_kill: float, wall_kill: f
         rnd.kill_to_active_s = w.kill_to_active_s
     if plan.check_serving and (listeners := ses.target.serving_listeners()) is not None:
         rnd.serving_ok = listeners == {new.get("pid")}
-    ok = wait(lambda: figures.first_served(ses.samples(), t_kill), plan.timeout)
-    if ok is None:
-        rnd.error = f"no successful request within {plan.timeout}s of the kill"
-    else:
-        samples = ses.samples()
-        rnd.first_served_s = ok.end - t_kill
-        rnd.gap_s = figures.client_gap(samples, t_kill, ok)
-        rnd.failed_requests = figures.failed_between(samples, t_kill, ok.end + plan.timeout)
+    ses.served_again(rnd, t_kill, plan.timeout)
     if plan.rearm:
         back = ses.watcher.until(
             lambda es: figures.rearmed(es, rnd.killed, rnd.killed_engine_id), plan.timeout
@@ -239,27 +277,14 @@ def drill(
 
 
 def _report(ses: _Session, plan: _Plan, clients: int) -> Report:
-    w, tally = ses.watcher, ses.tally
+    w = ses.watcher
     end = time.monotonic()
-    # the tally's kills are the rounds that sent one, in order
-    for k, rnd in enumerate(r for r in ses.rounds if r.kill_at_s is not None):
-        rnd.stalls_s = [x.stall_s for x in tally.stalls if x.kill == k]
-    return Report(
-        rounds=ses.rounds,
-        requests=tally.requests,
-        failed_requests=tally.failed,
-        wrong_answers=tally.wrong_answers(),
-        split_brain=w.split_brain,
-        epoch_regressions=w.epoch_regressions,
-        signal=",".join(plan.names) + (f" +{plan.scenario}" if plan.scenario else ""),
-        clients=clients,
-        by_kind=tally.by_kind,
-        errors=tally.errors,
-        series=tally.series(ses.kinds, ses.origin, ses.killed_at()),
-        unarmed=figures.unarmed_figures(
-            figures.unarmed_spans(w.timeline, ses.origin, end),
-            end - ses.origin,
-        ),
-        stalls=tally.stalls,
-        between=tally.between,
+    report = ses.report(
+        ",".join(plan.names) + (f" +{plan.scenario}" if plan.scenario else ""), clients
     )
+    report.split_brain = w.split_brain
+    report.epoch_regressions = w.epoch_regressions
+    report.unarmed = figures.unarmed_figures(
+        figures.unarmed_spans(w.timeline, ses.origin, end), end - ses.origin
+    )
+    return report

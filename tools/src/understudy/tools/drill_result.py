@@ -43,6 +43,10 @@ class Round:
     kill_at_s: float | None = None  # when the kill was sent, seconds since the clients started
     # each stream this kill caught between two of its tokens: its stall
     stalls_s: list[float] = field(default_factory=list)
+    # A fleet's round (drill_fleet: a pod killed or frozen whole): the fault ->
+    # the gateway's /state no longer has the pod ready, and why it said so
+    detect_s: float | None = None
+    reason: str = ""
 
 
 @dataclass
@@ -94,6 +98,7 @@ class Report:
             "grant_to_active_s": stats(col("grant_to_active_s")),
             "kill_to_active_s": stats(col("kill_to_active_s")),
             "rearm_s": stats(col("rearm_s")),
+            "detect_s": stats(col("detect_s")),
             **self.unarmed,
             "poison_sent": self.poison.get("sent", 0),
             "poison_told": self.poison.get("told", 0),
@@ -118,6 +123,16 @@ def round_line(r: Round) -> str:
     )
 
 
+def pod_round_line(r: Round) -> str:
+    """A fleet's round: the pod, how the gateway found it, what the clients saw."""
+    return (
+        f"round {r.index:>3}: SIG{r.signal} {r.killed} (generation {r.killed_epoch}): "
+        f"unroutable after {_ms(r.detect_s)} ms ({r.reason or '-'}), "
+        f"no request completed for {_ms(r.gap_s)} ms, "
+        f"failed {r.failed_requests}, fleet re-armed after {_ms(r.rearm_s)} ms"
+    )
+
+
 # The summary's rows, the stream's own figures first (their JSON keys are
 # kept: gap_s is what the chaos tests bound)
 ROWS = (
@@ -129,7 +144,8 @@ ROWS = (
     ("gap_s", "longest time with no request completed"),
     ("steady_gap_s", "  the same before the kill (no failover)"),
     ("first_served_s", "first new request done"),
-    ("rearm_s", "re-arm (Standby)"),
+    ("rearm_s", "re-arm (Standby; a fleet: every pod)"),
+    ("detect_s", "fault -> pod unroutable (gateway)"),
 )
 
 

@@ -3,9 +3,11 @@
 ``Target`` is what every drill asks of a pod: its engines' ``/state``, a way to
 kill an engine or a sidecar, and which processes listen on the engines'
 serving socket. ``LocalTarget`` is a pod started by ``understudy local up``
-(``drill_kube.KubeTarget`` is one in a cluster). The rest reads ``/proc``: a
-container's own process behind its respawner, and the listeners of a socket
-directory.
+(``drill_kube.KubeTarget`` is one in a cluster). ``FleetTarget`` is the pods
+and gateway of ``understudy local up --pods N``: the gateway's ``/state``, each
+pod as a ``LocalTarget``, and every process of a pod (``pod_processes``) to
+kill or freeze whole. The rest reads ``/proc``: a container's own process
+behind its respawner, and the listeners of a socket directory.
 """
 
 from __future__ import annotations
@@ -96,6 +98,81 @@ class LocalTarget:
 
     def serving_listeners(self) -> set[int] | None:
         return unix_listeners(self.run_dir / "serve")
+
+
+class FleetTarget:
+    """Pods behind the fleet gateway, started by ``understudy local up --pods N``
+    (reads its local.json: the gateway and each pod's directory)."""
+
+    def __init__(self, directory: Path) -> None:
+        from understudy.tools.local import read_state
+
+        state = read_state(directory)
+        if "pods" not in state:
+            raise ValueError(f"{directory} is one pod, not a fleet (understudy local up --pods N)")
+        self.directory = directory
+        self.serve_url = state["serve_url"]
+        self.gateway_url = state["gateway"]["metrics_url"]
+        self.pod_dirs = {name: Path(p["dir"]) for name, p in state["pods"].items()}
+        self.pods = {name: LocalTarget(d) for name, d in self.pod_dirs.items()}
+
+    def gateway_state(self) -> dict[str, Any] | None:
+        """The gateway's ``/state`` (its pods: phase, generation, busy,
+        streams), or None while it does not answer."""
+        url = urllib.parse.urlsplit(self.gateway_url)
+        try:
+            conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=1.0)
+            conn.request("GET", "/state")
+            body = conn.getresponse().read()
+            conn.close()
+            return dict(json.loads(body))
+        except (OSError, ValueError, TypeError, http.client.HTTPException):
+            return None
+
+    def stop_pod(self, name: str) -> list[int]:
+        """SIGSTOP every process of the pod, those it forks meanwhile too:
+        the pod freezes at once, as a node that stalls or is cut off."""
+        stopped: list[int] = []
+        for _ in range(3):
+            new = [p for p in pod_processes(self.pod_dirs[name]) if p not in stopped]
+            if not new:
+                break
+            for pid in new:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+            stopped += new
+        return stopped
+
+    def kill_pod(self, name: str) -> list[int]:
+        """SIGKILL every process of the pod, as a node's loss would: frozen
+        first, so that none of them sees another die (no respawner restarts
+        its child, no engine judges its lock lost) before all are gone."""
+        pids = self.stop_pod(name)
+        signal_all(pids, signal.SIGKILL)
+        return pids
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    """Send ``sig`` to each of ``pids`` that is still there."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def pod_processes(directory: Path) -> list[int]:
+    """Every process of a local pod: those with ``directory`` in their command
+    line (``fleet.marked``: ``-X understudy_pod=DIR``, or a path inside it)."""
+    mark = str(directory).encode()
+    out = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+                if any(
+                    a == mark or a.startswith(mark + b"/") or a.endswith(b"=" + mark) for a in argv
+                ):
+                    out.append(int(proc.name))
+    return out
 
 
 def front_pid(status_url: str) -> int:

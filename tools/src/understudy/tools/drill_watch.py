@@ -75,12 +75,12 @@ class Watcher(threading.Thread):
         return wait(lambda: cond(self.snapshot()), timeout)
 
 
-def wait(cond: Callable[[], Any], timeout: float) -> Any:
+def wait(cond: Callable[[], Any], timeout: float, period: float = 0.005) -> Any:
     """The first truthy ``cond()`` within ``timeout`` seconds, else None."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = cond()
         if value:
             return value
-        time.sleep(0.005)
+        time.sleep(period)
     return None

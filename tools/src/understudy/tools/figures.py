@@ -146,6 +146,37 @@ def wake(new: Engine, wall_kill: float) -> Wake | None:
     return Wake(granted - wall_kill, active_at - granted, active_at - wall_kill)
 
 
+# --- a fleet's pods, as the gateway's /state shows them ----------------------------
+
+PodView = Mapping[str, Any]  # one pod in the gateway's /state
+
+
+def busiest_pod(pods: Sequence[PodView]) -> PodView | None:
+    """Where a fleet drill's fault goes: of the ready pods, the one serving
+    the most streams, then the most requests; the first ready one when none
+    serves anything (``max`` keeps the first of equals)."""
+    ready = [p for p in pods if p.get("phase") == "ready"]
+    return max(ready, key=lambda p: (p.get("streams") or 0, p.get("busy") or 0), default=None)
+
+
+def pod_unroutable(pods: Sequence[PodView], name: str, generation: int) -> PodView | None:
+    """The pod ``name`` once the gateway no longer routes to it under
+    ``generation``: not ready, back under a later generation (dead and
+    revived between two looks), or gone from the list."""
+    for p in pods:
+        if p.get("name") == name:
+            later = (p.get("generation") or 0) > generation
+            return p if p.get("phase") != "ready" or later else None
+    return {"name": name, "phase": "removed", "reason": "removed"}
+
+
+def fleet_armed(pods: Sequence[PodView], engines: Mapping[str, Sequence[Engine]]) -> bool:
+    """Every pod of the fleet ready in the gateway's eyes and armed inside
+    (its own Active engine and a Standby): it can take the next fault."""
+    ready = {p.get("name") for p in pods if p.get("phase") == "ready"}
+    return all(name in ready and armed(es) is not None for name, es in engines.items())
+
+
 # --- the requests ----------------------------------------------------------------
 
 
