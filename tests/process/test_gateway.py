@@ -4,7 +4,8 @@ behind the fleet gateway (``understudy local up --pods 2``), the official
 node's loss would. Every request is answered, each greedy answer identical
 to the same request's uninterrupted one, and the streams cut by the kill go
 on from the other pod within a bound. A malformed request is refused by the
-gateway and reaches no pod."""
+gateway and reaches no pod. ``understudy drill --scenario pod-kill|pod-freeze``
+does the same faults round after round and loses nothing."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -271,3 +273,44 @@ def test_a_frozen_pod_is_found_silent_and_its_requests_go_on_elsewhere(fleet: Fl
     assert fleet.gateway_metric('understudy_gateway_migrations_total{reason="silent"}') >= 1
     print(f"freeze -> stall (detection included): max {max(gaps):.3f}s over "
           f"{len(gaps)} streams; load {os.getloadavg()}")  # fmt: skip
+
+
+def _drill(f: Fleet, scenario: str, rounds: int, *extra: str) -> dict[str, Any]:
+    run = subprocess.run(
+        understudy(
+            "drill", "--dir", str(f.dir), "--scenario", scenario, "--kills", str(rounds),
+            "--clients", str(CLIENTS), "--max-tokens", "64", "--timeout", "120", "--json", *extra,
+        ),
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return dict(json.loads(run.stdout))
+
+
+@pytest.mark.timeout(600)
+def test_the_drill_kills_and_freezes_pods_under_load_and_loses_nothing(fleet: Fleet) -> None:
+    """``understudy drill --scenario pod-kill|pod-freeze``: the busiest pod
+    killed whole three times, then frozen for 3 s twice, each round once the
+    fleet is armed again; no request fails, every answer is its kind's."""
+    wait_for(lambda: fleet.routable() == 2, 180, 0.2, what="both pods routable")
+    kill = _drill(fleet, "pod-kill", 3)
+    freeze = _drill(fleet, "pod-freeze", 2, "--freeze-seconds", "3")
+    for result, rounds in ((kill, 3), (freeze, 2)):
+        s = result["summary"]
+        assert (s["kills"], s["failovers_ok"]) == (rounds, rounds), result["rounds"]
+        assert s["failed_requests"] == 0 and s["wrong_answers"] == 0, result["errors"]
+        assert s["split_brain"] == 0, result["split_brain"]
+        assert s["streams_caught"] >= 1, s
+        assert s["stall_s"]["max"] < NEXT_TOKEN_BOUND_S, s["stall_s"]
+        assert s["detect_s"]["n"] == rounds, s
+    assert {r["reason"] for r in kill["rounds"]} <= {"reset", "refused"}, kill["rounds"]
+    # A frozen pod answers nothing: found silent past --silence (1 s), long
+    # before it thaws.
+    assert {r["reason"] for r in freeze["rounds"]} == {"silent"}, freeze["rounds"]
+    assert 0.5 <= freeze["summary"]["detect_s"]["max"] < 3.0, freeze["summary"]["detect_s"]
+    print(
+        f"pod-kill: stall p50 {kill['summary']['stall_s']['p50']:.3f}s max "
+        f"{kill['summary']['stall_s']['max']:.3f}s; pod-freeze: stall max "
+        f"{freeze['summary']['stall_s']['max']:.3f}s, detection max "
+        f"{freeze['summary']['detect_s']['max']:.3f}s; load {os.getloadavg()}"
+    )
