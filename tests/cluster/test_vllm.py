@@ -81,6 +81,16 @@ class VllmInstance(Shipped):
     def __init__(self, cluster: Any, ns: str, image: str) -> None:
         super().__init__(cluster, ns, _vllm_sample(cluster.device_class, image))
 
+    def front_events(self) -> list[str]:
+        """The front's log lines on engines it found hung or spared, and on
+        routes: what a failed assertion needs to tell a planned failover
+        from one nobody asked for."""
+        proc = self.cluster.kubectl(
+            "logs", "-n", self.ns, f"{self.name}-0", "-c", "front", check=False
+        )
+        wanted = ("event=route ", "hung", "silent_engine_working")
+        return [line for line in proc.stdout.splitlines() if any(w in line for w in wanted)]
+
 
 @pytest.fixture(scope="module")
 def vllm_instance(installed: Any, vllm_image: str) -> Iterator[VllmInstance]:
@@ -119,13 +129,30 @@ def test_vllm_drill_through_the_service(vllm_instance: VllmInstance) -> None:
     # SmolLM2 in float32 on a loaded two-core node answers seconds apart even
     # without a failover (each round's steady_gap_s), so the bound is in
     # seconds; a SIGSTOPped engine is found hung by its heartbeat first.
+    # The bound is on what the failover adds: SmolLM2 in float32 on a two-core
+    # node running three vLLM engines went up to 10 s with no request
+    # completed and no failover at all (each round's steady_gap_s, CI's run
+    # of 2026-11-26), so a round is bounded by its own steady gap plus the
+    # failover's share.
     for r in report["rounds"]:
         bound = 12.0 if r["signal"] == "STOP" else 10.0
-        assert r["gap_s"] < bound, r
+        assert r["gap_s"] < bound + (r["steady_gap_s"] or 0.0), r
+    # What a reader feels: a stream's own stall at a kill.
+    assert s["stall_s"]["max"] < 10.0, s["stall_s"]
+    # Only the drill's kills moved the lock: an engine the front killed as
+    # hung while it worked (its loop starved on the loaded node) is a second
+    # failover the drill did not ask for, and leaves the pod unarmed while
+    # two engines re-import vLLM.
+    unplanned = [
+        (prev["new_active"], prev["new_epoch"], r["killed_epoch"])
+        for prev, r in zip(report["rounds"], report["rounds"][1:], strict=False)
+        if r["killed_epoch"] != prev["new_epoch"]
+    ]
+    assert not unplanned, (unplanned, vllm_instance.front_events())
     # Two shadows: the pod is never without a standby while a killed engine
     # re-imports vLLM (brief dips are a standby's /state read timing out
     # under load, or the moment one turns Waking).
-    assert s["unarmed_longest_s"] < 5.0, s
+    assert s["unarmed_longest_s"] < 5.0, (s, vllm_instance.front_events())
     assert not report["cluster"]["left_endpoints"], report["cluster"]["seconds_not_an_endpoint"]
     assert report["exit_code"] == 0
 

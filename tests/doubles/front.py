@@ -226,6 +226,8 @@ class Engine:
         self.listening = True
         self.alive = True
         self.hung_at: float | None = None  # its heartbeat stops here
+        # ... and its CPU time too, unless it still works (starved of its loop)
+        self.works_while_silent = False
         self.received: list[dict[str, Any]] = []
         self.idle = 0  # kept-alive connections the fast path may take
         self._answers: list[tuple[Answer, asyncio.Task[None]]] = []
@@ -339,6 +341,15 @@ class Engines:
         if not e.alive:
             return None
         return Beat(e.pid, 1, e.hung_at if e.hung_at is not None else self.clock())
+
+    def cpu_ticks(self, pid: int) -> int | None:
+        """One tick per 10 ms of the clock while the engine works."""
+        e = next((e for e in self.engines.values() if e.pid == pid and e.alive), None)
+        if e is None:
+            return None
+        now = self.clock()
+        stopped = e.hung_at is not None and not e.works_while_silent
+        return int((min(now, e.hung_at) if stopped and e.hung_at is not None else now) * 100)
 
     def kill(self, pid: int) -> None:
         engine = next(e for e in self.engines.values() if e.pid == pid)

@@ -268,6 +268,36 @@ async def test_a_hung_engine_is_killed_and_its_request_moves_on() -> None:
     await b.close()
 
 
+async def test_a_silent_engine_that_still_works_gets_the_longer_limit(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A's heartbeat stops at 0.5 s but its process keeps using CPU (its loop
+    starved of the GIL or of its cgroup's share): it is not killed at the
+    heartbeat limit, only past ``working_hang_after_s``, and the reprieve is
+    logged once."""
+    loop = asyncio.get_running_loop()
+    a = Engine(A, pid=101)
+    a.works_while_silent = True
+    engines = Engines({A: a}, loop.time)
+    cfg = FrontConfig(
+        run_dir=Path("/nonexistent"), lock_socket="-", hang_after_s=1.0, working_hang_after_s=3.0
+    )
+    metrics = FrontMetrics()
+    router = PodRouter(cfg, metrics, engines, clock=loop.time)
+    router.feed(fsm.HolderSeen(A, 1))
+    beats = asyncio.create_task(router.check_beats())
+    t0 = loop.time()
+    loop.call_at(t0 + 0.5, setattr, a, "hung_at", t0 + 0.5)
+    await asyncio.sleep(3.4)
+    assert engines.killed == [] and metrics.hung.value == 0
+    assert caplog.text.count("event=silent_engine_working") == 1
+    await asyncio.sleep(0.3)  # silent 3.0 s at 3.5 s, judged at the next check
+    assert engines.killed == [A] and metrics.hung.value == 1
+    beats.cancel()
+    await asyncio.gather(beats, return_exceptions=True)
+    await router.close()
+
+
 async def test_a_check_that_came_late_condemns_nobody(caplog: pytest.LogCaptureFixture) -> None:
     """The whole machine stalled for 2 s (the front as well as the engine):
     the first check after it is late, and judges nothing; the engine beats

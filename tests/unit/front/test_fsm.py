@@ -269,6 +269,36 @@ def test_judge_beat(due: float, now: float, beat_at: float | None, expected: fsm
         assert beat_at is not None and judged.silent_s == pytest.approx(now - beat_at)
 
 
+@pytest.mark.parametrize(
+    ("silent", "working", "expected"),
+    [
+        (1.5, False, fsm.Beat.HUNG),
+        (1.5, True, fsm.Beat.ALIVE),  # starved, not stopped: the longer limit
+        (5.0, True, fsm.Beat.ALIVE),
+        (5.01, True, fsm.Beat.HUNG),
+    ],
+)
+def test_a_working_engine_gets_the_longer_limit(
+    silent: float, working: bool, expected: fsm.Beat
+) -> None:
+    assert fsm.judge_beat(W, 10.0, 10.0, 10.0 - silent, working=working).beat is expected
+
+
+@pytest.mark.parametrize(
+    ("samples", "expected"),
+    [
+        ([], False),
+        ([(9.9, 100), (10.0, 105)], False),  # no sample a window old yet
+        ([(9.4, 100), (9.5, 100), (10.0, 100)], False),  # stopped
+        ([(9.4, 100), (9.5, 100), (10.0, 101)], True),
+        ([(9.5, 100), (9.9, 103), (10.0, 103)], True),  # worked inside the window
+        ([(9.0, 90), (9.4, 100), (10.0, 100)], False),  # before the window only
+    ],
+)
+def test_cpu_progressed(samples: list[tuple[float, int]], expected: bool) -> None:
+    assert fsm.cpu_progressed(samples, 10.0) is expected
+
+
 @given(
     st.floats(0, 1e6),
     st.floats(0, 10),

@@ -78,6 +78,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         hold_s=args.hold,
         migration_limit=args.migration_limit,
         hang_after_s=args.hang_after,
+        working_hang_after_s=args.working_hang_after,
         drain_s=args.drain,
         idle_s=args.idle_timeout,
     )
@@ -166,6 +167,12 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         type=_positive,
         default=1.0,
         help="seconds without a heartbeat that make the Active engine hung (it is killed)",
+    )
+    serve.add_argument(
+        "--working-hang-after",
+        type=_positive,
+        default=5.0,
+        help="the same for an engine whose process still uses CPU (starved, not stopped)",
     )
     _add_client_side(serve)
     serve.set_defaults(func=cmd_serve)

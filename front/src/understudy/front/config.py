@@ -20,6 +20,9 @@ class FrontConfig:
     migration_limit: int = 8
     # An Active engine whose heartbeat is older than this is hung.
     hang_after_s: float = 1.0
+    # ... unless its process still uses CPU: then it is starved, not hung,
+    # and is given this long (fsm.Watchdog.working_hang_after_s).
+    working_hang_after_s: float = 5.0
     beat_check_s: float = 0.1
     # Request bodies larger than this get 413 (a generous bound on prompts).
     max_body: int = 16 * 1024 * 1024

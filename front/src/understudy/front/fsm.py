@@ -28,7 +28,7 @@ out what comes back (``router``: the routing machine and the heartbeat;
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, assert_never
 
@@ -344,6 +344,11 @@ class Watchdog:
     # A check this much later than it was due means the front was not
     # scheduled either (CPU starvation, a VM pause): its silence proves nothing.
     stall_s: float = 0.25
+    # A silent engine whose process still burns CPU is starved of its event
+    # loop (another thread holds the GIL, its cgroup loses to a restarting
+    # engine's imports), not stopped: it is given this long. A spinning hang
+    # (a CUDA sync that never returns) is caught here too, only later.
+    working_hang_after_s: float = 5.0
 
 
 class Beat(enum.Enum):
@@ -360,17 +365,36 @@ class Judged:
     silent_s: float  # since the engine's last heartbeat (0 when there is none)
 
 
-def judge_beat(w: Watchdog, due: float, now: float, beat_at: float | None) -> Judged:
+def judge_beat(
+    w: Watchdog, due: float, now: float, beat_at: float | None, *, working: bool = False
+) -> Judged:
     """Judge the routed engine's heartbeat at ``now``, on a check that was due
-    at ``due``; ``beat_at``: its last heartbeat (None: none to read). All times
-    on the one clock the heartbeat is written with."""
+    at ``due``; ``beat_at``: its last heartbeat (None: none to read); ``working``:
+    its process used CPU lately (``cpu_progressed``). All times on the one
+    clock the heartbeat is written with."""
     late = now - due
     if late > w.stall_s:
         return Judged(Beat.STALLED, late, 0.0)
     if beat_at is None:
         return Judged(Beat.UNKNOWN, late, 0.0)
     silent = now - beat_at
-    return Judged(Beat.HUNG if silent > w.hang_after_s else Beat.ALIVE, late, silent)
+    limit = max(w.hang_after_s, w.working_hang_after_s) if working else w.hang_after_s
+    return Judged(Beat.HUNG if silent > limit else Beat.ALIVE, late, silent)
+
+
+# How far back ``cpu_progressed`` looks: short enough that a process stopped
+# a heartbeat limit ago shows none, long enough that a starved one shows some.
+CPU_WINDOW_S = 0.5
+
+
+def cpu_progressed(samples: Sequence[tuple[float, int]], now: float) -> bool:
+    """Whether a process used CPU over the last ``CPU_WINDOW_S``, from its
+    ``(time, CPU ticks)`` samples (times rising). False until the samples span
+    the window: no evidence of work is no reprieve."""
+    if not samples:
+        return False
+    base = [ticks for at, ticks in samples if at <= now - CPU_WINDOW_S]
+    return bool(base) and samples[-1][1] > base[-1]
 
 
 # ----------------------------------------------------- poison isolation ----

@@ -30,6 +30,7 @@ import logging
 import os
 import signal
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, assert_never
@@ -68,6 +69,10 @@ class Engines(Protocol):
 
     def kill(self, pid: int) -> None: ...
 
+    def cpu_ticks(self, pid: int) -> int | None:
+        """The CPU time the process has used, in clock ticks (None: unknown)."""
+        ...
+
     def listening(self, engine_id: str) -> bool: ...
 
     def upstream(self, engine_id: str) -> upstream.Upstream: ...
@@ -85,6 +90,19 @@ class PodEngines:
     def kill(self, pid: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
+
+    def cpu_ticks(self, pid: int) -> int | None:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_bytes()
+        except OSError:
+            return None
+        # utime and stime, the 14th and 15th fields; the name (2nd) may hold
+        # spaces and parentheses, so count from the last ")".
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        try:
+            return int(fields[11]) + int(fields[12])
+        except (IndexError, ValueError):
+            return None
 
     def listening(self, engine_id: str) -> bool:
         return serving_socket(self.run_dir, engine_id).exists()
@@ -107,12 +125,18 @@ class Router:
         self.metrics = metrics
         self.state = fsm.FrontState()
         self.held = 0  # requests waiting for a route now
-        self.watchdog = fsm.Watchdog(cfg.hang_after_s, cfg.beat_check_s, _STALL_S)
+        self.watchdog = fsm.Watchdog(
+            cfg.hang_after_s, cfg.beat_check_s, _STALL_S, cfg.working_hang_after_s
+        )
         self._engines = engines or PodEngines(cfg.run_dir)
         # The heartbeats' clock: the engines write CLOCK_MONOTONIC.
         self._clock = clock
         self._changed = asyncio.Event()
         self._upstreams: dict[str, upstream.Upstream] = {}
+        # The routed engine's recent (time, CPU ticks): a silent engine that
+        # still works is starved, not hung (fsm.Watchdog.working_hang_after_s).
+        self._cpu: deque[tuple[float, int]] = deque()
+        self._cpu_pid = 0
         self._watchers: dict[str, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._loop = asyncio.get_running_loop()
@@ -209,13 +233,23 @@ class Router:
         """Judge the routed engine's heartbeat every ``beat_check_s``, for ever."""
         w = self.watchdog
         last = self._clock()
+        spared = False  # this silence was already logged as a working engine's
         while True:
             await asyncio.sleep(w.check_s)
             now = self._clock()
             due, last = last + w.check_s, now
             route = self.state.route
             beat = self._engines.beat(route.engine_id) if route is not None else None
-            judged = fsm.judge_beat(w, due, now, beat.monotonic if beat is not None else None)
+            working = self._working(beat.pid if beat is not None else 0, now)
+            at = beat.monotonic if beat is not None else None
+            judged = fsm.judge_beat(w, due, now, at, working=working)
+            silent = judged.silent_s > w.hang_after_s
+            if silent and working and judged.beat is fsm.Beat.ALIVE and not spared and route:
+                log_event(
+                    log, "silent_engine_working", logging.WARNING,
+                    engine=route.engine_id, silent_ms=round(judged.silent_s * 1000),
+                )  # fmt: skip
+            spared = silent
             if judged.beat is fsm.Beat.STALLED:
                 # The whole machine stalled (CPU starvation, a VM pause): a
                 # silent engine now proves nothing. Judge again on the next,
@@ -225,6 +259,18 @@ class Router:
                 )
             elif judged.beat is fsm.Beat.HUNG and route is not None:
                 self.feed(fsm.Hung(route.engine_id, judged.silent_s))
+
+    def _working(self, pid: int, now: float) -> bool:
+        """Sample the routed engine's CPU time; whether it used any lately."""
+        if pid != self._cpu_pid:
+            self._cpu.clear()
+            self._cpu_pid = pid
+        if pid and (ticks := self._engines.cpu_ticks(pid)) is not None:
+            self._cpu.append((now, ticks))
+            # keep one sample at least a window old: the base to compare with
+            while len(self._cpu) > 2 and self._cpu[1][0] <= now - fsm.CPU_WINDOW_S:
+                self._cpu.popleft()
+        return fsm.cpu_progressed(self._cpu, now)
 
     # ------------------------------------------------------------ engines --
 
