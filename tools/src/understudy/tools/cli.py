@@ -33,6 +33,7 @@ def _local_config(args: argparse.Namespace) -> Any:
         engine_python=args.engine_python or "",
         shadows=args.shadows,
         devices=tuple(int(d) for d in args.devices.split(",")),
+        gms_backend=args.gms_backend,
         serve_port=args.port,
         status_port=args.status_port,
         lock_metrics_port=args.metrics_port,
@@ -57,6 +58,11 @@ def _preflight(cfg: Any) -> str | None:
         instance(cfg)
     except ValueError as exc:
         return str(exc)
+    if cfg.gms_backend == "cuda":
+        from understudy.tools.local import gpu_problem
+
+        if (problem := gpu_problem(cfg.devices)) is not None:
+            return problem
     if cfg.engine == "reference" and not cfg.model:
         from understudy.engine_shim.adapters.minilm import ModelMissing, default_model_dir
 
@@ -472,7 +478,11 @@ def cmd_drill(args: argparse.Namespace) -> int:
         return 2
     if args.from_json:
         return _redraw(args)
-    target, observer = _drill_target(args)
+    try:
+        target, observer = _drill_target(args)
+    except ValueError as exc:  # a pod scenario on one pod, not a fleet
+        print(f"understudy drill: {exc}", file=sys.stderr)
+        return 2
     if args.sidecar:
         return _sidecar_drill(args, target, observer)
     return _kill_drill(args, target, observer)
@@ -589,6 +599,13 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     )
     up.add_argument("--shadows", type=int, default=1)
     up.add_argument("--devices", default="0")
+    up.add_argument(
+        "--gms-backend",
+        choices=("host", "cuda"),
+        default="host",
+        help="GMS memory: host (memfd, any machine) or cuda (CUDA VMM on the devices' GPUs: "
+        "the whole pod on a GPU machine; refused at once where there is none)",
+    )
     up.add_argument("--dir", default=str(DEFAULT_DIR), help="sockets, state, logs")
     up.add_argument("--port", type=int, default=8000, help="serving port")
     up.add_argument("--status-port", type=int, default=8100, help="first engine status port")

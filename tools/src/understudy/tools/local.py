@@ -70,6 +70,9 @@ class LocalConfig:
     engine_python: str = ""
     shadows: int = 1
     devices: tuple[int, ...] = (0,)
+    # GMS's memory: "host" (memfd; any machine) or "cuda" (CUDA VMM on the
+    # claim's GPUs: the whole pod on a GPU machine; gpu_problem says why not).
+    gms_backend: str = "host"
     serve_port: int = 8000
     status_port: int = 8100
     lock_metrics_port: int = 9101
@@ -126,7 +129,7 @@ def instance(cfg: LocalConfig) -> GpuInstance:
                 "model": {"source": cfg.model or DEFAULT_MODELS[adapter]},
                 "engine": {"adapter": adapter.value, "args": list(cfg.engine_args)},
                 "gpus": {"count": len(cfg.devices)},
-                "gms": {"backend": "host"},
+                "gms": {"backend": cfg.gms_backend},
                 "failover": {
                     "enabled": cfg.shadows > 0,
                     "shadows": max(1, cfg.shadows),
@@ -141,6 +144,28 @@ def instance(cfg: LocalConfig) -> GpuInstance:
             },
         }
     )
+
+
+def gpu_problem(devices: tuple[int, ...]) -> str | None:
+    """Why GMS cannot run on CUDA on ``devices`` here (None: it can), asked of
+    the driver in a child process, as the GMS container will ask it, so that
+    this process never loads a driver."""
+    code = (
+        "import sys\n"
+        "from understudy.gms.backends.cuda_vmm import CudaVmmBackend\n"
+        "for d in sys.argv[1:]:\n"
+        "    CudaVmmBackend(int(d))\n"
+    )
+    argv = [sys.executable, "-c", code, *map(str, devices)]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    except subprocess.TimeoutExpired:
+        return "no GPU found: the CUDA driver did not answer in 120 s"
+    if out.returncode == 0:
+        return None
+    lines = out.stderr.strip().splitlines()
+    last = lines[-1].rpartition("BackendUnavailable: ")[2] if lines else f"exit {out.returncode}"
+    return f"no GPU found for --gms-backend cuda (devices {devices}): {last[:300]}"
 
 
 def places(cfg: LocalConfig, inst: GpuInstance) -> pod.Places:
