@@ -385,7 +385,7 @@ class LlamaEngine:
         if device != 0:
             return  # the model lives on device 0; the others hold an empty layout
         alloc = session.allocate(packed_size(self.model_dir))
-        records = pack_into(alloc.view(), self.model_dir)
+        records = self._pack(alloc)
         session.put_metadata(
             META_KEY,
             {
@@ -395,6 +395,11 @@ class LlamaEngine:
                 "records": list(records),
             },
         )
+
+    def _pack(self, alloc: Allocation) -> list[TensorRecord]:
+        """The checkpoint written into ``alloc`` (a host mapping here; the
+        torch engine on CUDA copies it to the device)."""
+        return pack_into(alloc.view(), self.model_dir)
 
     def attach(self, sessions: Mapping[int, GmsClient]) -> None:
         session = sessions[min(sessions)]

@@ -33,8 +33,8 @@ from understudy.engine_shim.adapters import tiny_llama
 from understudy.engine_shim.adapters.base import AdapterError
 from understudy.engine_shim.adapters.llama import LlamaEngine
 from understudy.engine_shim.adapters.llama_backend import Cache, Forward
-from understudy.engine_shim.adapters.packing import TensorRecord, views_from
-from understudy.engine_shim.adapters.torch_memory import tensor_over
+from understudy.engine_shim.adapters.packing import TensorRecord, pack_into, views_from
+from understudy.engine_shim.adapters.torch_memory import copy_into, tensor_over
 from understudy.engine_shim.kvpool import KvPool
 from understudy.gms.client import Allocation, GmsClient
 
@@ -73,6 +73,15 @@ class TorchEngine(LlamaEngine):
     def attach(self, sessions: Mapping[int, GmsClient]) -> None:
         self.device = f"cuda:{min(sessions)}" if self.gpu else "cpu"
         super().attach(sessions)
+
+    def _pack(self, alloc: Allocation) -> list[TensorRecord]:
+        if not self.gpu:
+            return super()._pack(alloc)
+        # A VMM allocation has no host view: pack on the host, one copy in.
+        host = bytearray(alloc.requested)
+        records = pack_into(memoryview(host), self.model_dir)
+        copy_into(alloc, host, "cuda:0")  # load() writes device 0 only
+        return records
 
     def _new_model(
         self, memory: Allocation | bytearray, records: Sequence[TensorRecord]

@@ -17,7 +17,7 @@ from typing import Any
 
 from understudy.gms.client import Allocation
 
-__all__ = ["tensor_over"]
+__all__ = ["copy_into", "tensor_over"]
 
 
 def tensor_over(alloc: Allocation, offset: int, nbytes: int, device: str) -> Any:
@@ -32,6 +32,20 @@ def tensor_over(alloc: Allocation, offset: int, nbytes: int, device: str) -> Any
             warnings.simplefilter("ignore", UserWarning)
             return torch.frombuffer(alloc.view(), dtype=torch.uint8, count=nbytes, offset=offset)
     return torch.as_tensor(_CudaArray(alloc.address + offset, nbytes), device=device)
+
+
+def copy_into(alloc: Allocation, data: bytes | bytearray, device: str) -> None:
+    """Write ``data`` at the start of ``alloc`` (a writer's mapping before
+    commit), on the host or the GPU (one host-to-device copy, synchronized:
+    the commit that follows publishes the bytes). UNVERIFIED on a GPU."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # frombuffer of a bytes object
+        src = torch.frombuffer(data, dtype=torch.uint8)
+    tensor_over(alloc, 0, len(data), device).copy_(src)
+    if device != "cpu":
+        torch.cuda.synchronize(device)
 
 
 class _CudaArray:
