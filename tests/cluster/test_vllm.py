@@ -143,12 +143,7 @@ def test_vllm_drill_through_the_service(vllm_instance: VllmInstance) -> None:
     # hung while it worked (its loop starved on the loaded node) is a second
     # failover the drill did not ask for, and leaves the pod unarmed while
     # two engines re-import vLLM.
-    unplanned = [
-        (prev["new_active"], prev["new_epoch"], r["killed_epoch"])
-        for prev, r in zip(report["rounds"], report["rounds"][1:], strict=False)
-        if r["killed_epoch"] != prev["new_epoch"]
-    ]
-    assert not unplanned, (unplanned, vllm_instance.front_events())
+    assert s["unplanned_failovers"] == 0, (report["rounds"], vllm_instance.front_events())
     # Two shadows: the pod is never without a standby while a killed engine
     # re-imports vLLM (brief dips are a standby's /state read timing out
     # under load, or the moment one turns Waking).

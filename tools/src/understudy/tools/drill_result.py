@@ -11,6 +11,7 @@ on a model whose answers take seconds it is seconds with or without a kill.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -86,6 +87,7 @@ class Report:
             "split_brain": len(self.split_brain),
             "epoch_regressions": len(self.epoch_regressions),
             "serving_violations": sum(1 for r in self.rounds if r.serving_ok is False),
+            "unplanned_failovers": unplanned_failovers(self.rounds),
             "clients": self.clients,
             "requests_by_kind": self.by_kind,
             "streams_caught": len(self.stalls),
@@ -106,6 +108,18 @@ class Report:
 
     def passed(self) -> bool:
         return verdict(self.summary())
+
+
+def unplanned_failovers(rounds: list[Round]) -> int:
+    """Rounds that found the lock moved since the last one's takeover: an
+    engine died, or was killed as hung, without the drill's asking. Not a
+    loss by itself, but it leaves the pod a standby short."""
+    return sum(
+        1
+        for prev, r in itertools.pairwise(rounds)
+        if prev.new_epoch and r.killed_epoch and not prev.also_killed and not prev.error
+        and r.killed_epoch != prev.new_epoch
+    )  # fmt: skip
 
 
 def _ms(v: float | None) -> str:
@@ -189,6 +203,11 @@ def render(report: Report) -> str:
             f"pod unarmed (no Standby): {s['unarmed_s']:.1f} s in {s['unarmed_spans']} "
             f"stretches, longest {s['unarmed_longest_s']:.1f} s "
             f"({100 * s['unarmed_fraction']:.0f} % of the drill)"
+        )
+    if s["unplanned_failovers"]:
+        lines.append(
+            f"failovers the drill did not cause: {s['unplanned_failovers']} "
+            "(an engine died or was killed as hung between rounds)"
         )
     lines.append("PASS" if report.passed() else "FAIL")
     return "\n".join(lines)

@@ -1,0 +1,32 @@
+"""What a drill's rounds say beyond each round: failovers it did not cause."""
+
+from __future__ import annotations
+
+from understudy.tools.drill_result import Report, Round, render, unplanned_failovers
+
+
+def _round(i: int, killed: int, new: int, **kw: object) -> Round:
+    r = Round(i, "engine", 100 + i, killed, new_active="next", new_epoch=new)
+    for k, v in kw.items():
+        setattr(r, k, v)
+    return r
+
+
+def test_each_round_starting_where_the_last_took_over_is_planned() -> None:
+    rounds = [_round(1, 5, 6), _round(2, 6, 7), _round(3, 7, 8)]
+    assert unplanned_failovers(rounds) == 0
+    assert "did not cause" not in render(Report(rounds=rounds))
+
+
+def test_a_lock_that_moved_between_rounds_is_counted_and_shown() -> None:
+    rounds = [_round(1, 5, 6), _round(2, 7, 8), _round(3, 8, 9)]
+    assert unplanned_failovers(rounds) == 1
+    assert Report(rounds=rounds).summary()["unplanned_failovers"] == 1
+    assert "failovers the drill did not cause: 1" in render(Report(rounds=rounds))
+
+
+def test_a_scenario_that_killed_more_or_a_failed_round_proves_nothing() -> None:
+    assert (
+        unplanned_failovers([_round(1, 5, 6, also_killed="engine-shadow-1"), _round(2, 8, 9)]) == 0
+    )
+    assert unplanned_failovers([_round(1, 5, 0, error="no new Active"), _round(2, 8, 9)]) == 0
