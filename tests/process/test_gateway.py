@@ -174,6 +174,59 @@ def test_a_malformed_request_is_refused_by_the_gateway_and_reaches_no_pod(fleet:
     assert fleet.front_requests() == before
 
 
+def _ready(port: int) -> bool:
+    with contextlib.suppress(OSError, http.client.HTTPException):
+        return http_json(port, "/ready")[0] == 200
+    return False
+
+
+def test_a_gateway_with_api_keys_lets_only_their_holders_through(fleet: Fleet) -> None:
+    """A second gateway over the same pods, with ``--api-key-file``: the
+    official client with a key gets its stream; without one, or with a wrong
+    one, a 401 the client names AuthenticationError, and no pod sees the
+    request; the key is never in the gateway's log."""
+    keys = fleet.dir / "api-keys"
+    keys.write_text("sk-understudy-test-1\nsk-understudy-test-2\n")
+    base = free_port_block(2)
+    log = fleet.dir / "keyed-gateway.out"
+    proc = Proc(
+        understudy(
+            "gateway", "--pods-file", str(fleet.dir / "pods.json"), "--port", str(base),
+            "--metrics-port", str(base + 1), "--api-key-file", str(keys),
+        ),
+        log=log,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: _ready(base + 1), 60, 0.1, what="the keyed gateway ready")
+
+        def client(key: str) -> openai.OpenAI:
+            return openai.OpenAI(
+                base_url=f"http://127.0.0.1:{base}/v1", api_key=key, max_retries=0, timeout=120
+            )
+
+        stream = client("sk-understudy-test-2").completions.create(
+            model="tiny-llama", prompt="The capital of France is", max_tokens=8,
+            temperature=0, stream=True,
+        )  # fmt: skip
+        assert "".join(c.choices[0].text for c in stream if c.choices)
+        before = fleet.front_requests()
+        for key in ("wrong", "sk-understudy-test-1x", "sk-understudy-test"):
+            with pytest.raises(openai.AuthenticationError):
+                client(key).completions.create(model="tiny-llama", prompt="hi", max_tokens=4)
+        conn = http.client.HTTPConnection("127.0.0.1", base, timeout=10)
+        conn.request("GET", "/v1/models")  # no Authorization header at all
+        resp = conn.getresponse()
+        assert resp.status == 401 and resp.getheader("WWW-Authenticate", "").startswith("Bearer")
+        assert json.loads(resp.read())["error"]["code"] == "invalid_api_key"
+        conn.close()
+        assert fleet.front_requests() == before
+        _, text = http_json(base + 1, "/metrics")
+        assert "understudy_gateway_unauthorized_total 4.0" in str(text)
+    finally:
+        proc.stop()
+    assert "sk-understudy-test" not in log.read_text()
+
+
 def _stall(times: list[float], fault_at: float) -> float:
     """A stream's longest wait for its next token from ``fault_at`` on (tokens
     already on their way when a pod froze arrive after it: the stall follows)."""

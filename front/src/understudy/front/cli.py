@@ -98,6 +98,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     import uvloop
 
     from understudy.front import gateway, pods
+    from understudy.front.apikeys import ApiKeyError, ApiKeys
     from understudy.wire.obs import setup_logging
 
     try:
@@ -108,8 +109,18 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     if bool(listed) == bool(args.pods_file):
         print("understudy gateway: give --pod (repeatable) or --pods-file", file=sys.stderr)
         return 2
+    try:
+        keys = (
+            ApiKeys(Path(args.api_key_file) if args.api_key_file else None, args.api_key or ())
+            if args.api_key_file or args.api_key
+            else None
+        )
+    except ApiKeyError as exc:
+        print(f"understudy gateway: {exc}", file=sys.stderr)
+        return 2
     setup_logging()
     cfg = gateway.GatewayConfig(
+        api_keys=keys,
         pods=listed,
         pods_file=Path(args.pods_file) if args.pods_file else None,
         port=args.port,
@@ -212,6 +223,17 @@ def _add_gateway(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         type=_positive,
         default=1.0,
         help="seconds without a probe's answer or a stream's heartbeat that make a pod dead",
+    )
+    gw.add_argument(
+        "--api-key-file",
+        help="Bearer keys, one per line (a mounted Secret; re-read when it changes): "
+        "a request without one of them gets 401",
+    )
+    gw.add_argument(
+        "--api-key",
+        action="append",
+        help="a Bearer key (repeatable; as vLLM's --api-key, but visible in /proc: "
+        "prefer --api-key-file)",
     )
     _add_client_side(gw)
     gw.set_defaults(func=cmd_gateway)

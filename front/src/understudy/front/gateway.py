@@ -29,9 +29,10 @@ from typing import Any, assert_never
 
 from understudy.front import downstream, fsm, pods, upstream
 from understudy.front import status as status_port
+from understudy.front.apikeys import ApiKeys
 from understudy.front.forwarder import Forwarder
 from understudy.front.forwarding import COMPLETIONS
-from understudy.front.metrics import FrontMetrics, Gauge, Labelled
+from understudy.front.metrics import Counter, FrontMetrics, Gauge, Labelled
 from understudy.wire.obs import log_event
 from understudy.wire.serving import BEAT_INTERVAL_S, FIELD, RELAY_HEADER, RELAY_TOKENS
 
@@ -65,6 +66,8 @@ class GatewayConfig:
     max_body: int = 16 * 1024 * 1024
     idle_s: float = 75.0
     drain_s: float = 25.0
+    # Bearer keys a request must show one of (apikeys); None: no key asked
+    api_keys: ApiKeys | None = None
     watchdog: fsm.Watchdog = field(init=False)
 
     def __post_init__(self) -> None:
@@ -93,6 +96,20 @@ def admit(method: bytes, path: str, body: bytes) -> str | None:
     return None
 
 
+# As OpenAI's API answers a missing or wrong key (and vLLM's --api-key).
+_UNAUTHORIZED = [downstream.JSON, (b"WWW-Authenticate", b'Bearer realm="understudy"')]
+_UNAUTHORIZED_BODY = json.dumps(
+    {
+        "error": {
+            "message": "a valid API key is required: Authorization: Bearer <key>",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_api_key",
+        }
+    }
+).encode()
+
+
 # How a pod is found dead (``pods.Broke``, ``pods.Silent``, a pod that leaves
 # the list): the reasons of ``understudy_gateway_migrations_total``.
 _DEATHS = ("refused", "reset", "silent", "removed")
@@ -116,6 +133,7 @@ class GatewayMetrics(FrontMetrics):
         super().__init__()
         self.moved = Labelled("reason")  # requests moved off a dead pod, by its death
         self.routable = Gauge()
+        self.unauthorized = Counter()  # requests refused 401: no valid API key
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -145,6 +163,11 @@ class GatewayMetrics(FrontMetrics):
         yield moved
         yield GaugeMetricFamily(
             self._OWN + "pods_routable", "Pods ready to take requests", value=self.routable.get()
+        )
+        yield CounterMetricFamily(
+            self._OWN + "unauthorized",
+            "Requests refused 401 for want of a valid API key (--api-key-file)",
+            value=self.unauthorized.value,
         )
 
 
@@ -378,6 +401,16 @@ class Gateway:
         self.metrics.held.set_function(lambda: self.router.held)
 
     def _handle(self, ex: downstream.Exchange) -> None:
+        keys = self.cfg.api_keys
+        if keys is not None:
+            if not keys.allows(ex.headers):
+                self.metrics.unauthorized.inc()
+                self.forwarder.refused(401)
+                with contextlib.suppress(downstream.ClientGone):
+                    ex.answer(401, _UNAUTHORIZED, _UNAUTHORIZED_BODY)
+                return
+            # The key is the gateway's business: no pod sees it (or logs it).
+            ex.headers = [h for h in ex.headers if h[0].lower() != b"authorization"]
         path = ex.target.split(b"?", 1)[0].decode("latin-1")
         reason = admit(ex.method, path, ex.body)
         if reason is None:
