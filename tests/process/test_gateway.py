@@ -227,6 +227,89 @@ def test_a_gateway_with_api_keys_lets_only_their_holders_through(fleet: Fleet) -
     assert "sk-understudy-test" not in log.read_text()
 
 
+def _pod_requests(f: Fleet, i: int) -> float:
+    _, text = http_json(f.metrics_port + 3 * i + 2, "/metrics")
+    return sum(
+        float(line.split()[-1])
+        for line in str(text).splitlines()
+        if line.startswith("understudy_front_requests_total{")
+    )
+
+
+def test_a_terminating_pod_takes_nothing_new_and_its_streams_finish_there_or_move_at_grace_end(
+    fleet: Fleet,
+) -> None:
+    """Planned removal, through a second gateway over a copy of the pods
+    list: a pod listed as terminating while streams run on it takes nothing
+    new, and its streams finish there (grace 60 s: none moves); with a grace
+    of 0.3 s the streams still on it move, counted as ``removed``. Every
+    answer is the uninterrupted one's."""
+    listing = json.loads((fleet.dir / "pods.json").read_text())
+    mine = fleet.dir / "planned.json"
+    mine.write_text(json.dumps(listing))
+    base = free_port_block(2)
+    proc = Proc(
+        understudy(
+            "gateway", "--pods-file", str(mine), "--port", str(base),
+            "--metrics-port", str(base + 1), "--grace", "60",
+        ),
+        log=fleet.dir / "planned-gateway.out",
+    )  # fmt: skip
+    via = Fleet.__new__(Fleet)  # the fleet's pods, this gateway's ports
+    via.__dict__.update(fleet.__dict__, port=base, gateway_metrics=base + 1)
+    try:
+        wait_for(lambda: via.routable() == 2, 60, 0.1, what="the second gateway routes both")
+        for grace, moves in ((60.0, False), (0.3, True)):
+            if moves:  # a gateway of its own for the short grace
+                proc.stop()
+                mine.write_text(json.dumps(listing))
+                proc = Proc(
+                    understudy(
+                        "gateway", "--pods-file", str(mine), "--port", str(base),
+                        "--metrics-port", str(base + 1), "--grace", str(grace),
+                    ),
+                    log=fleet.dir / "planned-gateway-short.out",
+                )  # fmt: skip
+                wait_for(lambda: via.routable() == 2, 60, 0.1, what="the gateway again")
+            _planned_round(fleet, via, mine, listing, moves)
+    finally:
+        proc.stop()
+
+
+def _planned_round(fleet: Fleet, via: Fleet, mine: Path, listing: list[str], moves: bool) -> None:
+    with concurrent.futures.ThreadPoolExecutor(CLIENTS) as ex:
+        streams = [ex.submit(_request, via, i, 0) for i in range(0, CLIENTS, 2)]
+
+        def busiest() -> dict[str, Any] | None:
+            pods = via.gateway()["pods"]
+            top = max(pods, key=lambda p: p["streams"])
+            return top if top["streams"] >= 1 else None
+
+        top = wait_for(busiest, 60, 0.02, what="a stream on a pod")
+        i = int(top["name"].rsplit("-", 1)[1])
+        marked = [
+            {"address": a, "terminating": True} if a.endswith(f"name={top['name']}") else a
+            for a in listing
+        ]
+        mine.write_text(json.dumps(marked))
+        wait_for(
+            lambda: {p["name"]: p["phase"] for p in via.gateway()["pods"]}[top["name"]]
+            in ("leaving", "dead"),
+            10, 0.02, what="the pod leaving",
+        )  # fmt: skip
+        answers = [f.result(timeout=300) for f in streams]
+    moved = via.gateway_metric("understudy_gateway_migrations_total")
+    removed = via.gateway_metric('understudy_gateway_migrations_total{reason="removed"}')
+    assert (removed > 0) is moves and moved == removed, (moved, removed)
+    alone = {(i, 0): _request(fleet, i, 0) for i in range(0, CLIENTS, 2)}
+    assert [a["text"] for a in answers] == [alone[k]["text"] for k in sorted(alone)]
+    if not moves:  # a pod still leaving takes nothing new
+        before = _pod_requests(fleet, i)
+        for n in range(4):
+            _request(via, 1, n)
+        assert _pod_requests(fleet, i) == before
+
+
 def _stall(times: list[float], fault_at: float) -> float:
     """A stream's longest wait for its next token from ``fault_at`` on (tokens
     already on their way when a pod froze arrive after it: the stall follows)."""

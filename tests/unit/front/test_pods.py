@@ -14,12 +14,15 @@ from understudy.front.pods import (
     Dead,
     Fleet,
     Kind,
+    Leaving,
     Listing,
+    Overdue,
     Phase,
     Pod,
     Probed,
     Routed,
     Silent,
+    Terminating,
     Unrouted,
     step,
 )
@@ -39,6 +42,8 @@ EVENTS: dict[Kind, pods.Event] = {
     Kind.BEFORE_DEATH: Probed("a", True, sent_at=4.0),
     Kind.BROKE: Broke("a", "reset"),
     Kind.SILENT: Silent("a", 1.2),
+    Kind.TERMINATING: Terminating("a", until=27.0),
+    Kind.OVERDUE: Overdue("a"),
 }
 
 
@@ -155,6 +160,45 @@ def test_a_bad_pod_address_is_refused(text: str) -> None:
 
 def test_a_pods_file_is_a_list_of_addresses_with_distinct_names() -> None:
     assert pods.parse_pods_file('["h:1?status=2"]') == [Listing("h:1", "h", 1, 2)]
-    for bad in ("{}", "[1]", "not json", '["h:1", "h:1"]'):
+    both = '["h:1?status=2", {"address": "h:3?status=4", "terminating": true}]'
+    assert pods.parse_pods_file(both) == [
+        Listing("h:1", "h", 1, 2),
+        Listing("h:3", "h", 3, 4, terminating=True),
+    ]
+    bad_objects = ('[{"address": 1}]', '[{"address": "h:1", "terminating": "yes"}]')
+    for bad in ("{}", "[1]", "not json", '["h:1", "h:1"]', *bad_objects):
         with pytest.raises(pods.PodListError):
             pods.parse_pods_file(bad)
+
+
+def test_a_terminating_pod_takes_nothing_new_and_moves_what_it_has_at_its_grace_end() -> None:
+    f = Fleet({"a": pod(Phase.READY, heard_at=1.0), "b": pod(Phase.READY, B, heard_at=1.0)})
+    f, actions = pods.listed(f, [replace(A, terminating=True), B], 2.0, grace_s=20.0)
+    assert actions == [Leaving("a", 22.0)]  # no Dead: nothing of it moves yet
+    assert f.pods["a"].phase is Phase.LEAVING and f.pods["a"].listing.terminating
+    assert pods.pick(f, {"a": 0, "b": 5}.__getitem__, 0) == f.pods["b"]
+    # listed again (the file re-read): still leaving, by the same deadline
+    f, actions = pods.listed(f, [replace(A, terminating=True), B], 3.0, grace_s=20.0)
+    assert actions == [] and f.pods["a"].leave_by == 22.0
+    f, actions = pods.feed(f, Probed("a", True, 4.0), 4.0)  # alive, and leaving
+    assert actions == [] and f.pods["a"].phase is Phase.LEAVING and f.pods["a"].heard_at == 4.0
+    assert pods.overdue(f, 21.9) == []
+    [late] = pods.overdue(f, 22.0)
+    f, actions = pods.feed(f, late, 22.0)
+    assert actions == [Dead("a", "removed")] and f.pods["a"].phase is Phase.DEAD
+
+
+def test_a_leaving_pod_that_breaks_or_falls_silent_dies_at_once() -> None:
+    leaving = pod(Phase.LEAVING, heard_at=10.0, leave_by=30.0)
+    p, actions = step(leaving, Broke("a", "reset"), 11.0)
+    assert (p.phase, actions) == (Phase.DEAD, [Dead("a", "reset")])
+    w = Watchdog(hang_after_s=1.0, check_s=0.1, stall_s=0.25)
+    [silent] = pods.silent(Fleet({"a": leaving}), w, due=11.1, now=11.12)
+    assert silent.name == "a"
+
+
+def test_a_pod_first_listed_as_terminating_never_takes_a_request() -> None:
+    f, actions = pods.listed(Fleet({}), [replace(A, terminating=True)], 1.0, grace_s=5.0)
+    assert actions == [Leaving("a", 6.0)]
+    f, _ = pods.feed(f, Probed("a", True, 1.1), 1.2)
+    assert pods.routable(f) == 0

@@ -129,6 +129,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         hold_s=args.hold,
         migration_limit=args.migration_limit,
         silence_s=args.silence,
+        grace_s=args.grace,
         drain_s=args.drain,
         idle_s=args.idle_timeout,
     )
@@ -223,6 +224,12 @@ def _add_gateway(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         type=_positive,
         default=1.0,
         help="seconds without a probe's answer or a stream's heartbeat that make a pod dead",
+    )
+    gw.add_argument(
+        "--grace",
+        type=_positive,
+        default=20.0,
+        help="seconds a terminating pod's requests may finish there before they move",
     )
     gw.add_argument(
         "--api-key-file",

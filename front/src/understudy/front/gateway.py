@@ -66,6 +66,9 @@ class GatewayConfig:
     max_body: int = 16 * 1024 * 1024
     idle_s: float = 75.0
     drain_s: float = 25.0
+    # A terminating pod's requests finish there for this long, then move:
+    # inside its front's own drain (25 s) and the kubelet's grace (30 s).
+    grace_s: float = 20.0
     # Bearer keys a request must show one of (apikeys); None: no key asked
     api_keys: ApiKeys | None = None
     watchdog: fsm.Watchdog = field(init=False)
@@ -199,6 +202,7 @@ class PodRouter:
         self._changed = asyncio.Event()
         self._turn = 0
         self._probing: dict[str, asyncio.Task[None]] = {}
+        self._deaths: dict[str, str] = {}  # each pod's last death's reason
         self._tasks: list[asyncio.Task[None]] = []
         self._loop = asyncio.get_running_loop()
         metrics.routable.set_function(lambda: pods.routable(self.fleet))
@@ -208,7 +212,8 @@ class PodRouter:
     # ----------------------------------------------------------- the core --
 
     def list_pods(self, listings: tuple[pods.Listing, ...] | list[pods.Listing]) -> None:
-        self.fleet, actions = pods.listed(self.fleet, listings, self._loop.time())
+        now = self._loop.time()
+        self.fleet, actions = pods.listed(self.fleet, listings, now, self.cfg.grace_s)
         log_event(log, "pods_listed", pods=sorted(li.name for li in listings))
         self._execute(actions)
 
@@ -223,9 +228,17 @@ class PodRouter:
                     log_event(log, "pod_routed", pod=name, generation=generation)
                 case pods.Unrouted(name=name):
                     log_event(log, "pod_unready", logging.WARNING, pod=name)
+                case pods.Leaving(name=name, until=until):
+                    log_event(
+                        log, "pod_leaving", pod=name, busy=self._busy(name),
+                        grace_s=round(until - self._loop.time(), 3),
+                    )  # fmt: skip
                 case pods.Dead(name=name, reason=reason):
                     entry = self._ups.pop(name, None)
                     busy = entry[1].busy if entry else 0
+                    # what its broken requests are counted as, once it is
+                    # no longer listed to ask (a removed pod)
+                    self._deaths[name] = reason
                     if entry is not None:
                         entry[1].abort()  # its requests break, and move
                     log_event(log, "pod_dead", logging.WARNING, pod=name, reason=reason, busy=busy)
@@ -298,7 +311,8 @@ class PodRouter:
             self.feed(pods.Broke(route.engine_id, broke))
         if outcome is fsm.Outcome.BROKEN:  # the forwarder moves the request
             p = self.fleet.pods.get(route.engine_id)
-            reason = p.reason if p is not None and p.reason else "reset"
+            reason = p.reason if p is not None and p.reason else None
+            reason = reason or self._deaths.get(route.engine_id, "reset")
             self.metrics.moved.labels(reason=reason).inc()
         if self._current(route) is None:
             return  # another pod is the route, or none: the hold waits for one
@@ -330,7 +344,8 @@ class PodRouter:
                 task = self._probing.get(p.name)
                 if task is None or task.done():
                     self._probing[p.name] = asyncio.create_task(self._probe(p.listing))
-            for event in pods.silent(self.fleet, w, due, now):
+            events: list[pods.Event] = [*pods.silent(self.fleet, w, due, now)]
+            for event in [*events, *pods.overdue(self.fleet, now)]:
                 self.feed(event)
             for name, (_, up) in list(self._ups.items()):
                 if pods.stream_silent(w, due, now, up.quiet_since()):
@@ -340,7 +355,7 @@ class PodRouter:
         sent = self._loop.time()
         ready = await probe(li.host, li.status_port, min(_PROBE_TIMEOUT_S, self.cfg.silence_s))
         p = self.fleet.pods.get(li.name)
-        if ready is not None and p is not None and p.listing == li:
+        if ready is not None and p is not None and p.listing.address == li.address:
             self.feed(pods.Probed(li.name, ready, sent))
 
     async def _watch_list(self) -> None:

@@ -21,6 +21,11 @@ answer to a probe sent after its death brings it back, under a new
 generation (the route's epoch): an attempt begun under the old one finds its
 connections given up on. A pod that leaves the list (``listed``) is dead too.
 
+A pod listed as terminating (a rollout, a drain, a scale-down: its
+EndpointSlice condition) is LEAVING: it takes nothing new, its requests
+finish there, and those still there when its grace ends (``Overdue``) move,
+as its death would move them, before the kubelet kills it.
+
 Which pod: the ready one with the fewest requests in flight (``pick``), ties
 taken in turn.
 """
@@ -52,6 +57,12 @@ class Listing:
     host: str
     port: int  # its front's serving port
     status_port: int  # its front's status port (/ready)
+    terminating: bool = False  # on its way out (planned): takes nothing new
+
+    @property
+    def address(self) -> tuple[str, int, int]:
+        """What makes it the same pod: a listing that only became terminating is."""
+        return (self.host, self.port, self.status_port)
 
 
 def parse_pod(text: str, default_status_port: int = 8090) -> Listing:
@@ -71,15 +82,34 @@ def parse_pod(text: str, default_status_port: int = 8090) -> Listing:
     return Listing(name, url.hostname, port, status)
 
 
+def _entry(item: Any, default_status_port: int) -> Listing:
+    """An address (``parse_pod``), or ``{"address": ..., "terminating": bool}``."""
+    if isinstance(item, str):
+        return parse_pod(item, default_status_port)
+    if (
+        isinstance(item, dict)
+        and isinstance(item.get("address"), str)
+        and isinstance(item.get("terminating", False), bool)
+        and set(item) <= {"address", "terminating"}
+    ):
+        li = parse_pod(item["address"], default_status_port)
+        return replace(li, terminating=item.get("terminating", False))
+    raise PodListError(
+        "a pods file is a JSON list of addresses (http://HOST:PORT?status=PORT) "
+        'or {"address": ..., "terminating": true|false}'
+    )
+
+
 def parse_pods_file(text: str, default_status_port: int = 8090) -> list[Listing]:
-    """A pods file: a JSON list of pod addresses (``parse_pod``)."""
+    """A pods file: a JSON list of pod addresses (``parse_pod``), each maybe
+    with whether it is terminating."""
     try:
         doc: Any = json.loads(text)
     except ValueError as exc:
         raise PodListError(f"not JSON: {exc}") from None
-    if not isinstance(doc, list) or not all(isinstance(p, str) for p in doc):
-        raise PodListError("a pods file is a JSON list of strings (http://HOST:PORT?status=PORT)")
-    pods = [parse_pod(p, default_status_port) for p in doc]
+    if not isinstance(doc, list):
+        raise PodListError("a pods file is a JSON list")
+    pods = [_entry(p, default_status_port) for p in doc]
     if len({p.name for p in pods}) != len(pods):
         raise PodListError("two pods of the same name")
     return pods
@@ -89,6 +119,8 @@ class Phase(enum.Enum):
     NEW = "new"  # listed, not heard from yet: no requests
     READY = "ready"  # its front can serve: takes requests
     UNREADY = "unready"  # its front answers, and cannot serve: no new requests
+    # terminating: nothing new; its requests finish there until leave_by
+    LEAVING = "leaving"
     DEAD = "dead"  # refused, reset or silent: its requests moved, none go there
 
 
@@ -100,6 +132,7 @@ class Pod:
     heard_at: float | None = None  # the last probe it answered (loop time)
     dead_at: float | None = None
     reason: str = ""  # why it died
+    leave_by: float | None = None  # LEAVING: when what it still has must move
 
     @property
     def name(self) -> str:
@@ -134,7 +167,22 @@ class Silent:
     silent_s: float
 
 
-Event = Probed | Broke | Silent
+@dataclass(frozen=True, slots=True)
+class Terminating:
+    """It is listed as terminating: what it has must be done by ``until``."""
+
+    name: str
+    until: float
+
+
+@dataclass(frozen=True, slots=True)
+class Overdue:
+    """A LEAVING pod's grace is over: what it still has moves."""
+
+    name: str
+
+
+Event = Probed | Broke | Silent | Terminating | Overdue
 
 # -------------------------------------------------------------- actions ----
 
@@ -162,7 +210,15 @@ class Dead:
     reason: str
 
 
-Action = Routed | Unrouted | Dead
+@dataclass(frozen=True, slots=True)
+class Leaving:
+    """It takes nothing new; what it has finishes there until ``until``."""
+
+    name: str
+    until: float
+
+
+Action = Routed | Unrouted | Leaving | Dead
 
 
 class InvalidTransition(machine.InvalidTransition):
@@ -177,6 +233,8 @@ class Kind(enum.Enum):
     BEFORE_DEATH = "Probed (sent before it died)"  # says nothing of it now
     BROKE = "Broke"
     SILENT = "Silent"
+    TERMINATING = "Terminating"
+    OVERDUE = "Overdue"
 
 
 def kind(p: Pod, e: Event) -> Kind:
@@ -189,6 +247,10 @@ def kind(p: Pod, e: Event) -> Kind:
             return Kind.BROKE
         case Silent():
             return Kind.SILENT
+        case Terminating():
+            return Kind.TERMINATING
+        case Overdue():
+            return Kind.OVERDUE
         case _:
             assert_never(e)
 
@@ -215,16 +277,31 @@ def _revived(p: Pod, e: Probed, now: float) -> Result:
     return _ready(p, e, now) if e.ready else _unready(p, e, now)
 
 
-def _died(p: Pod, e: Broke | Silent, now: float) -> Result:
-    reason = e.reason if isinstance(e, Broke) else "silent"
+def _died(p: Pod, e: Broke | Silent | Overdue, now: float) -> Result:
+    match e:
+        case Broke(reason=reason):
+            pass
+        case Silent():
+            reason = "silent"
+        case Overdue():
+            reason = "removed"
     return replace(p, phase=Phase.DEAD, dead_at=now, reason=reason), [Dead(p.name, reason)]
+
+
+def _leaving(p: Pod, e: Terminating, now: float) -> Result:
+    return replace(p, phase=Phase.LEAVING, leave_by=e.until), [Leaving(p.name, e.until)]
+
+
+def _heard(p: Pod, e: Probed, now: float) -> Result:
+    """A LEAVING pod answers its probes: alive (not silent), and still leaving."""
+    return replace(p, heard_at=now), []
 
 
 def _ignore(p: Pod, e: Event, now: float) -> Result:
     return p, []
 
 
-N, R, U, D = Phase.NEW, Phase.READY, Phase.UNREADY, Phase.DEAD
+N, R, U, L, D = Phase.NEW, Phase.READY, Phase.UNREADY, Phase.LEAVING, Phase.DEAD
 K = Kind
 Entry = machine.Entry[Pod, Action, Phase]
 
@@ -248,6 +325,17 @@ TRANSITIONS: dict[tuple[Phase, Kind], Entry] = {
     (U, K.UNREADY): _to(_unready, U),
     (U, K.BROKE): _to(_died, D),
     (U, K.SILENT): _to(_died, D),
+    (N, K.TERMINATING): _to(_leaving, L),
+    (R, K.TERMINATING): _to(_leaving, L),
+    (U, K.TERMINATING): _to(_leaving, L),
+    (L, K.READY): _to(_heard, L),
+    (L, K.UNREADY): _to(_heard, L),
+    (L, K.TERMINATING): _to(_ignore, L),
+    (L, K.BROKE): _to(_died, D),
+    (L, K.SILENT): _to(_died, D),
+    (L, K.OVERDUE): _to(_died, D),
+    (D, K.TERMINATING): _to(_ignore, D),  # gone already: nothing of it to finish
+    (D, K.OVERDUE): _to(_ignore, D),
     (D, K.READY): _to(_revived, R),
     (D, K.UNREADY): _to(_revived, U),
     (D, K.BEFORE_DEATH): _to(_ignore, D),
@@ -276,15 +364,19 @@ class Fleet:
     pods: Mapping[str, Pod]
 
 
-def listed(f: Fleet, listings: Sequence[Listing], now: float) -> tuple[Fleet, list[Action]]:
+def listed(
+    f: Fleet, listings: Sequence[Listing], now: float, grace_s: float = 0.0
+) -> tuple[Fleet, list[Action]]:
     """The endpoint list changed: new pods join (heard from before they take
-    anything); a pod that left, or whose address changed, is dead."""
+    anything); a pod that left, or whose address changed, is dead; one listed
+    as terminating is LEAVING, with ``grace_s`` for what it has."""
     want = {li.name: li for li in listings}
     pods: dict[str, Pod] = {}
     actions: list[Action] = []
     for name, p in f.pods.items():
-        if want.get(name) == p.listing:
-            pods[name] = p
+        li = want.get(name)
+        if li is not None and li.address == p.listing.address:
+            pods[name] = replace(p, listing=li)
         elif p.phase is not Phase.DEAD:
             actions.append(Dead(name, "removed"))
     for name, li in want.items():
@@ -292,6 +384,9 @@ def listed(f: Fleet, listings: Sequence[Listing], now: float) -> tuple[Fleet, li
             old = f.pods.get(name)
             # Back at another address: a new generation all the same.
             pods[name] = Pod(li, generation=old.generation + 1 if old else 1)
+        if li.terminating:
+            pods[name], done = step(pods[name], Terminating(name, now + grace_s), now)
+            actions += done
     return Fleet(pods), actions
 
 
@@ -309,11 +404,20 @@ def silent(f: Fleet, w: Watchdog, due: float, now: float) -> list[Silent]:
     at ``now`` by a check due at ``due`` (a late check judges nothing)."""
     out = []
     for p in f.pods.values():
-        if p.phase in (Phase.READY, Phase.UNREADY):
+        if p.phase in (Phase.READY, Phase.UNREADY, Phase.LEAVING):
             judged = judge_beat(w, due, now, p.heard_at)
             if judged.beat is Beat.HUNG:
                 out.append(Silent(p.name, judged.silent_s))
     return out
+
+
+def overdue(f: Fleet, now: float) -> list[Overdue]:
+    """The LEAVING pods whose grace is over."""
+    return [
+        Overdue(p.name)
+        for p in f.pods.values()
+        if p.phase is Phase.LEAVING and p.leave_by is not None and now >= p.leave_by
+    ]
 
 
 def pick(f: Fleet, busy: Callable[[str], int], turn: int) -> Pod | None:
