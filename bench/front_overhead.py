@@ -150,26 +150,33 @@ def print_added(results: dict[str, dict[str, object]], concurrency: int) -> None
         )
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+# The request shapes measured: a GET the engine answers at once, and a small
+# POST with a body (the synthetic engine's checksum of its weights' layout).
+CASES: dict[str, tuple[str, bytes, dict[str, str]]] = {
+    "GET /health": ("/health", b"", {}),
+    "POST /v1/checksum": ("/v1/checksum", b"{}", {"Content-Type": "application/json"}),
+}
+
+
+def parse_args(doc: str) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--requests", type=int, default=1000, help="per round and side")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--json", type=Path)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> int:
+    args = parse_args(__doc__)
     pod = LocalPod(engine="synthetic")
     try:
         active = pod.wait_armed(120)
         sock = active["serving_socket"]
         epoch = {"X-Understudy-Epoch": str(active["epoch"])}
-        json_h = {"Content-Type": "application/json"}
-        cases = {
-            "GET /health": ("/health", b"", {}),
-            "POST /v1/checksum": ("/v1/checksum", b"{}", json_h),
-        }
         rows: dict[str, dict[str, float]] = {}
         results: dict[str, dict[str, object]] = {}
-        for name, (path, body, headers) in cases.items():
+        for name, (path, body, headers) in CASES.items():
             direct = Side(lambda: UnixHTTPConnection(sock), {**headers, **epoch})
             front = Side(
                 lambda: http.client.HTTPConnection("127.0.0.1", pod.serve_port, timeout=30),

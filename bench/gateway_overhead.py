@@ -18,7 +18,6 @@ least 0.9x.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import http.client
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _common import print_table, write_results
-from front_overhead import Side, measure_case
+from front_overhead import CASES, Side, measure_case, parse_args
 from localpod import LocalPod, free_port_block, http_json
 from procs import Proc, understudy, wait_for
 
@@ -39,12 +38,7 @@ def _ready(port: int) -> bool:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=1000, help="per round and side")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--json", type=Path)
-    args = ap.parse_args()
+    args = parse_args(__doc__)
     pod = LocalPod(engine="synthetic")
     gateway: Proc | None = None
     try:
@@ -59,14 +53,9 @@ def main() -> int:
             log=Path(pod.dir) / "gateway.out",
         )  # fmt: skip
         wait_for(lambda: _ready(port + 1), 60, 0.1, what="the gateway routing the pod")
-        json_h = {"Content-Type": "application/json"}
-        cases = {
-            "GET /health": ("/health", b"", {}),
-            "POST /v1/checksum": ("/v1/checksum", b"{}", json_h),
-        }
         rows: dict[str, dict[str, float]] = {}
         results: dict[str, dict[str, object]] = {}
-        for name, (path, body, headers) in cases.items():
+        for name, (path, body, headers) in CASES.items():
             front = Side(
                 lambda: http.client.HTTPConnection("127.0.0.1", pod.serve_port, timeout=30),
                 headers,
