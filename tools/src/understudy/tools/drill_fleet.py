@@ -130,6 +130,7 @@ def _round(ses: _FleetSession, plan: _Plan, i: int, log: Callable[[str], None]) 
         int(pod.get("generation") or 0),
         signal=_SIGNAL[plan.scenario],
         steady_gap_s=figures.steady_gap(ses.samples(), ses.steady_since(), time.monotonic()),
+        whole_pod=True,
     )
     # what ended well before this round's fault is needed only as counts
     ses.fold(time.monotonic() + KILL_WINDOW_S[0] - 0.5)

@@ -48,6 +48,9 @@ class Round:
     # the gateway's /state no longer has the pod ready, and why it said so
     detect_s: float | None = None
     reason: str = ""
+    # A fleet's round: ``killed`` is a pod, its epochs are the gateway's
+    # generations of it
+    whole_pod: bool = False
 
 
 @dataclass
@@ -112,12 +115,15 @@ class Report:
 
 def unplanned_failovers(rounds: list[Round]) -> int:
     """Rounds that found the lock moved since the last one's takeover: an
-    engine died, or was killed as hung, without the drill's asking. Not a
-    loss by itself, but it leaves the pod a standby short."""
+    engine died, or was killed as hung, without the drill's asking (in a
+    fleet's drill: the same pod taken again under a newer generation than it
+    came back with). Not a loss by itself, but it leaves the pod a standby
+    short."""
     return sum(
         1
         for prev, r in itertools.pairwise(rounds)
         if prev.new_epoch and r.killed_epoch and not prev.also_killed and not prev.error
+        and (not r.whole_pod or r.killed == prev.new_active)
         and r.killed_epoch != prev.new_epoch
     )  # fmt: skip
 
