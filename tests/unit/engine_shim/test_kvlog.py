@@ -5,7 +5,9 @@ only blocks whose memory holds what their seal says."""
 from __future__ import annotations
 
 import struct
+import zlib
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -271,9 +273,70 @@ def test_writer_refuses_blocks_outside_the_pool() -> None:
         Writer(Index(spec()), epoch=1, next_gen=0)
 
 
-def test_checksum_is_over_the_pieces_in_order() -> None:
-    assert kvlog.block_checksum([b"ab", b"cd"]) == kvlog.block_checksum([b"abcd"])
-    assert kvlog.block_checksum([b"cd", b"ab"]) != kvlog.block_checksum([b"abcd"])
+def _block(seed: int, pieces: int = 6, positions: int = 16, words: int = 8) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 2**64, size=(pieces, positions, words), dtype=np.uint64)
+
+
+@given(
+    piece=st.integers(0, 5),
+    position=st.integers(0, 15),
+    word=st.integers(0, 7),
+    bit=st.integers(0, 63),
+    seed=st.integers(0, 3),
+)
+def test_checksum_detects_any_change_of_one_word(
+    piece: int, position: int, word: int, bit: int, seed: int
+) -> None:
+    """Any bit of any word, the top one too (a float's sign): a change confined
+    to one word moves the checksum by the change times an odd number."""
+    x = _block(seed)
+    before = kvlog.block_checksum(x, 16)
+    x[piece, position, word] ^= np.uint64(1 << bit)
+    assert kvlog.block_checksum(x, 16) != before
+    x[piece, position, word] = np.uint64(2**64 - 1) - x[piece, position, word]  # any value
+    assert kvlog.block_checksum(x, 16) != before
+
+
+def test_checksum_depends_on_where_the_bytes_are() -> None:
+    x = _block(0)
+    base = kvlog.block_checksum(x, 16)
+    for moved in (
+        x[:, [1, 0, *range(2, 16)]],  # two positions swapped
+        x[:, :, [1, 0, *range(2, 8)]],  # two words of every position swapped
+        x[[1, 0, 2, 3, 4, 5]],  # two pieces (layers, heads, keys/values) swapped
+        np.zeros_like(x),  # a block zeroed (fresh memory)
+    ):
+        assert kvlog.block_checksum(np.ascontiguousarray(moved), 16) != base
+    # a block covered in part: its first positions only, as their own block
+    assert kvlog.block_checksum(x[:, :5], 16) == kvlog.block_checksum(x[:, :5].copy(), 16)
+    assert kvlog.block_checksum(x[:, :5], 16) != kvlog.block_checksum(x[:, :6], 16)
+    with pytest.raises(ValueError):
+        kvlog.block_checksum(x, 8)  # more positions than a block has
+
+
+def test_checksum_words_tile_a_row() -> None:
+    assert kvlog.word_dtype(256) is np.uint64
+    assert kvlog.word_dtype(12) is np.uint32
+    assert kvlog.word_dtype(6) is np.uint16
+    assert kvlog.word_dtype(3) is np.uint8
+
+
+def test_a_header_of_another_version_is_refused_and_named() -> None:
+    """Version 1 sealed CRC-32s: its pool is never adopted, and the shell can
+    say it is an old format (not a fresh or torn header)."""
+    sp = spec()
+    raw = kvlog.encode_header(sp)
+    assert kvlog.header_version(raw) == kvlog.VERSION == 2
+    body = bytearray(raw[:-4])
+    struct.pack_into("<I", body, 8, 1)  # the version field, after the magic
+    old = bytes(body) + struct.pack("<I", zlib.crc32(body))
+    assert kvlog.decode_header(old) is None
+    assert kvlog.header_version(old) == 1
+    assert kvlog.header_version(bytes(len(raw))) is None
+    torn = bytearray(old)
+    torn[20] ^= 1
+    assert kvlog.header_version(torn) is None
 
 
 # --- the property: a death anywhere never makes a wrong block trusted ------------

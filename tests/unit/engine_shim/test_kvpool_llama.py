@@ -9,6 +9,8 @@ around it are in tests/process/test_kv_failover.py)."""
 from __future__ import annotations
 
 import asyncio
+import struct
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -180,3 +182,25 @@ async def test_a_pool_made_for_another_geometry_is_not_adopted(
         other.kv_spec.digest(),
         other.kv_spec.log_capacity,
     )
+
+
+async def test_a_pool_sealed_in_an_older_format_is_refused_and_recomputed(
+    pod: Pod, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A seal log of format version 1 (CRC-32 checksums) under this engine's own
+    spec: nothing of it is trusted, the refusal is logged with both versions,
+    and the continuation is recomputed to the same tokens."""
+    first = pod.next_engine()
+    prompt = prompt_of(first, 80)
+    whole = await run(first, prompt, GREEDY)
+    first.close()
+    header = bytearray(kvlog.encode_header(pod.spec)[:-4])
+    struct.pack_into("<I", header, 8, 1)  # the version field, after the magic
+    pod.memory[: len(header) + 4] = bytes(header) + struct.pack("<I", zlib.crc32(header))
+    with caplog.at_level("WARNING", logger="understudy.engine_shim.kvpool"):
+        nxt = pod.next_engine()
+    assert nxt.kv_pool is not None and nxt.kv_pool.stats.sealed_at_adoption == 0
+    assert "event=kv_not_adopted" in caplog.text and "format version 1" in caplog.text
+    assert await run(nxt, prompt, GREEDY, whole[:10]) == whole[10:]
+    assert nxt.kv_pool.stats.reused_blocks == 0
+    assert kvlog.header_version(pod.memory[: kvlog.HEADER_SIZE]) == kvlog.VERSION

@@ -9,6 +9,8 @@ tests/process/test_kv_failover.py.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -136,22 +138,34 @@ def test_the_next_engine_adopts_what_the_dead_one_saved(epoch: int) -> None:
     assert claim is not None and claim.start == 48 and found == 48
 
 
-def test_checksums_of_many_blocks_at_once_are_each_blocks_crc_over_its_pieces() -> None:
-    """The batched reading (row by row) gives what the seal format says: CRC-32
-    over the block's pieces, keys then values, layer by layer, head by head."""
-    p = pool()
+ODD_ROWS = replace(SPEC, dtype="float16", head_dim=3, layers=3, kv_heads=2)  # 6-byte rows
+
+
+@pytest.mark.parametrize("spec", [SPEC, ODD_ROWS], ids=["uint64-words", "uint16-words"])
+def test_checksums_of_many_blocks_at_once_are_each_blocks_checksum(spec: kvlog.PoolSpec) -> None:
+    """The batched reading (a layer's run of blocks at a time) gives what the
+    seal format says: ``block_checksum`` of the block's words, keys then
+    values, layer by layer, head by head."""
+    p = KvPool(memoryview(bytearray(spec.pool_bytes)), spec, 1)
     rng = np.random.default_rng(0)
-    p.k[...] = rng.standard_normal(p.k.shape, dtype=np.float32)
-    p.v[...] = rng.standard_normal(p.v.shape, dtype=np.float32)
-    wanted = [(0, 16), (1, 16), (3, 5), (7, 1)]
-    b = SPEC.block_tokens
-    for slot in range(SPEC.slots):
+    for arr in (p.k, p.v):  # any bits: the checksum is over bytes
+        raw = arr.view(np.uint8)
+        raw[...] = rng.integers(0, 256, raw.shape, dtype=np.uint8)
+    wanted = [(0, 16), (1, 16), (3, 5), (7, 1), (5, 16)]  # whole blocks with a gap too
+    b = spec.block_tokens
+    word = kvlog.word_dtype(spec.head_dim * spec.itemsize)
+    for slot in range(spec.slots):
         expected = [
             kvlog.block_checksum(
-                arr[layer, slot, head, block * b : block * b + count].data
-                for arr in (p.k, p.v)
-                for layer in range(SPEC.layers)
-                for head in range(SPEC.kv_heads)
+                np.stack(
+                    [
+                        arr[layer, slot, head, block * b : block * b + count]
+                        for arr in (p.k, p.v)
+                        for layer in range(spec.layers)
+                        for head in range(spec.kv_heads)
+                    ]
+                ).view(word),
+                b,
             )
             for block, count in wanted
         ]
