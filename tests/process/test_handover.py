@@ -146,15 +146,16 @@ def test_the_ledger_hands_the_busy_count_to_the_next_front(tmp_path):
     first = Ledger(path)
     before = first.take_over()
     assert (before.pid, before.busy, first.lost, first.starts) == (0, 0, 0, 1)
-    first.busy(3)
-    first.busy(5)
+    first.busy(3, 1)
+    first.busy(5, 2)
     first.close()  # as a kill -9 leaves it: the last count stays in the page
     second = Ledger(path)
     before = second.take_over()
-    assert (before.busy, before.torn, second.lost, second.starts) == (5, False, 5, 2)
-    second.busy(0)  # a clean exit: nothing in flight
+    assert (before.busy, before.idle, before.torn) == (5, 2, False)
+    assert (second.lost, second.idle_lost, second.starts) == (5, 2, 2)
+    second.busy(0, 0)  # a clean exit: nothing in flight
     second.close()
     third = Ledger(path)
     third.take_over()
-    assert (third.lost, third.starts) == (5, 3)
+    assert (third.lost, third.idle_lost, third.starts) == (5, 2, 3)
     third.close()

@@ -6,8 +6,11 @@ from understudy.tools.drill_front import _judge
 from understudy.tools.series import Sample
 
 
-def _round(t: float, in_flight: float, back: bool = True) -> dict[str, object]:
-    return {"t_kill": t, "killed": [1], "back": back, "in_flight": in_flight, "front_start_s": 0.05}
+def _round(t: float, in_flight: float, back: bool = True, idle: float = 0) -> dict[str, object]:
+    return {
+        "t_kill": t, "killed": [1], "back": back, "in_flight": in_flight, "idle": idle,
+        "front_start_s": 0.05,
+    }  # fmt: skip
 
 
 def ok(start: float, end: float) -> Sample:
@@ -37,6 +40,15 @@ def test_a_refused_connection_more_failures_than_reported_or_no_front_fail():
     assert not gone["passed"]
     before = _judge([_round(10, 0)], [failed(5), ok(10.2, 10.3)], 0)
     assert not before["passed"] and before["failed"] == 1
+
+
+def test_a_failure_on_a_connection_that_was_idle_at_the_death_is_allowed_for():
+    """A client that sent its next request on a kept-alive connection the
+    dying front had not read yet: the front counted it idle, not busy."""
+    two = [failed(10.1), failed(10.1), ok(10.2, 10.3)]
+    r = _judge([_round(10, 1, idle=1)], two, 0)
+    assert r["passed"] and r["reported_idle"] == 1
+    assert not _judge([_round(10, 1, idle=0)], two, 0)["passed"]
 
 
 def test_answers_that_differ_or_two_active_engines_fail():

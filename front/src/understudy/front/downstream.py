@@ -279,8 +279,11 @@ class ClientConnection(asyncio.Protocol):
         # A client waits for an answer on this connection: from its accept (its
         # first request is on its way) until an answer leaves it idle, and
         # from the first byte of the next request. Counted by the server: a
-        # front that dies loses exactly its busy connections' requests.
+        # front that dies loses exactly its busy connections' requests. Idle
+        # (kept alive, answered) connections are counted apart: one may hold a
+        # next request the front has not read yet.
         self._busy = False
+        self._idle = False
         self._expect_continue = False
         self._upgrade = False
         # The request being parsed.
@@ -304,9 +307,11 @@ class ClientConnection(asyncio.Protocol):
         self._set_busy(True)
 
     def _set_busy(self, busy: bool) -> None:
-        if busy is not self._busy:
-            self._busy = busy
-            self._server.count_busy(1 if busy else -1)
+        idle = not busy and not self._closed
+        if busy is not self._busy or idle is not self._idle:
+            d_busy, d_idle = int(busy) - int(self._busy), int(idle) - int(self._idle)
+            self._busy, self._idle = busy, idle
+            self._server.count_busy(d_busy, d_idle)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
@@ -561,7 +566,7 @@ class Server:
         handler: Handler,
         limits: Limits,
         on_refused: Callable[[int], None] = lambda status: None,
-        on_busy: Callable[[int], None] | None = None,
+        on_busy: Callable[[int, int], None] | None = None,
     ) -> None:
         self.handler = handler
         self.limits = limits
@@ -571,12 +576,14 @@ class Server:
         self._listening: list[socket.socket] = []  # sockets accepted on by _accept
         self._connecting: set[asyncio.Task[None]] = set()
         self.busy = 0  # connections whose client waits for an answer
+        self.idle = 0  # connections kept alive between requests
         self._on_busy = on_busy
 
-    def count_busy(self, delta: int) -> None:
+    def count_busy(self, delta: int, idle_delta: int = 0) -> None:
         self.busy += delta
+        self.idle += idle_delta
         if self._on_busy is not None:
-            self._on_busy(self.busy)
+            self._on_busy(self.busy, self.idle)
 
     async def listen(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0: any free port); returns the port."""

@@ -127,6 +127,7 @@ class GatewayMetrics(FrontMetrics):
     _SKIP = frozenset(
         {
             "migrations", "failovers", "stale_epochs", "hung_engines", "lost_requests",
+            "lost_idle_connections",
             "restarts", "routing", "route_epoch", "lock_watch_up", "start_seconds",
             "failover_gap_seconds", "detection_seconds",
         }

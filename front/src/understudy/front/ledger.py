@@ -10,9 +10,16 @@ mapped into memory: a store, not a system call, per change), together with
 the pod's running total. The next front reads it when it starts: its
 predecessor's busy connections are the requests lost, added to the total.
 
-The record is ``seq, pid, busy, lost, starts, seq``: a reader that finds the
-two sequence numbers apart read a record its writer died in the middle of
-writing, and counts nothing for it (it says so).
+Its idle connections (kept alive between requests) die with it too, and a
+client may have written its next request into one the front had not read
+yet: the front cannot count that request, so the record keeps the idle
+connections apart (``idle``), and the next front counts them as what they
+are, connections closed while a request may have been on its way in.
+
+The record is ``seq, pid, busy, idle, lost, starts, idle_total, seq``: a
+reader that finds the two sequence numbers apart read a record its writer
+died in the middle of writing (or one of an older layout), and counts
+nothing for it (it says so).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LEDGER = "front.ledger"
-_RECORD = struct.Struct("<QqqqqQ")
+_RECORD = struct.Struct("<QqqqqqqQ")
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +41,8 @@ class Predecessor:
     lost: int  # the pod's total before this start
     starts: int  # fronts started in this pod before this one
     torn: bool = False  # its last record was half-written: its busy count is unknown
+    idle: int = 0  # its kept-alive connections between requests
+    idle_lost: int = 0  # the pod's total of those before this start
 
 
 class Ledger:
@@ -51,22 +60,30 @@ class Ledger:
         self._seq = 0
         self.pid = os.getpid()
         self.lost = 0
+        self.idle_lost = 0
         self.starts = 0
 
     def take_over(self) -> Predecessor:
         """Read the predecessor's record and start this front's: its busy
         connections join the lost total."""
-        seq, pid, busy, lost, starts, seq2 = _RECORD.unpack_from(self._map, 0)
-        before = Predecessor(pid, busy, lost, starts, torn=seq != seq2)
+        seq, pid, busy, idle, lost, starts, idle_lost, seq2 = _RECORD.unpack_from(self._map, 0)
+        torn = seq != seq2
+        before = Predecessor(pid, busy, lost, starts, torn, idle, idle_lost)
         self._seq = max(seq, seq2)
-        self.lost = lost + (busy if pid and not before.torn else 0)
+        counted = pid and not torn
+        self.lost = lost + (busy if counted else 0)
+        self.idle_lost = idle_lost + (idle if counted else 0)
         self.starts = starts + 1
-        self.busy(0)
+        self.busy(0, 0)
         return before
 
-    def busy(self, n: int) -> None:
+    def busy(self, n: int, idle: int) -> None:
+        """This front's connections now: ``n`` with a client waiting, ``idle`` between requests."""
         self._seq += 1
-        _RECORD.pack_into(self._map, 0, self._seq, self.pid, n, self.lost, self.starts, self._seq)
+        _RECORD.pack_into(
+            self._map, 0, self._seq, self.pid, n, idle, self.lost, self.starts, self.idle_lost,
+            self._seq,
+        )  # fmt: skip
 
     def close(self) -> None:
         self._map.close()

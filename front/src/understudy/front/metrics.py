@@ -143,6 +143,11 @@ _COUNTERS = {
         "Requests that were inside a front when it died (their clients saw the "
         "connection close), counted by the next front; durable",
     ),
+    "idle_lost": (
+        "understudy_front_lost_idle_connections",
+        "Kept-alive connections that were idle when a front died (a client may have "
+        "been sending its next request on one), counted by the next front; durable",
+    ),
     "restarts": (
         "understudy_front_restarts",
         "Times a front started after another one in this pod; durable",
@@ -196,6 +201,7 @@ class FrontMetrics:
         self.stale = Counter()
         self.hung = Counter()
         self.lost = Counter()
+        self.idle_lost = Counter()
         self.restarts = Counter()
         self.inflight = Gauge()
         self.held = Gauge()

@@ -66,9 +66,9 @@ class Front:
         self.metrics.inflight.set_function(lambda: self.forwarder.inflight)
         self.metrics.held.set_function(lambda: self.router.held)
 
-    def _on_busy(self, n: int) -> None:
+    def _on_busy(self, n: int, idle: int) -> None:
         if self._ledger is not None:
-            self._ledger.busy(n)
+            self._ledger.busy(n, idle)
 
     # ------------------------------------------------------------ surface --
 
@@ -125,11 +125,13 @@ class Front:
         assert self._ledger is not None
         m = self.metrics
         m.lost.inc(self._ledger.lost)
+        m.idle_lost.inc(self._ledger.idle_lost)
         m.restarts.inc(self._ledger.starts - 1)
         if before.pid:
             log_event(
                 log, "took_over", logging.WARNING if before.busy else logging.INFO,
                 predecessor=before.pid, lost=before.busy if not before.torn else "unknown",
+                idle_closed=before.idle if not before.torn else "unknown",
                 lost_total=self._ledger.lost, restarts=self._ledger.starts - 1,
             )  # fmt: skip
 
@@ -159,7 +161,8 @@ class Front:
         if self._status is not None:
             self._status.close()
         if self._ledger is not None:
-            self._ledger.busy(self._server.busy)  # what a drain could not finish
+            # what a drain could not finish
+            self._ledger.busy(self._server.busy, self._server.idle)
             self._ledger.close()
 
 
