@@ -73,6 +73,8 @@ def test_one_poison_among_eight_clients_is_told_after_three_deaths_and_nothing_e
         assert pod.metric("understudy_front_isolated_total") >= 1
         gave_up = [json.loads(x.split("reason=", 1)[1]) for x in _gave_up(pod)]
         assert len(gave_up) == 1 and "ran it alone" in gave_up[0]
+        # the poison told, no suspect waits: what a drill's next round waits for
+        assert http_json(pod.front_port, "/state")[1]["isolation"] == "open"
     finally:
         pod.close()
 

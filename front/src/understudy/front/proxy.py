@@ -85,6 +85,9 @@ class Front:
             **self.router.view(),
             **self.pressure(),
             "at_engine": self.forwarder.at_engine,
+            # poison isolation: "open" unless a suspect waits for its turn
+            # alone (a drill's next round waits for it: docs/poison.md)
+            "isolation": self.forwarder.isolation.state.phase.value,
         }
 
     def ready(self) -> tuple[bool, str]:

@@ -40,7 +40,7 @@ from typing import Any
 from understudy.tools import figures
 from understudy.tools.drill_load import Client, Kind, Poisoner, fold, kinds_for
 from understudy.tools.drill_result import Report, Round, round_line
-from understudy.tools.drill_target import Target
+from understudy.tools.drill_target import Target, isolation_open
 from understudy.tools.drill_watch import Watcher, wait
 from understudy.tools.series import KILL_WINDOW_S, Sample, Tally
 
@@ -203,6 +203,10 @@ def _measure(ses: _Session, plan: _Plan, rnd: Round, t_kill: float, wall_kill: f
 
 def _round(ses: _Session, plan: _Plan, i: int, log: Callable[[str], None]) -> bool:
     """One kill and its measurements; False when the pod was never armed."""
+    # The last round's suspects cleared first (isolation_open): each round's
+    # faults stand on their own, not as a third death of one request.
+    if wait(lambda: isolation_open(ses.target), plan.timeout, 0.05) is None:
+        log(f"round {i}: a suspect still waits to run alone after {plan.timeout}s; killing anyway")
     got = ses.watcher.until(figures.armed, plan.timeout)
     if got is None:
         ses.rounds.append(Round(i, "?", 0, 0, error="pod not armed"))

@@ -175,17 +175,38 @@ def pod_processes(directory: Path) -> list[int]:
     return out
 
 
-def front_pid(status_url: str) -> int:
-    """The serving front's pid, as its ``/state`` reports it (in the pod's PID
-    namespace). Its command line cannot tell: the respawner's spare runs the
-    same one, waiting for its turn."""
+def front_state(status_url: str) -> dict[str, Any]:
+    """The serving front's ``/state``."""
     url = urllib.parse.urlsplit(status_url)
     conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=2)
     try:
         conn.request("GET", "/state")
-        return int(json.loads(conn.getresponse().read())["pid"])
+        doc: dict[str, Any] = json.loads(conn.getresponse().read())
+        return doc
     finally:
         conn.close()
+
+
+def front_pid(status_url: str) -> int:
+    """The serving front's pid, as its ``/state`` reports it (in the pod's PID
+    namespace). Its command line cannot tell: the respawner's spare runs the
+    same one, waiting for its turn."""
+    return int(front_state(status_url)["pid"])
+
+
+def isolation_open(target: object) -> bool:
+    """Whether every pod's front has no suspect waiting to run alone (a
+    target that cannot reach its fronts: yes). A poison is named when an
+    engine dies while a suspect of two deaths runs alone (docs/poison.md), so
+    a drill's next kill waits for the last round's suspects to be cleared:
+    else its fault, not the request, would be the third death."""
+    urls = getattr(target, "front_status_urls", None)
+    if urls is None:
+        return True
+    try:
+        return all(front_state(u).get("isolation", "open") == "open" for u in urls())
+    except Exception:  # a front restarting, the API unreachable: not known yet
+        return False
 
 
 def container_process(pid: int) -> int:
