@@ -43,6 +43,8 @@ log = logging.getLogger("understudy.gateway")
 # the one case where the pod is still judged routable (a refusal under an
 # older generation).
 _RETRY_S = 0.05
+# Removed pods whose death reason is kept for their breaking requests.
+_GONE_KEPT = 256
 # A probe's own wait for the pod's answer, at most.
 _PROBE_TIMEOUT_S = 1.0
 _LIST_POLL_S = 0.5
@@ -203,7 +205,10 @@ class PodRouter:
         self._changed = asyncio.Event()
         self._turn = 0
         self._probing: dict[str, asyncio.Task[None]] = {}
-        self._deaths: dict[str, str] = {}  # each pod's last death's reason
+        # Pods no longer listed, and how they died: their requests break after
+        # they are gone from the fleet, and are counted by it. Bounded: only the
+        # requests in flight at a removal ask, and only soon after.
+        self._gone: dict[str, str] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._loop = asyncio.get_running_loop()
         metrics.routable.set_function(lambda: pods.routable(self.fleet))
@@ -215,6 +220,8 @@ class PodRouter:
     def list_pods(self, listings: tuple[pods.Listing, ...] | list[pods.Listing]) -> None:
         now = self._loop.time()
         self.fleet, actions = pods.listed(self.fleet, listings, now, self.cfg.grace_s)
+        for name in self.fleet.pods:  # listed again: its own phase says how it died
+            self._gone.pop(name, None)
         log_event(log, "pods_listed", pods=sorted(li.name for li in listings))
         self._execute(actions)
 
@@ -237,9 +244,10 @@ class PodRouter:
                 case pods.Dead(name=name, reason=reason):
                     entry = self._ups.pop(name, None)
                     busy = entry[1].busy if entry else 0
-                    # what its broken requests are counted as, once it is
-                    # no longer listed to ask (a removed pod)
-                    self._deaths[name] = reason
+                    if name not in self.fleet.pods:
+                        self._gone[name] = reason
+                        while len(self._gone) > _GONE_KEPT:
+                            del self._gone[next(iter(self._gone))]
                     if entry is not None:
                         entry[1].abort()  # its requests break, and move
                     log_event(log, "pod_dead", logging.WARNING, pod=name, reason=reason, busy=busy)
@@ -312,8 +320,7 @@ class PodRouter:
             self.feed(pods.Broke(route.engine_id, broke))
         if outcome is fsm.Outcome.BROKEN:  # the forwarder moves the request
             p = self.fleet.pods.get(route.engine_id)
-            reason = p.reason if p is not None and p.reason else None
-            reason = reason or self._deaths.get(route.engine_id, "reset")
+            reason = (p.reason if p is not None else self._gone.get(route.engine_id)) or "reset"
             self.metrics.moved.labels(reason=reason).inc()
         if self._current(route) is None:
             return  # another pod is the route, or none: the hold waits for one
