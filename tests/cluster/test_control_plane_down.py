@@ -234,9 +234,7 @@ def _kill_gms(target: PodAsSeen, watcher: Watcher) -> dict[str, Any]:
     assert active is not None, watcher.snapshot()
     engines = watcher.snapshot()
     t = time.monotonic()
-    pid = target.kill_container(
-        target.seen[0].metadata.name, SIDECAR_COMMANDS["gms"], signal.SIGKILL
-    )
+    pid = target.kill_container(target.seen[0], SIDECAR_COMMANDS["gms"], signal.SIGKILL)
     readopted = watcher.until(
         lambda e: figures.engine_changes(engines, e).readoptions >= 1, REARM_S
     )

@@ -36,15 +36,31 @@ def _environ(pid: str) -> dict[str, str]:
     return out
 
 
-def _commands(pod: str) -> list[tuple[int, str]]:
-    """(pid, command line) of every process of ``pod`` on this node."""
-    out = []
+def in_pod(pid: str, uid: str) -> bool:
+    """Whether node process ``pid`` runs in the pod whose uid is ``uid``: its
+    cgroup path names the pod (kubelet's cgroupfs driver: ``…/pod<uid>/…``;
+    systemd's: ``…-pod<uid, "-" as "_">.slice``). A pod's name, all its
+    ``HOSTNAME`` says, can be another namespace's pod's too (CI once saw a
+    drill's three GMS kills go unnoticed by every engine of the drilled
+    pod, with the module before it having run a pod of the same name)."""
+    with open(f"/proc/{pid}/cgroup") as f:
+        text = f.read()
+    return f"pod{uid}" in text or f"pod{uid.replace('-', '_')}" in text
+
+
+def _processes(uid: str) -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line) of every process of the pod ``uid``
+    on this node."""
+    out = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         with contextlib.suppress(OSError):
-            if _environ(pid).get("HOSTNAME") != pod:
+            if not in_pod(pid, uid):
                 continue
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                out.append((int(pid), f.read().replace(b"\0", b" ").decode(errors="replace")))
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            out[int(pid)] = (ppid, cmd)
     return out
 
 
@@ -137,30 +153,31 @@ class KubeTarget:
             )
         os.kill(pid, sig)
 
-    def kill_container(self, pod: str, container_cmd: str, sig: int) -> int:
-        """Kill a sidecar's process, found by its command line: the one that runs
-        it, not the container's respawner (whose command line names it too)."""
-        found: dict[int, int] = {}  # pid -> ppid
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            with contextlib.suppress(OSError):
-                env = _environ(pid)
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-                if container_cmd in cmd and env.get("HOSTNAME") == pod:
-                    with open(f"/proc/{pid}/stat") as f:
-                        found[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
-        if not found:
-            raise RuntimeError(f"no process running {container_cmd!r} in pod {pod}")
+    def kill_container(self, pod: Any, container_cmd: str, sig: int) -> int:
+        """Kill a sidecar's process in ``pod``, found by its command line: the
+        one that runs it, the child of the container's respawner (whose
+        command line names it too). A process of the sidecar's own (GMS's
+        servers) never names it."""
+        found = {
+            pid: ppid
+            for pid, (ppid, cmd) in _processes(pod.metadata.uid).items()
+            if container_cmd in cmd
+        }
         inner = [p for p, pp in found.items() if pp in found] or list(found)
-        target = min(inner)
-        os.kill(target, sig)
-        return target
+        if len(inner) != 1:
+            raise RuntimeError(
+                f"{len(inner)} processes running {container_cmd!r} in pod "
+                f"{pod.metadata.namespace}/{pod.metadata.name} on this node: {sorted(found)}"
+            )
+        os.kill(inner[0], sig)
+        return inner[0]
 
-    def kill_sidecar(self, which: str) -> None:
+    def kill_sidecar(self, which: str) -> list[int]:
         from understudy.tools.drill_sidecar import SIDECAR_COMMANDS
 
-        for pod in self.pods():
-            self.kill_container(pod.metadata.name, SIDECAR_COMMANDS[which], signal.SIGKILL)
+        return [
+            self.kill_container(pod, SIDECAR_COMMANDS[which], signal.SIGKILL) for pod in self.pods()
+        ]
 
     def _front_status_url(self, pod: Any) -> str | None:
         for c in pod.spec.init_containers or []:
@@ -186,7 +203,7 @@ class KubeTarget:
             serving = front_pid(url)
             found = [
                 pid
-                for pid, cmd in _commands(pod.metadata.name)
+                for pid, (_, cmd) in _processes(pod.metadata.uid).items()
                 if "understudy.front serve" in cmd
                 and "respawn" not in cmd
                 and ns_pid(str(pid)) == serving

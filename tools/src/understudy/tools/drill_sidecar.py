@@ -31,7 +31,7 @@ def _sidecar_kill(
     engines_before = watcher.snapshot()
     before = figures.settled(engines_before)
     t_kill = time.monotonic()
-    target.kill_sidecar(which)
+    killed = target.kill_sidecar(which)
     unarmed_at: float | None = None
     rearmed_at: float | None = None
     while time.monotonic() - t_kill < settle or (unarmed_at and not rearmed_at):
@@ -51,6 +51,7 @@ def _sidecar_kill(
     changed = figures.engine_changes(engines_before, engines_after)
     return {
         "t_kill": t_kill,
+        "killed_pids": killed,  # on the node: which process the round killed
         "failover": before is None
         or after is None
         or (after.get("engine_id"), after.get("epoch"))

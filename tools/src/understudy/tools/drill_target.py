@@ -29,7 +29,9 @@ class Target(Protocol):
 
     def kill(self, engine: dict[str, Any], sig: int) -> None: ...
 
-    def kill_sidecar(self, which: str) -> None: ...
+    def kill_sidecar(self, which: str) -> list[int]:
+        """SIGKILL the sidecar's process in every pod; the pids killed."""
+        ...
 
     def serving_listeners(self) -> set[int] | None:
         """Pids listening on an engine serving socket (None: cannot tell)."""
@@ -79,11 +81,12 @@ class LocalTarget:
     def kill(self, engine: dict[str, Any], sig: int) -> None:
         os.kill(engine["pid"], sig)
 
-    def kill_sidecar(self, which: str) -> None:
+    def kill_sidecar(self, which: str) -> list[int]:
         from understudy.tools.local import read_state
 
-        pid = read_state(self.directory)["containers"][which]["pid"]
-        os.kill(container_process(pid), signal.SIGKILL)
+        pid = container_process(read_state(self.directory)["containers"][which]["pid"])
+        os.kill(pid, signal.SIGKILL)
+        return [pid]
 
     def front_status_urls(self) -> list[str]:
         from understudy.tools.local import read_state
