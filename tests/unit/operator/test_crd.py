@@ -15,6 +15,7 @@ from typing import Any
 
 import jsonschema
 import kubernetes_validate
+import pydantic
 import pytest
 import yaml
 from resource_cases import PATTERN, WRONG_RESOURCES
@@ -199,6 +200,18 @@ INVALID = {
         {"placement": {"tolerations": [{"key": "k", "operator": "In"}]}},
         "is not one of",
     ),
+    "gateway replicas zero": ({"gateway": {"replicas": 0}}, "minimum"),
+    "gateway hold zero": ({"gateway": {"holdSeconds": 0}}, "minimum"),
+    "gateway unknown field": ({"gateway": {"hold": 5}}, "Additional properties"),
+    "gateway secret without key": ({"gateway": {"apiKeySecret": {"name": "k"}}}, "'key'"),
+    "gateway secret bad name": (
+        {"gateway": {"apiKeySecret": {"name": "Keys!", "key": "k"}}},
+        "does not match",
+    ),
+    "gateway request above limit": (
+        {"gateway": {"resources": {"requests": {"cpu": 2}, "limits": {"cpu": 1}}}},
+        "must not exceed its limit",
+    ),
     # jsonschema's word for a string that misses its pattern (as one form of int-or-string)
     **{k: (spec, "not valid" if m == PATTERN else m) for k, (spec, m) in WRONG_RESOURCES.items()},
 }
@@ -213,6 +226,26 @@ def test_invalid_instances_are_rejected_by_schema_and_cel(case: str) -> None:
     errors = admit(obj)
     assert errors, f"{case} was admitted"
     assert any(expected in e for e in errors), errors
+
+
+def test_the_gateway_is_opt_in_and_an_empty_section_takes_the_defaults() -> None:
+    """Without ``gateway`` the API server adds none; ``gateway: {}`` gets every default."""
+    assert "gateway" not in apply_defaults(_schema(), _base())["spec"]
+    assert GpuInstance.from_body(_base()).spec.gateway is None
+    obj = apply_defaults(_schema(), _base(gateway={}))
+    assert obj["spec"]["gateway"] == {"replicas": 2, "resources": {}, "holdSeconds": 30}
+    assert admit(_base(gateway={})) == []
+    keyed = _base(gateway={"replicas": 3, "apiKeySecret": {"name": "keys", "key": "api-keys"}})
+    assert admit(keyed) == []
+    # The API server's defaults agree with the model's.
+    assert GpuInstance.from_body(obj).spec == GpuInstance.from_body(_base(gateway={})).spec
+
+
+def test_the_model_refuses_what_the_schema_refuses_with_the_field_named() -> None:
+    with pytest.raises(pydantic.ValidationError, match=r"gateway\.replicas"):
+        GpuInstance.from_body(_base(gateway={"replicas": 0}))
+    with pytest.raises(pydantic.ValidationError, match=r"gateway\.apiKeySecret\.key"):
+        GpuInstance.from_body(_base(gateway={"apiKeySecret": {"name": "keys"}}))
 
 
 def test_resources_within_limits_are_admitted() -> None:

@@ -401,6 +401,23 @@ def test_drain_gives_up_waiting_for_the_endpoints_after_its_timeout() -> None:
     assert any(e.reason == "Expired" for e in p.events)
 
 
+def test_with_a_gateway_a_drain_waits_for_no_endpoint_and_deletes_after_the_settle() -> None:
+    """The headless Service lists a pod until it is gone: the gateway, not the
+    endpoints, drains it (``terminating``: nothing new, its requests finish)."""
+    w, t = serving_world(replicas={"min": 1, "desired": 2, "max": 2}, gateway={})
+    w.endpoints = set(w.pods)  # every pod, routable or not
+    w.set_desired(1)
+    p = w.step(t := t + 1)
+    assert w.phases()[1] == "Draining"
+    assert p.deletes == ()
+    p = w.step(t := t + 1)  # out at once: settling
+    assert p.deletes == () and w.body["status"]["replicas"][1]["unroutedSince"]
+    assert "demo-1" in w.endpoints
+    p = w.step(t := t + 2.5)  # settled, still listed: a graceful delete all the same
+    assert [(d.name, d.grace_seconds) for d in p.deletes] == [("demo-1", 30)]
+    assert w.phases()[1] == "Terminating"
+
+
 def test_scale_down_drains_the_highest_indices_first() -> None:
     w, t = serving_world(replicas={"min": 1, "desired": 3, "max": 3})
     w.set_desired(1)

@@ -94,20 +94,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_gateway(args: argparse.Namespace) -> int:
     """``understudy gateway``: parse, one frozen config, run."""
     import asyncio
+    import importlib.util
 
     import uvloop
 
-    from understudy.front import gateway, pods
+    from understudy.front import gateway, pods, slicewatch
     from understudy.front.apikeys import ApiKeyError, ApiKeys
     from understudy.wire.obs import setup_logging
 
     try:
         listed = tuple(pods.parse_pod(p) for p in args.pod or ())
-    except pods.PodListError as exc:
+        slices = slicewatch.parse_target(args.endpointslices) if args.endpointslices else None
+    except (pods.PodListError, ValueError) as exc:
         print(f"understudy gateway: {exc}", file=sys.stderr)
         return 2
-    if bool(listed) == bool(args.pods_file):
-        print("understudy gateway: give --pod (repeatable) or --pods-file", file=sys.stderr)
+    if sum(map(bool, (listed, args.pods_file, slices))) != 1:
+        print(
+            "understudy gateway: give --pod (repeatable), --pods-file or --endpointslices",
+            file=sys.stderr,
+        )
+        return 2
+    if slices is not None and importlib.util.find_spec("kubernetes") is None:
+        print(
+            "understudy gateway: --endpointslices needs the kubernetes client "
+            "(pip install 'understudy-front[kube]')",
+            file=sys.stderr,
+        )
         return 2
     try:
         keys = (
@@ -123,6 +135,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         api_keys=keys,
         pods=listed,
         pods_file=Path(args.pods_file) if args.pods_file else None,
+        endpointslices=slices,
         port=args.port,
         host=args.host,
         metrics_port=args.metrics_port,
@@ -204,6 +217,12 @@ def _add_gateway(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     gw.add_argument(
         "--pods-file",
         help="a JSON list of pod addresses, re-read when it changes (instead of --pod)",
+    )
+    gw.add_argument(
+        "--endpointslices",
+        metavar="NAMESPACE/SERVICE",
+        help="list and watch the pods in this Service's EndpointSlices (on Kubernetes; "
+        "instead of --pod)",
     )
     gw.add_argument("--port", type=int, default=8000, help="the port clients use")
     gw.add_argument("--host", default="0.0.0.0")

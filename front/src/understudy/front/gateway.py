@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, assert_never
 
-from understudy.front import downstream, fsm, pods, upstream
+from understudy.front import downstream, fsm, pods, slicewatch, upstream
 from understudy.front import status as status_port
 from understudy.front.apikeys import ApiKeys
 from understudy.front.forwarder import Forwarder
@@ -54,6 +54,8 @@ _LIST_POLL_S = 0.5
 class GatewayConfig:
     pods: tuple[pods.Listing, ...] = ()  # --pod, fixed
     pods_file: Path | None = None  # --pods-file, re-read when it changes
+    # --endpointslices: (namespace, Service) whose EndpointSlices list the pods
+    endpointslices: tuple[str, str] | None = None
     port: int = 8000
     host: str = "0.0.0.0"
     metrics_port: int = 8091  # /live, /ready, /metrics, /pressure, /state
@@ -211,6 +213,7 @@ class PodRouter:
         self._gone: dict[str, str] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._loop = asyncio.get_running_loop()
+        self._slices: slicewatch.SliceWatch | None = None
         metrics.routable.set_function(lambda: pods.routable(self.fleet))
         if cfg.pods:
             self.list_pods(cfg.pods)
@@ -338,6 +341,10 @@ class PodRouter:
         self._tasks = [asyncio.create_task(self._check(), name="pod-checks")]
         if self.cfg.pods_file is not None:
             self._tasks.append(asyncio.create_task(self._watch_list(), name="pods-file"))
+        if self.cfg.endpointslices is not None:
+            namespace, service = self.cfg.endpointslices
+            self._slices = slicewatch.SliceWatch(namespace, service, self.list_pods, self._loop)
+            self._slices.start()
 
     async def _check(self) -> None:
         """Every ``check_s``: probe each pod (one probe in flight per pod),
@@ -399,6 +406,8 @@ class PodRouter:
         ]
 
     async def close(self) -> None:
+        if self._slices is not None:
+            self._slices.stop()
         tasks = [*self._tasks, *self._probing.values()]
         for task in tasks:
             task.cancel()

@@ -41,6 +41,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from understudy.front.fsm import Beat, Watchdog, judge_beat
 from understudy.wire import machine
+from understudy.wire.serving import SERVING_PORT_NAME, STATUS_PORT_NAME
 
 # ----------------------------------------------------------------- pods ----
 
@@ -113,6 +114,68 @@ def parse_pods_file(text: str, default_status_port: int = 8090) -> list[Listing]
     if len({p.name for p in pods}) != len(pods):
         raise PodListError("two pods of the same name")
     return pods
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """An endpoint that gives no pod to route to, and why."""
+
+    endpoint: str  # its pod's name, else its address, else the slice's name
+    reason: str
+
+
+def _named_ports(sl: Mapping[str, Any]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for p in sl.get("ports") or ():
+        name, port = p.get("name"), p.get("port")
+        if isinstance(name, str) and isinstance(port, int) and 0 < port < 65536:
+            out[name] = port
+    return out
+
+
+def listings_from_slices(
+    slices: Sequence[Mapping[str, Any]],
+    port_name: str = SERVING_PORT_NAME,
+    status_port_name: str = STATUS_PORT_NAME,
+) -> tuple[list[Listing], list[Skipped]]:
+    """The pods a Service's EndpointSlices (``discovery.k8s.io/v1``, plain
+    dicts as the API returns them) list: one :class:`Listing` per endpoint
+    address, named by the pod it targets, at the slice's ports named
+    ``port_name`` (the front's serving port) and ``status_port_name`` (its
+    ``/ready``), terminating as its ``conditions.terminating`` says. Its
+    ``ready`` is not read: the pods' Service publishes not-ready addresses,
+    and the gateway probes each front itself. An endpoint without an address,
+    in a slice without those ports, or naming a pod listed already, is
+    skipped with the reason."""
+    listings: list[Listing] = []
+    skipped: list[Skipped] = []
+    seen: set[str] = set()
+    for sl in sorted(slices, key=lambda s: str((s.get("metadata") or {}).get("name", ""))):
+        ports = _named_ports(sl)
+        port, status = ports.get(port_name), ports.get(status_port_name)
+        for ep in sl.get("endpoints") or ():
+            ref = ep.get("targetRef") or {}
+            addresses = [a for a in ep.get("addresses") or () if isinstance(a, str) and a]
+            pod = ref.get("name") if isinstance(ref.get("name"), str) else None
+            label = pod or (addresses[0] if addresses else None)
+            label = label or str((sl.get("metadata") or {}).get("name", "?"))
+            if not addresses:
+                skipped.append(Skipped(label, "no address"))
+                continue
+            if port is None or status is None:
+                missing = port_name if port is None else status_port_name
+                skipped.append(Skipped(label, f"its slice has no port named {missing!r}"))
+                continue
+            terminating = (ep.get("conditions") or {}).get("terminating") is True
+            for i, host in enumerate(addresses):
+                # A pod with several addresses (dual stack) is one pod per address.
+                name = (pod if i == 0 else f"{pod}#{i}") if pod else f"{host}:{port}"
+                if name in seen:
+                    skipped.append(Skipped(name, "listed twice"))
+                    continue
+                seen.add(name)
+                listings.append(Listing(name, host, port, status, terminating))
+    return listings, skipped
 
 
 class Phase(enum.Enum):

@@ -493,6 +493,64 @@ class DrainSpec(_Model):
     )
 
 
+class SecretKeyRef(_Model):
+    """One key of a Secret in the instance's namespace."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=_NAME,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="The Secret's name.",
+    )
+    key: str = Field(
+        min_length=1,
+        max_length=_NAME,
+        pattern=r"^[-._a-zA-Z0-9]+$",
+        description="The key whose value is the file.",
+    )
+
+
+class GatewaySpec(_Model):
+    """The fleet gateway in front of the instance's pods (docs/gateway.md).
+
+    Opt-in: without this section the instance renders no gateway and its
+    Service selects the pods themselves; with it (``gateway: {}`` takes every
+    default), clients reach the gateway's replicas through the instance's
+    Service, and a stream whose pod dies continues on another pod.
+    """
+
+    replicas: int = Field(
+        default=2,
+        ge=1,
+        le=16,
+        description=(
+            "Gateway replicas (a Deployment); two or more, so that one is left while "
+            "another is rescheduled."
+        ),
+    )
+    resources: ResourceRequirements = Field(
+        default_factory=ResourceRequirements,
+        description="Requests and limits of each gateway container.",
+    )
+    hold_seconds: int = Field(
+        default=30,
+        ge=1,
+        le=600,
+        description=(
+            "How long a request (or a stream being moved) waits for a ready pod before "
+            "the gateway answers 503 (its --hold)."
+        ),
+    )
+    api_key_secret: SecretKeyRef | None = Field(
+        default=None,
+        description=(
+            "A Secret key holding Bearer API keys, one per line, mounted into the gateway "
+            "(its --api-key-file; a rotation takes effect without a restart). Unset: no "
+            "key is asked for."
+        ),
+    )
+
+
 class GpuInstanceSpec(_Model):
     model_config = ConfigDict(
         json_schema_extra=_validations(
@@ -540,6 +598,13 @@ class GpuInstanceSpec(_Model):
     drain: DrainSpec = Field(default_factory=DrainSpec)
     serving_port: int = Field(
         default=8000, ge=1024, le=65535, description="Port of the OpenAI-compatible API."
+    )
+    gateway: GatewaySpec | None = Field(
+        default=None,
+        description=(
+            "The fleet gateway (docs/gateway.md): unset, none is rendered; `{}` gives "
+            "every default."
+        ),
     )
 
     @property

@@ -91,7 +91,7 @@ async def create_pod(dyn: Any, pod: dict[str, Any]) -> None:
 
 
 async def delete(dyn: Any, namespace: str, d: Delete) -> None:
-    version = "v1" if d.kind == "Pod" else "resource.k8s.io/v1"
+    version = d.api_version or ("v1" if d.kind == "Pod" else "resource.k8s.io/v1")
     res = await _resource(dyn, version, d.kind)
     body: dict[str, Any] = {"propagationPolicy": "Background"}
     if d.grace_seconds is not None:

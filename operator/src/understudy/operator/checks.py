@@ -132,6 +132,11 @@ def unrouted_since(
     """Draining: when the pod was first seen out of the endpoints (None: not yet)."""
     if rec.phase is not P.DRAINING or pod is None:
         return None
+    if ctx.inst.spec.gateway is not None:
+        # Nothing to wait for: the gateway lists every pod until it terminates
+        # (the pods' headless Service), then sends it nothing new and lets its
+        # requests finish there (docs/gateway.md, planned removal).
+        return before if before is not None else ctx.now
     listed = ctx.in_endpoints(pod)
     if listed:
         return None

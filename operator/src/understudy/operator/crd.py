@@ -143,11 +143,14 @@ def _property(
 
     The API server only applies the defaults inside an object that exists, so
     without ``default: {}`` an omitted section would never get its fields' defaults.
+    A section whose model default is ``None`` (``gateway``) is opt-in: absent
+    means off, so it gets no default.
     """
     child = _structural(sub, defs, in_spec=in_spec)
     if (
         in_spec
         and optional
+        and sub.get("default", {}) is not None
         and child.get("type") == "object"
         and "properties" in child
         and "default" not in child

@@ -248,9 +248,19 @@ async def observe(
         "discovery.k8s.io/v1",
         "EndpointSlice",
         namespace=ns,
-        label_selector=f"kubernetes.io/service-name={render.service_name(inst)}",
+        label_selector=f"kubernetes.io/service-name={render.endpoints_service_name(inst)}",
     )
     endpoints = endpoint_pods(slices) if slices is not None else None
+    gateway = None
+    if inst.spec.gateway is None:  # one left from a removed section is deleted
+        deployments = await _list(
+            dyn,
+            "apps/v1",
+            "Deployment",
+            namespace=ns,
+            field_selector=f"metadata.name={render.gateway_name(inst)}",
+        )
+        gateway = bool(deployments) if deployments is not None else None
 
     kind = "ResourceClaimTemplate" if inst.spec.gpus.exclusive else "ResourceClaim"
     claim_list = await _list(
@@ -288,5 +298,10 @@ async def observe(
     for (pod_name, _), data in zip(fronts, pressures, strict=True):
         views[pod_name] = replace(views[pod_name], pressure=pressure_view(data))
     return Observed(
-        pods=views, node_ready=node_ready, nodes=nodes, claim=claim, endpoints=endpoints
+        pods=views,
+        node_ready=node_ready,
+        nodes=nodes,
+        claim=claim,
+        endpoints=endpoints,
+        gateway=gateway,
     )

@@ -76,9 +76,13 @@ def plan(
         status_out = built.status.model_dump(by_alias=True, mode="json", exclude_none=True)
     want_claim = render.render_claim(inst)
     return Plan(
-        ensure=(want_claim, render.render_service(inst)),
+        ensure=(want_claim, render.render_service(inst), *render.render_gateway(inst, cfg)),
         create_pods=pods,
-        deletes=(*turnover.deletes, *claim_changed(observed, want_claim)),
+        deletes=(
+            *turnover.deletes,
+            *claim_changed(observed, want_claim),
+            *gateway_removed(inst, observed),
+        ),
         labels=built.labels,
         status=status_out,
         events=(*scale.events, *moved, *turnover.events, *built.events),
@@ -111,6 +115,17 @@ def claim_changed(observed: Observed, want: Mapping[str, Any]) -> tuple[Delete, 
     if observed.claim is None or observed.claim.get("spec") == want["spec"]:
         return ()
     return (Delete(want["kind"], want["metadata"]["name"], "device request changed"),)
+
+
+def gateway_removed(inst: GpuInstance, observed: Observed) -> tuple[Delete, ...]:
+    """A gateway whose section is gone goes whole (its Service back to the pods:
+    ``render_service``); the garbage collector would only take it with the instance."""
+    if inst.spec.gateway is not None or not observed.gateway:
+        return ()
+    return tuple(
+        Delete(kind, name, "gateway section removed", api_version=version)
+        for version, kind, name in render.gateway_objects(inst)
+    )
 
 
 def requeue(inst: GpuInstance, records: Iterable[lc.Replica], now: float) -> float | None:

@@ -22,6 +22,7 @@ from typing import Any
 
 from understudy.operator import api, resources
 from understudy.operator.api import EngineAdapter, GpuInstance
+from understudy.wire.serving import SERVING_PORT_NAME, STATUS_PORT_NAME
 
 PREFIX = "understudy.dev"
 LABEL_INSTANCE = f"{PREFIX}/instance"
@@ -314,8 +315,16 @@ def front_container(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]:
             str(drain_seconds(inst)),
         ],
         "ports": [
-            {"name": "http", "containerPort": inst.spec.serving_port, "protocol": "TCP"},
-            {"name": "front-status", "containerPort": api.FRONT_STATUS_PORT, "protocol": "TCP"},
+            {
+                "name": SERVING_PORT_NAME,
+                "containerPort": inst.spec.serving_port,
+                "protocol": "TCP",
+            },
+            {
+                "name": STATUS_PORT_NAME,
+                "containerPort": api.FRONT_STATUS_PORT,
+                "protocol": "TCP",
+            },
         ],
         "startupProbe": {**http("/live"), "periodSeconds": 1, "failureThreshold": 30},
         "livenessProbe": {**http("/live"), "periodSeconds": 2, "failureThreshold": 3},
@@ -604,8 +613,28 @@ def render_claim(inst: GpuInstance) -> dict[str, Any]:
 
 
 def render_service(inst: GpuInstance) -> dict[str, Any]:
-    """The readiness-trap Service: not-ready addresses published, routable pods selected."""
+    """The Service clients use.
+
+    Without a gateway, the readiness-trap Service: not-ready addresses
+    published, routable pods selected. With one, it selects the gateway's
+    replicas, which route to the pods themselves (:func:`render_pods_service`).
+    """
     port = inst.spec.serving_port
+    ports = [{"name": SERVING_PORT_NAME, "port": port, "targetPort": port, "protocol": "TCP"}]
+    if inst.spec.gateway is not None:
+        return {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _meta(inst, service_name(inst), "serving"),
+            "spec": {
+                "type": "ClusterIP",
+                # A gateway replica is ready while it runs (it holds requests
+                # while no pod is ready); a terminating one leaves at once.
+                "publishNotReadyAddresses": False,
+                "selector": {LABEL_GATEWAY: inst.metadata.name},
+                "ports": ports,
+            },
+        }
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -614,9 +643,313 @@ def render_service(inst: GpuInstance) -> dict[str, Any]:
             "type": "ClusterIP",
             "publishNotReadyAddresses": True,
             "selector": {LABEL_INSTANCE: inst.metadata.name, LABEL_ROUTABLE: "true"},
-            "ports": [{"name": "http", "port": port, "targetPort": port, "protocol": "TCP"}],
+            "ports": ports,
         },
     }
+
+
+# ------------------------------------------------------------------ gateway
+#
+# An instance with a ``gateway`` section gets the fleet gateway
+# (docs/gateway.md, "On Kubernetes"): a Deployment of ``understudy gateway
+# --endpointslices NS/<name>-pods``, its PodDisruptionBudget, the pods'
+# headless Service it watches, and its own ServiceAccount, Role and
+# RoleBinding (EndpointSlices of its namespace, read only). The instance's
+# Service then selects the gateway's pods (render_service).
+
+GATEWAY = "gateway"
+LABEL_GATEWAY = f"{PREFIX}/gateway"
+GATEWAY_STATUS_PORT = 8091  # the gateway's /live, /ready, /metrics, /state
+GATEWAY_STATUS_PORT_NAME = "gateway-status"
+GATEWAY_KEYS_DIR = "/etc/understudy/api-keys"
+GATEWAY_KEYS_FILE = "keys"
+
+
+def gateway_name(inst: GpuInstance) -> str:
+    """The gateway's Deployment, PodDisruptionBudget, ServiceAccount, Role and RoleBinding."""
+    return f"{inst.metadata.name}-gateway"
+
+
+def pods_service_name(inst: GpuInstance) -> str:
+    """The headless Service over the instance's pods, which the gateway watches."""
+    return f"{inst.metadata.name}-pods"
+
+
+def endpoints_service_name(inst: GpuInstance) -> str:
+    """The Service whose EndpointSlices list the instance's pods (drains, availability)."""
+    return pods_service_name(inst) if inst.spec.gateway is not None else service_name(inst)
+
+
+def gateway_grace_seconds(inst: GpuInstance) -> int:
+    """How long a terminating pod's requests finish there before the gateway moves them.
+
+    Inside the pod's front's own drain (:func:`drain_seconds`), so that they
+    move before the front gives up on them: 20 s with the default 30 s grace.
+    """
+    return max(1, drain_seconds(inst) - 5)
+
+
+def gateway_pod_labels(inst: GpuInstance) -> dict[str, str]:
+    """The gateway pods' labels: no ``understudy.dev/instance``, which names the
+    instance's own pods (the operator's pod list, the scale subresource's
+    selector, the pods' PodMonitor and headless Service)."""
+    labels = common_labels(inst, GATEWAY)
+    del labels[LABEL_INSTANCE]
+    labels[LABEL_GATEWAY] = inst.metadata.name
+    return labels
+
+
+def render_pods_service(inst: GpuInstance) -> dict[str, Any]:
+    """Headless, every pod of the instance, ready or not: the gateway's list.
+
+    ``publishNotReadyAddresses``: the gateway judges each pod itself (its
+    front's ``/ready``, probed every 0.1 s), much faster than a pod's
+    readiness reaches the API server, and a pod that is being deleted stays
+    listed with ``terminating`` (its requests finish there). No routable
+    selector for the same reason. Both of the front's ports, by name.
+    """
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(inst, pods_service_name(inst), "engine-pods"),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {LABEL_INSTANCE: inst.metadata.name},
+            "ports": [
+                {
+                    "name": SERVING_PORT_NAME,
+                    "port": inst.spec.serving_port,
+                    "targetPort": SERVING_PORT_NAME,
+                    "protocol": "TCP",
+                },
+                {
+                    "name": STATUS_PORT_NAME,
+                    "port": api.FRONT_STATUS_PORT,
+                    "targetPort": STATUS_PORT_NAME,
+                    "protocol": "TCP",
+                },
+            ],
+        },
+    }
+
+
+def gateway_args(inst: GpuInstance) -> list[str]:
+    """``understudy gateway``'s command line for this instance."""
+    gw = inst.spec.gateway
+    assert gw is not None
+    args = [
+        "gateway",
+        "--endpointslices",
+        f"{inst.metadata.namespace}/{pods_service_name(inst)}",
+        "--port",
+        str(inst.spec.serving_port),
+        "--metrics-port",
+        str(GATEWAY_STATUS_PORT),
+        "--hold",
+        str(gw.hold_seconds),
+        "--migration-limit",
+        str(inst.spec.failover.migration_limit),
+        "--grace",
+        str(gateway_grace_seconds(inst)),
+        "--drain",
+        str(drain_seconds(inst)),
+    ]
+    if gw.api_key_secret is not None:
+        args += ["--api-key-file", f"{GATEWAY_KEYS_DIR}/{GATEWAY_KEYS_FILE}"]
+    return args
+
+
+def gateway_container(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]:
+    gw = inst.spec.gateway
+    assert gw is not None
+
+    def http(path: str) -> dict[str, Any]:
+        return {"httpGet": {"path": path, "port": GATEWAY_STATUS_PORT_NAME, "scheme": "HTTP"}}
+
+    mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
+    if gw.api_key_secret is not None:
+        # The directory, not a subPath: a subPath mount never sees the
+        # Secret's rotation, which the gateway picks up without a restart.
+        mounts.append({"name": "api-keys", "mountPath": GATEWAY_KEYS_DIR, "readOnly": True})
+    return {
+        "name": GATEWAY,
+        "image": cfg.image,  # the pod's front's image: the gateway is the front's forwarder
+        "imagePullPolicy": cfg.image_pull_policy,
+        "command": ["understudy"],
+        "args": gateway_args(inst),
+        "ports": [
+            {
+                "name": SERVING_PORT_NAME,
+                "containerPort": inst.spec.serving_port,
+                "protocol": "TCP",
+            },
+            {
+                "name": GATEWAY_STATUS_PORT_NAME,
+                "containerPort": GATEWAY_STATUS_PORT,
+                "protocol": "TCP",
+            },
+        ],
+        "startupProbe": {**http("/live"), "periodSeconds": 1, "failureThreshold": 30},
+        "livenessProbe": {**http("/live"), "periodSeconds": 2, "failureThreshold": 3},
+        # Ready while it runs, not while a pod is routable (its /ready): a
+        # gateway holds requests through a moment with no ready pod, which
+        # is when an empty Service would refuse them instead.
+        "readinessProbe": {**http("/live"), "periodSeconds": 1, "failureThreshold": 3},
+        "resources": _resources(
+            gw.resources, defaults={"cpu": "100m", "memory": "64Mi"}, claim=False
+        ),
+        "securityContext": _container_security(read_only_root=True),
+        "volumeMounts": mounts,
+    }
+
+
+def render_gateway_deployment(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]:
+    """The gateway's replicas: surge first, spread over nodes where they can be."""
+    gw = inst.spec.gateway
+    assert gw is not None
+    labels = gateway_pod_labels(inst)
+    volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}]
+    if gw.api_key_secret is not None:
+        ref = gw.api_key_secret
+        volumes.append(
+            {
+                "name": "api-keys",
+                "secret": {
+                    "secretName": ref.name,
+                    "items": [{"key": ref.key, "path": GATEWAY_KEYS_FILE}],
+                    "defaultMode": 0o440,
+                },
+            }
+        )
+    spec: dict[str, Any] = {
+        "serviceAccountName": gateway_name(inst),
+        # It reads EndpointSlices with its ServiceAccount's token.
+        "automountServiceAccountToken": True,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": inst.spec.drain.grace_period_seconds,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_UID,
+            "runAsGroup": RUN_UID,
+            "fsGroup": RUN_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        # One node's loss takes one gateway replica, not all of them.
+        "affinity": {
+            "podAntiAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "weight": 100,
+                        "podAffinityTerm": {
+                            "labelSelector": {"matchLabels": {LABEL_GATEWAY: inst.metadata.name}},
+                            "topologyKey": "kubernetes.io/hostname",
+                        },
+                    }
+                ]
+            }
+        },
+        "containers": [gateway_container(inst, cfg)],
+        "volumes": volumes,
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(inst, gateway_name(inst), GATEWAY),
+        "spec": {
+            "replicas": gw.replicas,
+            "selector": {"matchLabels": {LABEL_GATEWAY: inst.metadata.name}},
+            # A new replica serves before an old one goes.
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "template": {
+                "metadata": {"labels": labels, "annotations": gateway_scrape_annotations()},
+                "spec": spec,
+            },
+        },
+    }
+
+
+def gateway_scrape_annotations() -> dict[str, str]:
+    return {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(GATEWAY_STATUS_PORT),
+        "prometheus.io/path": "/metrics",
+    }
+
+
+def render_gateway_pdb(inst: GpuInstance) -> dict[str, Any]:
+    """``maxUnavailable: 1``: a voluntary eviction (a node drain) takes one
+    replica at a time and never blocks, even at one replica, where
+    ``minAvailable: 1`` would refuse every eviction and stall the drain."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(inst, gateway_name(inst), GATEWAY),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": {LABEL_GATEWAY: inst.metadata.name}},
+        },
+    }
+
+
+def render_gateway_rbac(inst: GpuInstance) -> list[dict[str, Any]]:
+    """ServiceAccount, Role and RoleBinding: EndpointSlices of its namespace, read only."""
+    name = gateway_name(inst)
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(inst, name, GATEWAY)},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": _meta(inst, name, GATEWAY),
+            "rules": [
+                {
+                    "apiGroups": ["discovery.k8s.io"],
+                    "resources": ["endpointslices"],
+                    "verbs": ["get", "list", "watch"],
+                }
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": _meta(inst, name, GATEWAY),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [
+                {"kind": "ServiceAccount", "name": name, "namespace": inst.metadata.namespace}
+            ],
+        },
+    ]
+
+
+def render_gateway(inst: GpuInstance, cfg: RenderConfig) -> list[dict[str, Any]]:
+    """Every object of the instance's gateway ([] without a ``gateway`` section),
+    in the order they can be applied: the ServiceAccount before the pods that use it."""
+    if inst.spec.gateway is None:
+        return []
+    return [
+        *render_gateway_rbac(inst),
+        render_pods_service(inst),
+        render_gateway_pdb(inst),
+        render_gateway_deployment(inst, cfg),
+    ]
+
+
+def gateway_objects(inst: GpuInstance) -> list[tuple[str, str, str]]:
+    """(apiVersion, kind, name) of every object :func:`render_gateway` makes:
+    what the plan deletes when the section goes, the Deployment first."""
+    name = gateway_name(inst)
+    rbac = "rbac.authorization.k8s.io/v1"
+    return [
+        ("apps/v1", "Deployment", name),
+        ("policy/v1", "PodDisruptionBudget", name),
+        ("v1", "Service", pods_service_name(inst)),
+        (rbac, "RoleBinding", name),
+        (rbac, "Role", name),
+        ("v1", "ServiceAccount", name),
+    ]
 
 
 def render_all(
@@ -632,6 +965,6 @@ def render_all(
     if placements is None:
         node = inst.spec.placement.target_node
         placements = {i: (1, node) for i in range(inst.spec.replicas.target)}
-    objs = [render_claim(inst), render_service(inst)]
+    objs = [render_claim(inst), render_service(inst), *render_gateway(inst, cfg)]
     objs += [render_pod(inst, i, a, n, cfg) for i, (a, n) in sorted(placements.items())]
     return objs

@@ -85,8 +85,13 @@ class Observed:
     node_ready: Mapping[str, bool] | None = None
     nodes: tuple[NodeInfo, ...] = ()  # placement candidates (empty: kube-scheduler decides)
     claim: Mapping[str, Any] | None = None  # the existing claim (template), if any
-    # Pods listed in the Service's EndpointSlices; None when they cannot be read.
+    # Pods listed in the EndpointSlices of the Service over them (the pods'
+    # headless Service with a gateway, else the client Service); None when
+    # they cannot be read.
     endpoints: frozenset[str] | None = None
+    # Whether the gateway's Deployment exists; None when not read (an
+    # instance with a gateway section) or unreadable.
+    gateway: bool | None = None
 
 
 # -------------------------------------------------------------------- plan
@@ -98,6 +103,7 @@ class Delete:
     name: str
     reason: str
     grace_seconds: int | None = None  # 0: force (the pod's node is gone)
+    api_version: str | None = None  # None: v1 for a Pod, resource.k8s.io/v1 for a claim
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,6 +51,11 @@ BEAT_COMMENT = b": beat"
 BEAT_EVENT = BEAT_COMMENT + b"\n\n"
 # A gateway judges a stream silent past a few of these (its --silence).
 BEAT_INTERVAL_S = 0.25
+# The names of a pod front's two ports, in its container and in the pods'
+# headless Service: a gateway on Kubernetes finds each pod's serving port and
+# status port (/ready) by these names in the Service's EndpointSlices.
+SERVING_PORT_NAME = "http"
+STATUS_PORT_NAME = "front-status"
 # seq, pid, epoch, monotonic ns, seq again: a reader that sees the two
 # sequence numbers differ read a record half-written and tries again.
 BEAT_RECORD = struct.Struct("<QqqqQ")
