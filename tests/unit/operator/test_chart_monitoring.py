@@ -41,6 +41,11 @@ def _by_kind(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [o for o in objs if o["kind"] == kind]
 
 
+def _pod_monitor(objs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    (pm,) = [o for o in _by_kind(objs, "PodMonitor") if o["metadata"]["name"] == name]
+    return pm
+
+
 def _dashboard_maps(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [
         o
@@ -90,7 +95,12 @@ def test_every_monitoring_object_fits_its_crd_or_the_kubernetes_schema() -> None
 
 
 def test_the_crd_check_rejects_what_the_apiserver_would_drop_or_refuse() -> None:
-    (pm,) = _by_kind(template(*ALL_ON, "--show-only", "templates/podmonitor.yaml"), "PodMonitor")
+    objs = template(*ALL_ON, "--show-only", "templates/podmonitor.yaml")
+    assert sorted(o["metadata"]["name"] for o in objs) == [
+        "understudy-gateways",
+        "understudy-gpuinstances",
+    ]
+    pm = _pod_monitor(objs, "understudy-gpuinstances")
     promcrds.validate(pm)
     typo = json.loads(json.dumps(pm))
     typo["spec"]["podMetricEndpoints"] = typo["spec"].pop("podMetricsEndpoints")
@@ -103,7 +113,7 @@ def test_the_crd_check_rejects_what_the_apiserver_would_drop_or_refuse() -> None
 
 
 def test_podmonitor_covers_every_metrics_port_the_operator_renders() -> None:
-    (pm,) = _by_kind(template(*ALL_ON), "PodMonitor")
+    pm = _pod_monitor(template(*ALL_ON), "understudy-gpuinstances")
     listed = [e["port"] for e in pm["spec"]["podMetricsEndpoints"]]
     assert len(listed) == len(set(listed))
     # The widest pod: the most shadows a GpuInstance may have.
@@ -123,10 +133,43 @@ def test_podmonitor_covers_every_metrics_port_the_operator_renders() -> None:
     assert int(ann["prometheus.io/port"]) == ports["lock-metrics"]
 
 
+def test_the_gateways_podmonitor_scrapes_the_rendered_gateway_as_its_instance() -> None:
+    pm = _pod_monitor(template(*ALL_ON), "understudy-gateways")
+    promcrds.validate(pm)
+    inst = GpuInstance.from_body(
+        {
+            "metadata": {"name": "demo", "namespace": "ns", "uid": "u-1"},
+            "spec": {"model": {"source": "builtin:tiny-llama"}, "gateway": {}},
+        }
+    )
+    dep = render.render_gateway_deployment(inst, render.RenderConfig())
+    pod = dep["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    assert pm["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    (endpoint,) = pm["spec"]["podMetricsEndpoints"]
+    (container,) = pod["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert set(ports) - {"http"} == {endpoint["port"]}
+    assert int(pod["metadata"]["annotations"]["prometheus.io/port"]) == ports[endpoint["port"]]
+    # The rules' and dashboards' understudy_dev_instance is the gateway's label.
+    (relabel,) = endpoint["relabelings"]
+    assert relabel["targetLabel"] == "understudy_dev_instance"
+    (source,) = relabel["sourceLabels"]
+    assert source == "__meta_kubernetes_pod_label_" + "understudy.dev/gateway".replace(
+        ".", "_"
+    ).replace("/", "_")
+    assert labels["understudy.dev/gateway"] == "demo"
+    # The instance's PodMonitor does not take the gateway's pods.
+    engine = _pod_monitor(template(*ALL_ON), "understudy-gpuinstances")
+    assert not engine["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
 def test_podmonitor_namespaces_follow_the_operator_unless_given() -> None:
     def spec(*args: str) -> dict[str, Any]:
-        (pm,) = template(*ALL_ON, *args, "--show-only", "templates/podmonitor.yaml")
-        return pm["spec"]["namespaceSelector"]
+        objs = template(*ALL_ON, *args, "--show-only", "templates/podmonitor.yaml")
+        selectors = [pm["spec"]["namespaceSelector"] for pm in objs]
+        assert all(s == selectors[0] for s in selectors)  # the gateways' too
+        return selectors[0]
 
     assert spec() == {"any": True}
     assert spec("--set", "operator.watchNamespaces={a,b}") == {"matchNames": ["a", "b"]}

@@ -1,0 +1,246 @@
+"""The fleet gateway on the cluster (issue 28, docs/gateway.md "On
+Kubernetes"): the llama sample with two pods and a ``gateway: {}`` section,
+the chart helm-installed with the operator in-cluster (test_e2e's fixtures).
+
+- what the operator renders: the gateway's Deployment (two replicas,
+  available), its PodDisruptionBudget, the instance's Service selecting the
+  gateway's pods, the headless ``<name>-pods`` over the instance's pods, and
+  every gateway replica listing both pods from its EndpointSlices;
+- ``understudy drill --kube`` through the gateway's Service: Active engines
+  killed under load, every request answered, every answer the same;
+- a pod force-deleted while streams are open on it (its containers killed at
+  once: a node's loss as the API sees it): every stream finishes on the
+  other pod, each identical to its uninterrupted run;
+- the API-key Secret mounted into the gateway: no key, 401; the key, 200.
+
+Not yet run on a cluster: the module is skipped until it has been.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this tier's helpers
+import test_e2e
+from test_e2e import Instance, _sample, _wait
+
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.slow,
+    pytest.mark.skip(reason="not yet run on a cluster"),
+]
+
+installed = test_e2e.installed
+
+GATEWAY_STATUS_PORT = 8091
+TINY = "builtin:tiny-llama"  # ~10x faster per token than the sample's SmolLM2
+STREAMS = 6
+MAX_TOKENS = 48
+
+
+class GatewayInstance(Instance):
+    """The llama sample with ``replicas.min: 2`` and ``gateway: {}``."""
+
+    def __init__(self, cluster: Any, ns: str, name: str = "gw-llama") -> None:
+        self.cluster, self.ns, self.name = cluster, ns, name
+        doc = _sample(name, cluster.device_class, "llama", TINY)
+        doc["spec"]["replicas"] = {"min": 2}
+        doc["spec"]["gateway"] = {}
+        cluster.apply(json.dumps(doc), namespace=ns)
+
+    def gateway_pods(self) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = self.cluster.get_json(
+            "pods", "-n", self.ns, "-l", f"understudy.dev/gateway={self.name}"
+        )["items"]
+        return items
+
+    def engine_pods(self) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = self.cluster.get_json(
+            "pods", "-n", self.ns, "-l", f"understudy.dev/instance={self.name}"
+        )["items"]
+        return items
+
+    def gateway_state(self, pod: dict[str, Any]) -> dict[str, Any]:
+        url = f"http://{pod['status']['podIP']}:{GATEWAY_STATUS_PORT}/state"
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            state: dict[str, Any] = json.loads(resp.read())
+        return state
+
+    def every_gateway_routes_to(self, names: set[str]) -> bool:
+        gateways = [p for p in self.gateway_pods() if p["status"].get("podIP")]
+        if len(gateways) < 2:
+            return False
+        for gw in gateways:
+            ready = {p["name"] for p in self.gateway_state(gw)["pods"] if p["phase"] == "ready"}
+            if ready != names:
+                return False
+        return True
+
+    def wait_gateway(self, timeout: float = 300) -> None:
+        deployment = f"{self.name}-gateway"
+        _wait(
+            "the gateway's Deployment available",
+            lambda: (
+                self.cluster.get_json("deployment", deployment, "-n", self.ns)
+                .get("status", {})
+                .get("availableReplicas", 0)
+                >= 2
+            ),
+            timeout,
+        )
+        pods = {f"{self.name}-0", f"{self.name}-1"}
+        _wait("every gateway routes to both pods", lambda: self.every_gateway_routes_to(pods), 120)
+
+
+@pytest.fixture(scope="module")
+def gw(installed: Any) -> Iterator[GatewayInstance]:
+    ns = f"gateway-{int(time.time())}"
+    installed.kubectl("create", "namespace", ns)
+    installed.kubectl("wait", "--for=create", "-n", ns, "serviceaccount/default", "--timeout=30s")
+    inst = GatewayInstance(installed, ns)
+    try:
+        inst.wait_ready(600)
+        inst.wait_gateway()
+        yield inst
+    finally:
+        installed.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def _completion(url: str, prompt: str, *, stream: bool, key: str | None = None) -> str:
+    """A greedy completion through ``url``: its text (a stream's, joined)."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": stream,
+    }
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(
+        f"{url}/v1/completions", data=json.dumps(body).encode(), headers=headers, method="POST"
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        if not stream:
+            return str(json.loads(resp.read())["choices"][0]["text"])
+        text, done = [], False
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line.removeprefix("data:").strip()
+            if data == "[DONE]":
+                done = True
+                break
+            text.append(json.loads(data)["choices"][0]["text"])
+        assert done, "the stream ended without [DONE]"
+        return "".join(text)
+
+
+def test_the_gateway_objects_and_the_services(gw: GatewayInstance) -> None:
+    c, ns, name = gw.cluster, gw.ns, gw.name
+    dep = c.get_json("deployment", f"{name}-gateway", "-n", ns)
+    assert dep["spec"]["replicas"] == 2
+    assert dep["metadata"]["ownerReferences"][0]["kind"] == "GpuInstance"
+    pdb = c.get_json("poddisruptionbudget", f"{name}-gateway", "-n", ns)
+    assert pdb["spec"]["maxUnavailable"] == 1
+    # The instance's Service lists the gateway's pods, the headless one the instance's.
+    gateways = {p["metadata"]["name"] for p in gw.gateway_pods()}
+    engines = {p["metadata"]["name"] for p in gw.engine_pods()}
+    assert len(gateways) == 2 and engines == {f"{name}-0", f"{name}-1"}
+
+    def listed(service: str) -> set[str]:
+        slices = c.get_json(
+            "endpointslices", "-n", ns, "-l", f"kubernetes.io/service-name={service}"
+        )["items"]
+        return {ep["targetRef"]["name"] for sl in slices for ep in sl.get("endpoints") or []}
+
+    assert listed(name) == gateways
+    assert listed(f"{name}-pods") == engines
+    # One answer through the Service, the same again.
+    url = gw.url()
+    first = _completion(url, "The capital of France is", stream=False)
+    assert _completion(url, "The capital of France is", stream=True) == first
+
+
+@pytest.mark.timeout(1800)
+def test_drill_through_the_gateway_kills_active_engines(gw: GatewayInstance) -> None:
+    kills = 6
+    report = gw.drill("--kills", str(kills), "--signal", "KILL,SEGV,STOP", "--clients", "8")
+    s = report["summary"]
+    assert s["failed_requests"] == 0, report.get("errors")
+    assert s["wrong_answers"] == 0 and s["split_brain"] == 0
+    assert report["exit_code"] == 0
+    gw.wait_ready(300)
+
+
+@pytest.mark.timeout(900)
+def test_a_pod_force_deleted_under_streams_moves_them_token_exact(gw: GatewayInstance) -> None:
+    url = gw.url()
+    prompts = [f"Story number {i}: once upon a time" for i in range(STREAMS)]
+    want = {p: _completion(url, p, stream=False) for p in prompts}
+    got: dict[str, str] = {}
+    errors: list[BaseException] = []
+
+    def stream(prompt: str) -> None:
+        try:
+            got[prompt] = _completion(url, prompt, stream=True)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=stream, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # the streams are open on both pods
+    victim = f"{gw.name}-0"
+    gw.cluster.kubectl(
+        "delete", "pod", victim, "-n", gw.ns, "--grace-period=0", "--force", "--wait=false"
+    )
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    assert got == want
+    moved = 0
+    for pod in gw.gateway_pods():
+        url_metrics = f"http://{pod['status']['podIP']}:{GATEWAY_STATUS_PORT}/metrics"
+        with urllib.request.urlopen(url_metrics, timeout=2) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith("understudy_gateway_migrations_total{"):
+                    moved += int(float(line.rsplit(" ", 1)[1]))
+    assert moved >= 1  # some stream was on the deleted pod, and moved
+    gw.wait_ready(600)
+    gw.wait_gateway()
+
+
+@pytest.mark.timeout(600)
+def test_the_api_key_secret_guards_the_service(gw: GatewayInstance) -> None:
+    c, ns, name = gw.cluster, gw.ns, gw.name
+    key = "k-" + str(int(time.time()))
+    c.kubectl("create", "secret", "generic", f"{name}-keys", "-n", ns, f"--from-literal=keys={key}")
+    patch = {"spec": {"gateway": {"apiKeySecret": {"name": f"{name}-keys", "key": "keys"}}}}
+    c.kubectl("patch", "gpuinstance", name, "-n", ns, "--type=merge", "-p", json.dumps(patch))
+    deployment = f"{name}-gateway"
+    c.kubectl(
+        "rollout", "status", f"deployment/{deployment}", "-n", ns, "--timeout=300s", timeout=330
+    )
+    url = gw.url()
+
+    def refused() -> bool:
+        try:
+            _completion(url, "hello", stream=False)
+        except urllib.error.HTTPError as exc:
+            return exc.code == 401
+        return False
+
+    _wait("a request without a key refused", refused, 120)
+    assert _completion(url, "hello", stream=False, key=key)
