@@ -56,6 +56,10 @@ class GatewayInstance(Instance):
         doc = _sample(name, cluster.device_class, "llama", TINY)
         doc["spec"]["replicas"] = {"min": 2}
         doc["spec"]["gateway"] = {}
+        # Two pods on hack/cluster's one two-CPU node (four fake GPUs): the
+        # tiny model asks far less than the sample's SmolLM2 (0.41 CPU and
+        # 0.9 GiB a pod with the sidecars; each gateway replica 0.1 CPU).
+        doc["spec"]["engine"]["resources"]["requests"] = {"cpu": "100m", "memory": "256Mi"}
         cluster.apply(json.dumps(doc), namespace=ns)
 
     def gateway_pods(self) -> list[dict[str, Any]]:

@@ -154,6 +154,11 @@ def check_drain(
     if since is None:
         return lc.NotDrained(a, "still in the Service's endpoints")
     settle = ctx.inst.spec.drain.settle_seconds
+    if ctx.inst.spec.gateway is not None:
+        out = "left to the gateway (it drains a terminating pod)"
+        if ctx.now - since < settle:
+            return lc.NotDrained(a, f"{out}, settling {settle} s")
+        return lc.Drained(a, out)
     if ctx.now - since < settle:
         return lc.NotDrained(a, f"out of the endpoints, settling {settle} s")
     return lc.Drained(a, "out of the Service's endpoints")

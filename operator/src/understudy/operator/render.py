@@ -138,6 +138,21 @@ def _container_security(*, read_only_root: bool) -> dict[str, Any]:
     }
 
 
+def _pod_security() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_UID,
+        "runAsGroup": RUN_UID,
+        "fsGroup": RUN_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _port(name: str, number: int) -> dict[str, Any]:
+    """A container port."""
+    return {"name": name, "containerPort": number, "protocol": "TCP"}
+
+
 def _resources(
     req: api.ResourceRequirements, *, defaults: Mapping[str, str], claim: bool
 ) -> dict[str, Any]:
@@ -315,16 +330,8 @@ def front_container(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]:
             str(drain_seconds(inst)),
         ],
         "ports": [
-            {
-                "name": SERVING_PORT_NAME,
-                "containerPort": inst.spec.serving_port,
-                "protocol": "TCP",
-            },
-            {
-                "name": STATUS_PORT_NAME,
-                "containerPort": api.FRONT_STATUS_PORT,
-                "protocol": "TCP",
-            },
+            _port(SERVING_PORT_NAME, inst.spec.serving_port),
+            _port(STATUS_PORT_NAME, api.FRONT_STATUS_PORT),
         ],
         "startupProbe": {**http("/live"), "periodSeconds": 1, "failureThreshold": 30},
         "livenessProbe": {**http("/live"), "periodSeconds": 2, "failureThreshold": 3},
@@ -480,13 +487,7 @@ def pod_spec(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]:
         "terminationGracePeriodSeconds": inst.spec.drain.grace_period_seconds,
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_UID,
-            "runAsGroup": RUN_UID,
-            "fsGroup": RUN_UID,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": _pod_security(),
         # One process namespace for the pod: the front can end a hung engine
         # (its death is the fence that hands the lock on), and no engine runs
         # as PID 1, whom the kernel shields from signals it has no handler
@@ -620,30 +621,23 @@ def render_service(inst: GpuInstance) -> dict[str, Any]:
     replicas, which route to the pods themselves (:func:`render_pods_service`).
     """
     port = inst.spec.serving_port
-    ports = [{"name": SERVING_PORT_NAME, "port": port, "targetPort": port, "protocol": "TCP"}]
-    if inst.spec.gateway is not None:
-        return {
-            "apiVersion": "v1",
-            "kind": "Service",
-            "metadata": _meta(inst, service_name(inst), "serving"),
-            "spec": {
-                "type": "ClusterIP",
-                # A gateway replica is ready while it runs (it holds requests
-                # while no pod is ready); a terminating one leaves at once.
-                "publishNotReadyAddresses": False,
-                "selector": {LABEL_GATEWAY: inst.metadata.name},
-                "ports": ports,
-            },
-        }
+    name = inst.metadata.name
+    gateway = inst.spec.gateway is not None
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _meta(inst, service_name(inst), "serving"),
         "spec": {
             "type": "ClusterIP",
-            "publishNotReadyAddresses": True,
-            "selector": {LABEL_INSTANCE: inst.metadata.name, LABEL_ROUTABLE: "true"},
-            "ports": ports,
+            # A gateway replica is ready while it runs (it holds requests
+            # while no pod is ready), and a terminating one leaves at once.
+            "publishNotReadyAddresses": not gateway,
+            "selector": (
+                {LABEL_GATEWAY: name} if gateway else {LABEL_INSTANCE: name, LABEL_ROUTABLE: "true"}
+            ),
+            "ports": [
+                {"name": SERVING_PORT_NAME, "port": port, "targetPort": port, "protocol": "TCP"}
+            ],
         },
     }
 
@@ -779,16 +773,8 @@ def gateway_container(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]:
         "command": ["understudy"],
         "args": gateway_args(inst),
         "ports": [
-            {
-                "name": SERVING_PORT_NAME,
-                "containerPort": inst.spec.serving_port,
-                "protocol": "TCP",
-            },
-            {
-                "name": GATEWAY_STATUS_PORT_NAME,
-                "containerPort": GATEWAY_STATUS_PORT,
-                "protocol": "TCP",
-            },
+            _port(SERVING_PORT_NAME, inst.spec.serving_port),
+            _port(GATEWAY_STATUS_PORT_NAME, GATEWAY_STATUS_PORT),
         ],
         "startupProbe": {**http("/live"), "periodSeconds": 1, "failureThreshold": 30},
         "livenessProbe": {**http("/live"), "periodSeconds": 2, "failureThreshold": 3},
@@ -828,13 +814,7 @@ def render_gateway_deployment(inst: GpuInstance, cfg: RenderConfig) -> dict[str,
         "automountServiceAccountToken": True,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": inst.spec.drain.grace_period_seconds,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_UID,
-            "runAsGroup": RUN_UID,
-            "fsGroup": RUN_UID,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": _pod_security(),
         # One node's loss takes one gateway replica, not all of them.
         "affinity": {
             "podAntiAffinity": {
