@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import yaml
+from crd_guard import this_crd
 from procs import wait_settled
 
 
@@ -44,42 +45,46 @@ SCENARIO_ROUNDS = int(os.environ.get("UNDERSTUDY_CHAOS_SCENARIO_ROUNDS", "2"))
 
 @pytest.fixture(scope="module")
 def installed(cluster: Any, image: str) -> Iterator[Any]:
-    """The image in the cluster, the chart helm-installed, the operator running."""
+    """The image in the cluster, this tree's CRD, the chart helm-installed, the
+    operator running. Helm creates a chart's CRDs but never updates one that
+    exists, so on a cluster that has served another tree the CRD is applied
+    (and the one found put back after: crd_guard)."""
     repository, _, tag = image.rpartition(":")
-    helm = subprocess.run(
-        [
-            "helm",
-            "upgrade",
-            "--install",
-            RELEASE,
-            str(ROOT / "charts/understudy"),
-            "--namespace",
-            OPERATOR_NS,
-            "--create-namespace",
-            "--wait",
-            "--timeout",
-            "5m",
-            "--set",
-            "operator.resyncSeconds=5",
-            "--set",
-            f"image.repository={repository}",
-            "--set",
-            f"image.tag={tag}",
-        ],
-        env=cluster.env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert helm.returncode == 0, helm.stderr[-4000:]
-    yield cluster
-    # Leave no in-cluster operator behind for other tests' out-of-cluster kopf.
-    subprocess.run(
-        ["helm", "uninstall", RELEASE, "--namespace", OPERATOR_NS, "--wait"],
-        env=cluster.env,
-        capture_output=True,
-        timeout=300,
-    )
+    with this_crd(cluster):
+        helm = subprocess.run(
+            [
+                "helm",
+                "upgrade",
+                "--install",
+                RELEASE,
+                str(ROOT / "charts/understudy"),
+                "--namespace",
+                OPERATOR_NS,
+                "--create-namespace",
+                "--wait",
+                "--timeout",
+                "5m",
+                "--set",
+                "operator.resyncSeconds=5",
+                "--set",
+                f"image.repository={repository}",
+                "--set",
+                f"image.tag={tag}",
+            ],
+            env=cluster.env,
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
+        assert helm.returncode == 0, helm.stderr[-4000:]
+        yield cluster
+        # Leave no in-cluster operator behind for other tests' out-of-cluster kopf.
+        subprocess.run(
+            ["helm", "uninstall", RELEASE, "--namespace", OPERATOR_NS, "--wait"],
+            env=cluster.env,
+            capture_output=True,
+            timeout=300,
+        )
 
 
 def _sample(

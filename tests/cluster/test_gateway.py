@@ -12,13 +12,14 @@ the chart helm-installed with the operator in-cluster (test_e2e's fixtures).
   once: a node's loss as the API sees it): every stream finishes on the
   other pod, each identical to its uninterrupted run;
 - the API-key Secret mounted into the gateway: no key, 401; the key, 200.
-
-Not yet run on a cluster: the module is skipped until it has been.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import sys
 import threading
 import time
@@ -34,10 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # this tier's helpers
 import test_e2e
 from test_e2e import Instance, _sample, _wait
 
+from understudy.tools.drill_kube import pod_processes
+
 pytestmark = [
     pytest.mark.cluster,
     pytest.mark.slow,
-    pytest.mark.skip(reason="not yet run on a cluster"),
 ]
 
 installed = test_e2e.installed
@@ -46,6 +48,8 @@ GATEWAY_STATUS_PORT = 8091
 TINY = "builtin:tiny-llama"  # ~10x faster per token than the sample's SmolLM2
 STREAMS = 6
 MAX_TOKENS = 48
+LONG = 1500  # tokens: streams still open when their pod is lost
+STALL_BOUND_S = 5.0
 
 
 class GatewayInstance(Instance):
@@ -111,8 +115,8 @@ def gw(installed: Any) -> Iterator[GatewayInstance]:
     ns = f"gateway-{int(time.time())}"
     installed.kubectl("create", "namespace", ns)
     installed.kubectl("wait", "--for=create", "-n", ns, "serviceaccount/default", "--timeout=30s")
-    inst = GatewayInstance(installed, ns)
     try:
+        inst = GatewayInstance(installed, ns)
         inst.wait_ready(600)
         inst.wait_gateway()
         yield inst
@@ -120,11 +124,19 @@ def gw(installed: Any) -> Iterator[GatewayInstance]:
         installed.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
-def _completion(url: str, prompt: str, *, stream: bool, key: str | None = None) -> str:
+def _completion(
+    url: str,
+    prompt: str,
+    *,
+    stream: bool,
+    key: str | None = None,
+    max_tokens: int = MAX_TOKENS,
+    gaps: list[float] | None = None,
+) -> str:
     """A greedy completion through ``url``: its text (a stream's, joined)."""
     body = {
         "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "stream": stream,
     }
@@ -138,10 +150,15 @@ def _completion(url: str, prompt: str, *, stream: bool, key: str | None = None) 
         if not stream:
             return str(json.loads(resp.read())["choices"][0]["text"])
         text, done = [], False
+        last = time.monotonic()
         for raw in resp:
             line = raw.decode().strip()
             if not line.startswith("data:"):
                 continue
+            if gaps is not None:  # the longest wait between two events
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
             data = line.removeprefix("data:").strip()
             if data == "[DONE]":
                 done = True
@@ -180,7 +197,16 @@ def test_the_gateway_objects_and_the_services(gw: GatewayInstance) -> None:
 @pytest.mark.timeout(1800)
 def test_drill_through_the_gateway_kills_active_engines(gw: GatewayInstance) -> None:
     kills = 6
-    report = gw.drill("--kills", str(kills), "--signal", "KILL,SEGV,STOP", "--clients", "8")
+    report = gw.drill(
+        "--kills",
+        str(kills),
+        "--signal",
+        "KILL,SEGV,STOP",
+        "--clients",
+        "8",
+        "--kube-pod",
+        f"{gw.name}-0",
+    )
     s = report["summary"]
     assert s["failed_requests"] == 0, report.get("errors")
     assert s["wrong_answers"] == 0 and s["split_brain"] == 0
@@ -188,32 +214,17 @@ def test_drill_through_the_gateway_kills_active_engines(gw: GatewayInstance) -> 
     gw.wait_ready(300)
 
 
-@pytest.mark.timeout(900)
-def test_a_pod_force_deleted_under_streams_moves_them_token_exact(gw: GatewayInstance) -> None:
-    url = gw.url()
-    prompts = [f"Story number {i}: once upon a time" for i in range(STREAMS)]
-    want = {p: _completion(url, p, stream=False) for p in prompts}
-    got: dict[str, str] = {}
-    errors: list[BaseException] = []
+def _streams_by_pod(gw: GatewayInstance) -> dict[str, int]:
+    """Requests in flight on each pod, summed over the gateway's replicas."""
+    out: dict[str, int] = {}
+    for pod in gw.gateway_pods():
+        if pod["status"].get("podIP"):
+            for p in gw.gateway_state(pod)["pods"]:
+                out[p["name"]] = out.get(p["name"], 0) + p["busy"]
+    return out
 
-    def stream(prompt: str) -> None:
-        try:
-            got[prompt] = _completion(url, prompt, stream=True)
-        except BaseException as exc:
-            errors.append(exc)
 
-    threads = [threading.Thread(target=stream, args=(p,)) for p in prompts]
-    for t in threads:
-        t.start()
-    time.sleep(0.5)  # the streams are open on both pods
-    victim = f"{gw.name}-0"
-    gw.cluster.kubectl(
-        "delete", "pod", victim, "-n", gw.ns, "--grace-period=0", "--force", "--wait=false"
-    )
-    for t in threads:
-        t.join(300)
-    assert not errors, errors
-    assert got == want
+def _migrations(gw: GatewayInstance) -> int:
     moved = 0
     for pod in gw.gateway_pods():
         url_metrics = f"http://{pod['status']['podIP']}:{GATEWAY_STATUS_PORT}/metrics"
@@ -221,30 +232,111 @@ def test_a_pod_force_deleted_under_streams_moves_them_token_exact(gw: GatewayIns
             for line in resp.read().decode().splitlines():
                 if line.startswith("understudy_gateway_migrations_total{"):
                     moved += int(float(line.rsplit(" ", 1)[1]))
-    assert moved >= 1  # some stream was on the deleted pod, and moved
+    return moved
+
+
+@pytest.mark.timeout(900)
+def test_a_pod_lost_under_streams_moves_them_token_exact(gw: GatewayInstance) -> None:
+    """A node's loss as the API and the node see it: the pod that serves the
+    most streams is force-deleted (grace 0) and every process of it is
+    SIGKILLed from the node at once. Every stream finishes on the other pod,
+    identical to its uninterrupted run."""
+    url = gw.url()
+    prompts = [f"Story number {i}: once upon a time" for i in range(STREAMS)]
+    want = {p: _completion(url, p, stream=False, max_tokens=LONG) for p in prompts}
+    moved_before = _migrations(gw)
+    got: dict[str, str] = {}
+    errors: list[BaseException] = []
+    gaps: list[float] = []
+
+    def stream(prompt: str) -> None:
+        try:
+            got[prompt] = _completion(url, prompt, stream=True, max_tokens=LONG, gaps=gaps)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=stream, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    _wait("every stream open on a pod", lambda: sum(_streams_by_pod(gw).values()) >= STREAMS, 60)
+    by_pod = _streams_by_pod(gw)
+    victim = max(by_pod, key=lambda name: by_pod[name])
+    uid = gw.cluster.get_json("pod", victim, "-n", gw.ns)["metadata"]["uid"]
+    gw.cluster.kubectl(
+        "delete", "pod", victim, "-n", gw.ns, "--grace-period=0", "--force", "--wait=false"
+    )
+    killed = 0
+    for pid in pod_processes(uid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+    assert killed, f"no process of {victim} on this node"
+    t_lost = time.monotonic()
+    for t in threads:
+        t.join(300)
+    finished_s = time.monotonic() - t_lost
+    sys.stderr.write(
+        f"lost {victim} with streams {by_pod}, {killed} processes killed; "
+        f"every stream done {finished_s:.2f} s later, longest wait for an event "
+        f"{max(gaps):.2f} s, load {os.getloadavg()}\n"
+    )
+    assert not errors, errors
+    assert got == want
+    # The lost pod's streams wait for the gateway to find it dead (a reset at
+    # once here, --silence 1 s at worst) and for the other pod to take them
+    # on: their prompt and tokens so far prefilled, beside its own streams.
+    assert max(gaps) < STALL_BOUND_S, sorted(gaps)[-5:]
+    # streams were on the lost pod (by_pod), and moved
+    assert _migrations(gw) - moved_before >= by_pod[victim], by_pod
     gw.wait_ready(600)
     gw.wait_gateway()
 
 
 @pytest.mark.timeout(600)
 def test_the_api_key_secret_guards_the_service(gw: GatewayInstance) -> None:
+    """The Secret's key switched on: the gateway's Deployment rolls out (its
+    replicas replaced one by one), and a client that sends the key all along
+    sees no error through it; one without the key is refused, 401."""
     c, ns, name = gw.cluster, gw.ns, gw.name
     key = "k-" + str(int(time.time()))
-    c.kubectl("create", "secret", "generic", f"{name}-keys", "-n", ns, f"--from-literal=keys={key}")
-    patch = {"spec": {"gateway": {"apiKeySecret": {"name": f"{name}-keys", "key": "keys"}}}}
-    c.kubectl("patch", "gpuinstance", name, "-n", ns, "--type=merge", "-p", json.dumps(patch))
-    deployment = f"{name}-gateway"
-    c.kubectl(
-        "rollout", "status", f"deployment/{deployment}", "-n", ns, "--timeout=300s", timeout=330
-    )
     url = gw.url()
+    answered, errors = [0], []
+    stop = threading.Event()
 
-    def refused() -> bool:
-        try:
-            _completion(url, "hello", stream=False)
-        except urllib.error.HTTPError as exc:
-            return exc.code == 401
-        return False
+    def keyed_client() -> None:  # a keyless gateway ignores the header
+        while not stop.is_set():
+            try:
+                _completion(url, "hello", stream=False, key=key)
+                answered[0] += 1
+            except Exception as exc:
+                errors.append(exc)
 
-    _wait("a request without a key refused", refused, 120)
+    client = threading.Thread(target=keyed_client)
+    client.start()
+    try:
+        c.kubectl(
+            "create", "secret", "generic", f"{name}-keys", "-n", ns, f"--from-literal=keys={key}"
+        )
+        patch = {"spec": {"gateway": {"apiKeySecret": {"name": f"{name}-keys", "key": "keys"}}}}
+        c.kubectl("patch", "gpuinstance", name, "-n", ns, "--type=merge", "-p", json.dumps(patch))
+
+        def refused() -> bool:
+            try:
+                _completion(url, "hello", stream=False)
+            except urllib.error.HTTPError as exc:
+                return exc.code == 401
+            return False
+
+        _wait("a request without a key refused", refused, 120)
+        deployment = f"{name}-gateway"
+        c.kubectl(
+            "rollout", "status", f"deployment/{deployment}", "-n", ns, "--timeout=300s", timeout=330
+        )
+        time.sleep(2.0)  # the last old replica's pre-stop wait and drain, under the client
+    finally:
+        stop.set()
+        client.join(60)
+    sys.stderr.write(f"gateway rollout: {answered[0]} keyed requests, {len(errors)} failed\n")
+    assert not errors, errors[:5]
+    assert answered[0] > 0
     assert _completion(url, "hello", stream=False, key=key)

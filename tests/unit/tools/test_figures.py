@@ -217,3 +217,25 @@ def test_whole_waits_for_the_weights_to_be_given_back() -> None:
     assert figures.settled([active, standby]) is active
     assert figures.whole([active, standby]) is None
     assert figures.whole([{**active, "readopting": False}, standby]) is not None
+
+
+def _active(epoch: int, granted_at: float, asked_at: float | None) -> dict[str, object]:
+    e: dict[str, object] = {"state": "Active", "epoch": epoch, "granted_at": granted_at}
+    if asked_at is not None:
+        e["asked_at"] = asked_at
+    return e
+
+
+def test_split_brain_is_an_old_engine_active_after_the_new_grant() -> None:
+    standby = {"state": "Standby", "epoch": 0}
+    # One Active: nothing to judge.
+    assert figures.split_brain([_active(5, 100.0, 101.0), standby]) == []
+    # The old engine was asked before its successor's grant: its answer may
+    # predate its death (a snapshot asks one engine after another).
+    old, new = _active(5, 90.0, 99.9), _active(6, 100.0, 100.2)
+    assert figures.split_brain([new, old, standby]) == []
+    # Asked at or after the new grant and still Active: two at once.
+    late = _active(5, 90.0, 100.0)
+    assert figures.split_brain([new, late]) == [late, new]
+    # Without the times, any two Active engines count.
+    assert figures.split_brain([new, _active(5, 90.0, None)]) != []

@@ -657,6 +657,17 @@ GATEWAY_STATUS_PORT = 8091  # the gateway's /live, /ready, /metrics, /state
 GATEWAY_STATUS_PORT_NAME = "gateway-status"
 GATEWAY_KEYS_DIR = "/etc/understudy/api-keys"
 GATEWAY_KEYS_FILE = "keys"
+# A terminating gateway replica keeps accepting this long before its SIGTERM:
+# the Service's EndpointSlice and then every node's kube-proxy drop it
+# asynchronously, and a connection routed to it meanwhile must not be
+# refused (a rollout of the gateway, a drain of its node).
+GATEWAY_UNLIST_S = 5
+
+
+def gateway_drain_seconds(inst: GpuInstance) -> int:
+    """The gateway's drain after SIGTERM: inside the pod's grace, after the
+    pre-stop wait, with 5 s to exit on its own rather than by SIGKILL."""
+    return max(1, inst.spec.drain.grace_period_seconds - GATEWAY_UNLIST_S - 5)
 
 
 def gateway_name(inst: GpuInstance) -> str:
@@ -747,7 +758,7 @@ def gateway_args(inst: GpuInstance) -> list[str]:
         "--grace",
         str(gateway_grace_seconds(inst)),
         "--drain",
-        str(drain_seconds(inst)),
+        str(gateway_drain_seconds(inst)),
     ]
     if gw.api_key_secret is not None:
         args += ["--api-key-file", f"{GATEWAY_KEYS_DIR}/{GATEWAY_KEYS_FILE}"]
@@ -782,6 +793,7 @@ def gateway_container(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]:
         # gateway holds requests through a moment with no ready pod, which
         # is when an empty Service would refuse them instead.
         "readinessProbe": {**http("/live"), "periodSeconds": 1, "failureThreshold": 3},
+        "lifecycle": {"preStop": {"sleep": {"seconds": GATEWAY_UNLIST_S}}},
         "resources": _resources(
             gw.resources, defaults={"cpu": "100m", "memory": "64Mi"}, claim=False
         ),

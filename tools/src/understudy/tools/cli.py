@@ -326,7 +326,7 @@ def _drill_target(args: argparse.Namespace) -> tuple[Any, Any]:
         from understudy.tools.drill_kube import KubeTarget
 
         namespace, _, name = args.kube.rpartition("/")
-        target = KubeTarget(namespace or "default", name, args.kubeconfig)
+        target = KubeTarget(namespace or "default", name, args.kubeconfig, args.kube_pod)
         observer = target.observer
         observer.start()
     else:
@@ -529,6 +529,24 @@ def _cold_start_line(cold: dict[str, Any]) -> str:
     )
 
 
+def _target_args(dr: argparse.ArgumentParser, default_dir: Path) -> None:
+    """Which pod the drill kills in, and where its load goes."""
+    dr.add_argument("--dir", default=str(default_dir), help="the local pod to drill")
+    dr.add_argument("--target", help="serving URL to load (default: the local pod's)")
+    dr.add_argument(
+        "--kube",
+        metavar="NAMESPACE/NAME",
+        help="drill a GpuInstance on a cluster through its Service (run on the node)",
+    )
+    dr.add_argument("--kubeconfig", help="kubeconfig for --kube (default: $KUBECONFIG)")
+    dr.add_argument(
+        "--kube-pod",
+        metavar="POD",
+        help="with --kube: kill in this pod of the instance's several (the load still goes "
+        "through the Service: behind a gateway, to every pod)",
+    )
+
+
 def _stacked_fault_args(dr: argparse.ArgumentParser) -> None:
     """The drill's faults that stack: a second one in each round, rounds back
     to back, and a poison."""
@@ -659,14 +677,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         help="KILL, STOP (hang) or SEGV, or a list (KILL,SEGV,STOP) cycled through the rounds",
     )
     _stacked_fault_args(dr)
-    dr.add_argument("--dir", default=str(DEFAULT_DIR), help="the local pod to drill")
-    dr.add_argument("--target", help="serving URL to load (default: the local pod's)")
-    dr.add_argument(
-        "--kube",
-        metavar="NAMESPACE/NAME",
-        help="drill a GpuInstance on a cluster through its Service (run on the node)",
-    )
-    dr.add_argument("--kubeconfig", help="kubeconfig for --kube (default: $KUBECONFIG)")
+    _target_args(dr, DEFAULT_DIR)
     dr.add_argument(
         "--sidecar",
         choices=(*drill_sidecar.SIDECAR_COMMANDS, "front"),

@@ -48,7 +48,7 @@ def in_pod(pid: str, uid: str) -> bool:
     return f"pod{uid}" in text or f"pod{uid.replace('-', '_')}" in text
 
 
-def _processes(uid: str) -> dict[int, tuple[int, str]]:
+def pod_processes(uid: str) -> dict[int, tuple[int, str]]:
     """pid -> (parent pid, command line) of every process of the pod ``uid``
     on this node."""
     out = {}
@@ -101,7 +101,13 @@ def host_pid(pod: str, namespace: str, container: str, pid_in_pod: int | None = 
 
 
 class KubeTarget:
-    def __init__(self, namespace: str, instance: str, kubeconfig: str | None = None) -> None:
+    def __init__(
+        self,
+        namespace: str,
+        instance: str,
+        kubeconfig: str | None = None,
+        pod: str | None = None,
+    ) -> None:
         from kubernetes import client, config
 
         config.load_kube_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
@@ -112,14 +118,18 @@ class KubeTarget:
         port = svc.spec.ports[0].port
         self.service_port = port
         self.serve_url = f"http://{svc.spec.cluster_ip}:{port}"
+        # Behind a gateway the instance's Service lists the gateway's pods; the
+        # instance's own are the headless <name>-pods that the gateway watches.
+        gateway = "understudy.dev/gateway" in (svc.spec.selector or {})
+        self.endpoints_service = f"{instance}-pods" if gateway else instance
+        self.only_pod = pod  # --kube-pod: drill this pod of several
         self.observer = Observer(self)
 
     def pods(self) -> list[Any]:
-        return list(
-            self.core.list_namespaced_pod(
-                self.namespace, label_selector=f"{LABEL_INSTANCE}={self.instance}"
-            ).items
-        )
+        listed: list[Any] = self.core.list_namespaced_pod(
+            self.namespace, label_selector=f"{LABEL_INSTANCE}={self.instance}"
+        ).items
+        return [p for p in listed if self.only_pod in (None, p.metadata.name)]
 
     def engines(self) -> list[dict[str, Any]]:
         out = []
@@ -135,9 +145,11 @@ class KubeTarget:
                     continue
                 try:
                     conn = http.client.HTTPConnection(ip, ports[0], timeout=0.3)
+                    asked_at = time.time()
                     conn.request("GET", "/state")
                     engine = json.loads(conn.getresponse().read())
                     conn.close()
+                    engine["asked_at"] = asked_at  # figures.split_brain
                 except (OSError, ValueError, http.client.HTTPException):
                     engine = {"name": c.name, "state": "Unreachable"}
                 engine["pod"] = pod.metadata.name
@@ -160,7 +172,7 @@ class KubeTarget:
         servers) never names it."""
         found = {
             pid: ppid
-            for pid, (ppid, cmd) in _processes(pod.metadata.uid).items()
+            for pid, (ppid, cmd) in pod_processes(pod.metadata.uid).items()
             if container_cmd in cmd
         }
         inner = [p for p, pp in found.items() if pp in found] or list(found)
@@ -203,7 +215,7 @@ class KubeTarget:
             serving = front_pid(url)
             found = [
                 pid
-                for pid, (_, cmd) in _processes(pod.metadata.uid).items()
+                for pid, (_, cmd) in pod_processes(pod.metadata.uid).items()
                 if "understudy.front serve" in cmd
                 and "respawn" not in cmd
                 and ns_pid(str(pid)) == serving
@@ -253,7 +265,7 @@ class Observer(threading.Thread):
             try:
                 pods = t.pods()
                 slices: Any = t.discovery.list_namespaced_endpoint_slice(
-                    t.namespace, label_selector=f"kubernetes.io/service-name={t.instance}"
+                    t.namespace, label_selector=f"kubernetes.io/service-name={t.endpoints_service}"
                 ).items
             except Exception:  # the API server blipped: count nothing this round
                 time.sleep(self.period)

@@ -17,6 +17,7 @@ import http.client
 import json
 import os
 import signal
+import time
 import urllib.parse
 from pathlib import Path
 from typing import Any, Protocol
@@ -67,10 +68,12 @@ class LocalTarget:
         for name, port in self.status_ports.items():
             try:
                 conn = http.client.HTTPConnection("127.0.0.1", port, timeout=0.3)
+                asked_at = time.time()
                 conn.request("GET", "/state")
                 body = conn.getresponse().read()
                 conn.close()
                 engine = json.loads(body)
+                engine["asked_at"] = asked_at  # figures.split_brain
             except (OSError, ValueError, http.client.HTTPException):
                 engine = {"name": name, "state": "Unreachable"}
             # the runner's startup probe passed: its liveness probe is watching

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from understudy.tools import figures
 from understudy.tools.drill_target import Target
 
 
@@ -45,11 +46,14 @@ class Watcher(threading.Thread):
 
     def _check(self, engines: list[dict[str, Any]], now: float) -> None:
         active = [e for e in engines if e.get("state") == "Active"]
-        if len(active) > 1:
+        if figures.split_brain(engines):
             self.split_brain.append(
                 {
                     "at": time.time(),
-                    "active": [{k: e.get(k) for k in ("name", "pid", "epoch")} for e in active],
+                    "active": [
+                        {k: e.get(k) for k in ("name", "pid", "epoch", "asked_at", "granted_at")}
+                        for e in active
+                    ],
                 }
             )
         for e in active:

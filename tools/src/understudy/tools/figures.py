@@ -92,6 +92,22 @@ def settled(engines: Sequence[Engine]) -> Engine | None:
     return None
 
 
+def split_brain(engines: Sequence[Engine]) -> list[Engine]:
+    """The Active engines of one snapshot that were Active at once: an engine
+    said Active when asked (``asked_at``, wall time: its answer was read at
+    that time or later) after another was granted the lock under a newer
+    epoch (its ``granted_at``). A snapshot asks the engines one after
+    another, so an engine that answered Active and was killed just after can
+    appear beside its successor: that is a failover, not two engines
+    serving. Without the times, any two Active engines count."""
+    active = sorted(_in(engines, "Active"), key=lambda e: e.get("epoch") or 0)
+    for older, newer in itertools.combinations(active, 2):
+        asked, granted = older.get("asked_at"), newer.get("granted_at")
+        if asked is None or granted is None or asked >= granted:
+            return active
+    return []
+
+
 def whole(engines: Sequence[Engine]) -> Engine | None:
     """Settled, and no engine still giving its weights back to a restarted GMS:
     the state a sidecar drill kills from again."""
