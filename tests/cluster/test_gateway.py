@@ -25,7 +25,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ STREAMS = 6
 MAX_TOKENS = 48
 LONG = 1500  # tokens: streams still open when their pod is lost
 STALL_BOUND_S = 5.0
+FREEZE_S = 5.0
 
 
 class GatewayInstance(Instance):
@@ -235,12 +236,12 @@ def _migrations(gw: GatewayInstance) -> int:
     return moved
 
 
-@pytest.mark.timeout(900)
-def test_a_pod_lost_under_streams_moves_them_token_exact(gw: GatewayInstance) -> None:
-    """A node's loss as the API and the node see it: the pod that serves the
-    most streams is force-deleted (grace 0) and every process of it is
-    SIGKILLed from the node at once. Every stream finishes on the other pod,
-    identical to its uninterrupted run."""
+def _fault_under_streams(gw: GatewayInstance, fault: Callable[[str, str], str]) -> None:
+    """Six greedy streams of LONG tokens open through the gateway; ``fault``
+    (the pod's name and uid; it says what it did) to the pod that serves the
+    most of them. Every stream finishes, identical to its uninterrupted run,
+    none waits past STALL_BOUND_S for an event, and the faulted pod's
+    streams moved."""
     url = gw.url()
     prompts = [f"Story number {i}: once upon a time" for i in range(STREAMS)]
     want = {p: _completion(url, p, stream=False, max_tokens=LONG) for p in prompts}
@@ -262,34 +263,83 @@ def test_a_pod_lost_under_streams_moves_them_token_exact(gw: GatewayInstance) ->
     by_pod = _streams_by_pod(gw)
     victim = max(by_pod, key=lambda name: by_pod[name])
     uid = gw.cluster.get_json("pod", victim, "-n", gw.ns)["metadata"]["uid"]
-    gw.cluster.kubectl(
-        "delete", "pod", victim, "-n", gw.ns, "--grace-period=0", "--force", "--wait=false"
-    )
-    killed = 0
-    for pid in pod_processes(uid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-            killed += 1
-    assert killed, f"no process of {victim} on this node"
-    t_lost = time.monotonic()
+    t_fault = time.monotonic()
+    did = fault(victim, uid)
     for t in threads:
         t.join(300)
-    finished_s = time.monotonic() - t_lost
+    finished_s = time.monotonic() - t_fault
     sys.stderr.write(
-        f"lost {victim} with streams {by_pod}, {killed} processes killed; "
-        f"every stream done {finished_s:.2f} s later, longest wait for an event "
-        f"{max(gaps):.2f} s, load {os.getloadavg()}\n"
+        f"{victim} {did} under streams {by_pod}; every stream done {finished_s:.2f} s "
+        f"after the fault, longest wait for an event {max(gaps):.2f} s, "
+        f"load {os.getloadavg()}\n"
     )
     assert not errors, errors
     assert got == want
-    # The lost pod's streams wait for the gateway to find it dead (a reset at
-    # once here, --silence 1 s at worst) and for the other pod to take them
-    # on: their prompt and tokens so far prefilled, beside its own streams.
+    # The faulted pod's streams wait for the gateway to find it dead (a reset
+    # at once, or --silence, 1 s) and for the other pod to take them on:
+    # their prompt and tokens so far prefilled, beside its own streams.
     assert max(gaps) < STALL_BOUND_S, sorted(gaps)[-5:]
-    # streams were on the lost pod (by_pod), and moved
+    # streams were on the faulted pod (by_pod), and moved
     assert _migrations(gw) - moved_before >= by_pod[victim], by_pod
     gw.wait_ready(600)
     gw.wait_gateway()
+
+
+@pytest.mark.timeout(900)
+def test_a_pod_lost_under_streams_moves_them_token_exact(gw: GatewayInstance) -> None:
+    """A node's loss as the API and the node see it: the pod is force-deleted
+    (grace 0) and every process of it is SIGKILLed from the node at once."""
+
+    def lose(victim: str, uid: str) -> str:
+        gw.cluster.kubectl(
+            "delete", "pod", victim, "-n", gw.ns, "--grace-period=0", "--force", "--wait=false"
+        )
+        killed = 0
+        for pid in pod_processes(uid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+        assert killed, f"no process of {victim} on this node"
+        return f"lost ({killed} processes SIGKILLed)"
+
+    _fault_under_streams(gw, lose)
+
+
+def _pod_freezer(uid: str) -> tuple[Path, str, str]:
+    """The pod's own cgroup in the freezer (v1: ``freezer.state``; v2:
+    ``cgroup.freeze``), with what freezes and what thaws it: the directory
+    above its containers', whose name carries the pod's uid."""
+    for pid in pod_processes(uid):
+        for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if "freezer" in controllers.split(","):
+                root, knob, on, off = "/sys/fs/cgroup/freezer", "freezer.state", "FROZEN", "THAWED"
+            elif controllers == "":
+                root, knob, on, off = "/sys/fs/cgroup", "cgroup.freeze", "1", "0"
+            else:
+                continue
+            for d in (Path(root + path), *Path(root + path).parents):
+                if uid in d.name or uid.replace("-", "_") in d.name:
+                    return d / knob, on, off
+    raise AssertionError(f"no freezer cgroup for pod {uid}")
+
+
+@pytest.mark.timeout(900)
+def test_a_pod_frozen_under_streams_moves_them_token_exact(gw: GatewayInstance) -> None:
+    """A frozen node, a partition that heals: every process of the pod
+    stopped at once for 5 s through its cgroup's freezer, then thawed. The
+    gateway finds its streams silent (--silence 1 s) and moves them."""
+
+    def freeze(victim: str, uid: str) -> str:
+        knob, on, off = _pod_freezer(uid)
+        knob.write_text(on)
+        try:
+            time.sleep(FREEZE_S)
+        finally:
+            knob.write_text(off)
+        return f"frozen {FREEZE_S:g} s"
+
+    _fault_under_streams(gw, freeze)
 
 
 @pytest.mark.timeout(600)

@@ -151,7 +151,7 @@ def test_apiserver_admits_the_monitoring_objects_as_rendered(installed: tuple[An
     found = cluster.get_json("configmaps", "-A", "-l", "grafana_dashboard=1")["items"]
     assert {c["metadata"]["name"] for c in found} >= {d["metadata"]["name"] for d in dashboards}
     # The installed CRDs validate: the apiserver refuses what their schema forbids.
-    (pm,) = (o for o in monitoring if o["kind"] == "PodMonitor")
+    (pm,) = (o for o in monitoring if o["metadata"]["name"] == "understudy-gpuinstances")
     bad = json.loads(json.dumps(pm))
     bad["metadata"]["name"] = "understudy-bad"
     bad["spec"]["podMetricsEndpoints"][0]["scheme"] = "ftp"
