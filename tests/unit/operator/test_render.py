@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import instances
 import kubernetes_validate
 import pytest
 import yaml
@@ -22,17 +23,7 @@ VERSIONS = ["1.34.0", "1.35.0", "1.36.0", "1.37.0"]
 
 
 def make(**spec: Any) -> GpuInstance:
-    body = {
-        "apiVersion": "understudy.dev/v1alpha1",
-        "kind": "GpuInstance",
-        "metadata": {"name": "demo", "namespace": "ns", "uid": "u-1", "generation": 1},
-        "spec": {
-            "model": {"source": "builtin:all-MiniLM-L6-v2"},
-            "gms": {"backend": "host"},
-            **spec,
-        },
-    }
-    return GpuInstance.from_body(body)
+    return instances.make(**spec)
 
 
 SHAPES = {

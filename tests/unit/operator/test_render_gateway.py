@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import instances
 import kubernetes_validate
 import pytest
 from commands import parse
@@ -20,13 +21,7 @@ VERSIONS = ["1.34.0", "1.35.0", "1.36.0", "1.37.0"]
 
 
 def make(**spec: Any) -> GpuInstance:
-    body = {
-        "apiVersion": "understudy.dev/v1alpha1",
-        "kind": "GpuInstance",
-        "metadata": {"name": "demo", "namespace": "ns", "uid": "u-1", "generation": 1},
-        "spec": {"model": {"source": "builtin:tiny-llama"}, "gms": {"backend": "host"}, **spec},
-    }
-    return GpuInstance.from_body(body)
+    return instances.make("builtin:tiny-llama", **spec)
 
 
 KEYED = {"apiKeySecret": {"name": "demo-keys", "key": "keys.txt"}}
