@@ -33,6 +33,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this tier's helpers
 import test_e2e
+from test_control_plane_down import _api_server_pid, _stopped, _unreachable
 from test_e2e import Instance, _sample, _wait
 
 from understudy.tools.drill_kube import pod_processes
@@ -51,6 +52,11 @@ MAX_TOKENS = 48
 LONG = 1500  # tokens: streams still open when their pod is lost
 STALL_BOUND_S = 5.0
 FREEZE_S = 5.0
+# Streams under a stopped API server: done well inside the stop's bound
+# (45 s, the node-monitor grace period).
+API_DOWN_TOKENS = 600
+# Long enough that streams span an old pod's drain.
+ROLLOUT_TOKENS = 400
 
 
 class GatewayInstance(Instance):
@@ -95,6 +101,14 @@ class GatewayInstance(Instance):
                 return False
         return True
 
+    def serving_pods(self) -> set[str]:
+        """The instance's pods not on their way out (a rollout renames them)."""
+        return {
+            p["metadata"]["name"]
+            for p in self.engine_pods()
+            if not p["metadata"].get("deletionTimestamp")
+        }
+
     def wait_gateway(self, timeout: float = 300) -> None:
         deployment = f"{self.name}-gateway"
         _wait(
@@ -107,8 +121,12 @@ class GatewayInstance(Instance):
             ),
             timeout,
         )
-        pods = {f"{self.name}-0", f"{self.name}-1"}
-        _wait("every gateway routes to both pods", lambda: self.every_gateway_routes_to(pods), 120)
+
+        def routed() -> bool:
+            pods = self.serving_pods()
+            return len(pods) == 2 and self.every_gateway_routes_to(pods)
+
+        _wait("every gateway routes to both pods", routed, 120)
 
 
 @pytest.fixture(scope="module")
@@ -236,15 +254,22 @@ def _migrations(gw: GatewayInstance) -> int:
     return moved
 
 
-def _fault_under_streams(gw: GatewayInstance, fault: Callable[[str, str], str]) -> None:
-    """Six greedy streams of LONG tokens open through the gateway; ``fault``
+def _fault_under_streams(
+    gw: GatewayInstance,
+    fault: Callable[[str, str], str],
+    *,
+    tokens: int = LONG,
+    around: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> None:
+    """Six greedy streams of ``tokens`` open through the gateway; ``fault``
     (the pod's name and uid; it says what it did) to the pod that serves the
-    most of them. Every stream finishes, identical to its uninterrupted run,
+    most of them, inside ``around`` from just before the fault until every
+    stream ended. Every stream finishes, identical to its uninterrupted run,
     none waits past STALL_BOUND_S for an event, and the faulted pod's
     streams moved."""
     url = gw.url()
     prompts = [f"Story number {i}: once upon a time" for i in range(STREAMS)]
-    want = {p: _completion(url, p, stream=False, max_tokens=LONG) for p in prompts}
+    want = {p: _completion(url, p, stream=False, max_tokens=tokens) for p in prompts}
     moved_before = _migrations(gw)
     got: dict[str, str] = {}
     errors: list[BaseException] = []
@@ -252,7 +277,7 @@ def _fault_under_streams(gw: GatewayInstance, fault: Callable[[str, str], str]) 
 
     def stream(prompt: str) -> None:
         try:
-            got[prompt] = _completion(url, prompt, stream=True, max_tokens=LONG, gaps=gaps)
+            got[prompt] = _completion(url, prompt, stream=True, max_tokens=tokens, gaps=gaps)
         except BaseException as exc:
             errors.append(exc)
 
@@ -263,11 +288,12 @@ def _fault_under_streams(gw: GatewayInstance, fault: Callable[[str, str], str]) 
     by_pod = _streams_by_pod(gw)
     victim = max(by_pod, key=lambda name: by_pod[name])
     uid = gw.cluster.get_json("pod", victim, "-n", gw.ns)["metadata"]["uid"]
-    t_fault = time.monotonic()
-    did = fault(victim, uid)
-    for t in threads:
-        t.join(300)
-    finished_s = time.monotonic() - t_fault
+    with around():
+        t_fault = time.monotonic()
+        did = fault(victim, uid)
+        for t in threads:
+            t.join(300)
+        finished_s = time.monotonic() - t_fault
     sys.stderr.write(
         f"{victim} {did} under streams {by_pod}; every stream done {finished_s:.2f} s "
         f"after the fault, longest wait for an event {max(gaps):.2f} s, "
@@ -342,6 +368,155 @@ def test_a_pod_frozen_under_streams_moves_them_token_exact(gw: GatewayInstance) 
     _fault_under_streams(gw, freeze)
 
 
+@pytest.mark.timeout(900)
+def test_the_api_server_stopped_a_pod_lost_under_streams_moves_them(gw: GatewayInstance) -> None:
+    """The control plane is not on the gateway's data path: with the API
+    server stopped (SIGSTOP: every call hangs, the gateways' watches go
+    silent), every process of a pod is SIGKILLed from the node under
+    streams. The gateways route on the EndpointSlices they last saw: the
+    pod's streams move to the other pod, token-exact, before the API server
+    goes on. No kubectl inside: the node's own view only."""
+    cluster = gw.cluster
+    if not cluster.ours or os.geteuid() != 0:
+        pytest.skip("stops hack/cluster's own API server: runs as root on its node")
+    api = _api_server_pid(cluster.cluster_dir)
+    seen: dict[str, Any] = {}
+
+    @contextlib.contextmanager
+    def api_stopped() -> Iterator[None]:
+        t0 = time.monotonic()
+        with _stopped(api):
+            yield
+            seen["stopped_s"] = time.monotonic() - t0
+
+    def lose(victim: str, uid: str) -> str:
+        killed = 0
+        for pid in pod_processes(uid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+        assert killed, f"no process of {victim} on this node"
+        seen["unreachable"] = _unreachable(gw)  # after the kill: the streams are running
+        return f"lost with the API server stopped ({killed} processes SIGKILLed)"
+
+    _fault_under_streams(gw, lose, tokens=API_DOWN_TOKENS, around=api_stopped)
+    sys.stderr.write(f"API server stopped {seen['stopped_s']:.1f} s\n")
+    assert seen["unreachable"], "the API server still answered while stopped"
+    assert seen["stopped_s"] < 45.0  # under the node-monitor grace period
+
+
+def _gateway_pid_on_node(pod: dict[str, Any], pid_in_pod: int) -> tuple[int, int]:
+    """The node's pid of the gateway process that says ``pid_in_pod`` in its
+    ``/state`` (its own PID namespace), and how many gateway processes the
+    pod runs (the serving one and its spare; not the respawner)."""
+    found, gateways = 0, 0
+    for pid in pod_processes(pod["metadata"]["uid"]):
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"gateway" not in argv or b"respawn" in argv:
+                continue
+            gateways += 1
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("NSpid:") and int(line.split()[-1]) == pid_in_pod:
+                    found = pid
+    return found, gateways
+
+
+@contextlib.contextmanager
+def _through_the_service(
+    url: str, clients: int
+) -> Iterator[list[tuple[float, BaseException | None]]]:
+    """``clients`` threads asking through ``url`` (a new connection each
+    time), until the block ends: each request's start and failure (None:
+    answered)."""
+    results: list[tuple[float, BaseException | None]] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            try:
+                _completion(url, "hello", stream=False, max_tokens=4)
+                results.append((t0, None))
+            except BaseException as exc:  # every failure is counted
+                results.append((t0, exc))
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    try:
+        yield results
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+
+
+@pytest.mark.timeout(600)
+def test_a_gateway_replica_killed_refuses_no_new_connection(gw: GatewayInstance) -> None:
+    """One gateway replica's serving process SIGKILLed from the node while
+    clients open new connections through the Service: none fails. The
+    replica runs under the respawner, which holds its ports, so the
+    Service's connections to it wait in the port's queue for the spare,
+    and kubelet restarts nothing. What the killed process had accepted is
+    lost with it: the streams open on it directly are cut (reported)."""
+    victim = next(p for p in gw.gateway_pods() if p["status"].get("podIP"))
+    ip = victim["status"]["podIP"]
+    port = next(
+        p["containerPort"] for p in victim["spec"]["containers"][0]["ports"] if p["name"] == "http"
+    )
+    restarts = victim["status"]["containerStatuses"][0]["restartCount"]
+    old = int(gw.gateway_state(victim)["pid"])
+    _wait("a spare beside the victim", lambda: _gateway_pid_on_node(victim, old)[1] == 2, 60)
+    node_pid, _ = _gateway_pid_on_node(victim, old)
+    assert node_pid, f"no process of {victim['metadata']['name']} says pid {old}"
+    cut: list[BaseException] = []
+
+    def own_stream(i: int) -> None:  # a client of the victim itself
+        try:
+            _completion(
+                f"http://{ip}:{port}", f"Story number {i}: on the gateway that dies",
+                stream=True, max_tokens=LONG,
+            )  # fmt: skip
+        except BaseException as exc:  # what it loses is the finding
+            cut.append(exc)
+
+    streams = [threading.Thread(target=own_stream, args=(i,)) for i in range(2)]
+    for t in streams:
+        t.start()
+    with _through_the_service(gw.url(), 4) as results:
+        _wait("the victim's streams open", lambda: gw.gateway_state(victim)["inflight"] >= 2, 60)
+        _wait("requests flowing", lambda: len(results) >= 8, 60)
+        t_kill = time.monotonic()
+        os.kill(node_pid, signal.SIGKILL)
+
+        def successor() -> int:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                pid = int(gw.gateway_state(victim)["pid"])
+                return pid if pid != old else 0
+            return 0
+
+        new = _wait("the victim's spare serving", successor, 60)
+        back_s = time.monotonic() - t_kill
+        time.sleep(2.0)
+    for t in streams:
+        t.join(120)
+    after = [exc for t0, exc in results if t0 >= t_kill]
+    failed = [exc for exc in after if exc is not None]
+    sys.stderr.write(
+        f"gateway {victim['metadata']['name']} pid {old} killed, pid {new} serving after "
+        f"{back_s:.2f} s; {len(after)} requests through the Service after the kill, "
+        f"{len(failed)} failed; its own 2 open streams: {len(cut)} cut ({cut[:2]}); "
+        f"load {os.getloadavg()}\n"
+    )
+    assert failed == [], failed[:3]
+    assert len(after) >= 8
+    assert back_s < 10.0  # a spare's turn in place, not kubelet's restart
+    pod = gw.cluster.get_json("pod", victim["metadata"]["name"], "-n", gw.ns)
+    assert pod["status"]["containerStatuses"][0]["restartCount"] == restarts
+    gw.wait_gateway()
+
+
 @pytest.mark.timeout(600)
 def test_the_api_key_secret_guards_the_service(gw: GatewayInstance) -> None:
     """The Secret's key switched on: the gateway's Deployment rolls out (its
@@ -390,3 +565,68 @@ def test_the_api_key_secret_guards_the_service(gw: GatewayInstance) -> None:
     assert not errors, errors[:5]
     assert answered[0] > 0
     assert _completion(url, "hello", stream=False, key=key)
+
+
+@pytest.mark.timeout(1500)
+def test_a_rollout_of_the_pods_through_the_gateway_fails_no_request(gw: GatewayInstance) -> None:
+    """A spec change rolls the instance's pods out (surge first, each old pod
+    drained: unrouted, then deleted with its grace) while clients stream and
+    ask through the gateway's Service. The gateways take nothing new to a
+    terminating pod, and its streams finish there or move: no request
+    fails, every answer is its greedy one, and the gateways end up routing
+    to the two new pods only."""
+    c, ns, name = gw.cluster, gw.ns, gw.name
+    url = gw.url()
+    old = gw.serving_pods()
+    prompts = [f"Rollout question {i}: what does an understudy do?" for i in range(4)]
+    want = {p: _completion(url, p, stream=False, max_tokens=ROLLOUT_TOKENS) for p in prompts}
+    stop = threading.Event()
+    answered, errors, wrong = [0], [], []
+
+    def client(i: int) -> None:
+        prompt = prompts[i]
+        while not stop.is_set():
+            try:
+                got = _completion(url, prompt, stream=i % 2 == 0, max_tokens=ROLLOUT_TOKENS)
+            except Exception as exc:
+                errors.append(exc)
+                continue
+            answered[0] += 1
+            if got != want[prompt]:
+                wrong.append((prompt, got))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    t0 = time.monotonic()
+    try:
+        _wait("requests flowing", lambda: answered[0] >= 4, 120)
+        cpu = f"{100 + int(time.time()) % 50}m"  # a new pod template, each run
+        patch = {"spec": {"engine": {"resources": {"requests": {"cpu": cpu}}}}}
+        c.kubectl("patch", "gpuinstance", name, "-n", ns, "--type=merge", "-p", json.dumps(patch))
+
+        def rolled() -> bool:
+            pods = gw.serving_pods()
+            return (
+                len(pods) == 2
+                and not pods & old
+                and not {p["metadata"]["name"] for p in gw.engine_pods()} & old
+                and gw.every_gateway_routes_to(pods)
+            )
+
+        _wait("both pods replaced, the gateways routing to the new ones", rolled, 1200)
+        took = time.monotonic() - t0
+        time.sleep(3.0)  # requests on the new pods alone
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(300)
+    new = gw.serving_pods()
+    sys.stderr.write(
+        f"rollout {sorted(old)} -> {sorted(new)} in {took:.0f} s: {answered[0]} answers, "
+        f"{len(errors)} failed, {len(wrong)} wrong; load {os.getloadavg()}\n"
+    )
+    assert not errors, errors[:5]
+    assert not wrong, wrong[:2]
+    assert answered[0] > 8
+    gw.wait_ready(600)

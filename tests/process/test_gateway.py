@@ -20,8 +20,9 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -225,6 +226,123 @@ def test_a_gateway_with_api_keys_lets_only_their_holders_through(fleet: Fleet) -
     finally:
         proc.stop()
     assert "sk-understudy-test" not in log.read_text()
+
+
+def _children(pid: int) -> list[int]:
+    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    return [int(c) for c in text.split()]
+
+
+def _completion_on_a_new_connection(port: int, n: int) -> str:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        body = {"prompt": f"request {n} of a client", "max_tokens": 4, "temperature": 0}
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body),
+            {"Content-Type": "application/json", "Connection": "close"},
+        )  # fmt: skip
+        resp = conn.getresponse()
+        data = resp.read()
+        assert resp.status == 200, (resp.status, data[:200])
+        return str(json.loads(data)["choices"][0]["text"])
+    finally:
+        conn.close()
+
+
+@contextlib.contextmanager
+def _new_connections(port: int, clients: int) -> Iterator[list[tuple[float, BaseException | None]]]:
+    """``clients`` threads asking on a new connection each time, until the
+    block ends: each request's start and its failure (None: answered)."""
+    results: list[tuple[float, BaseException | None]] = []
+    stop = threading.Event()
+
+    def client(i: int) -> None:
+        for n in itertools.count():
+            if stop.is_set():
+                return
+            t0 = time.monotonic()
+            try:
+                _completion_on_a_new_connection(port, i * 10_000 + n)
+                results.append((t0, None))
+            except BaseException as exc:
+                results.append((t0, exc))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    try:
+        yield results
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+
+
+def test_a_gateway_killed_under_its_respawner_refuses_no_new_connection(fleet: Fleet) -> None:
+    """A gateway replica as the operator renders it: under ``understudy
+    respawn --spare``, which binds both ports. Its gateway process SIGKILLed
+    while clients open new connections: none is refused or fails (they wait
+    in the port's queue for the spare, which takes over); what the killed
+    process had accepted is lost with it (a stream open on it is cut)."""
+    base = free_port_block(2)
+    keeper = Proc(
+        understudy(
+            "respawn", "--spare", "--spare-after", "0.5",
+            "--listen", f"serving=127.0.0.1:{base}", "--listen", f"status=127.0.0.1:{base + 1}",
+            "--", *understudy(
+                "gateway", "--pods-file", str(fleet.dir / "pods.json"),
+                "--port", str(base), "--metrics-port", str(base + 1),
+            ),
+        ),
+        log=fleet.dir / "respawned-gateway.out",
+    )  # fmt: skip
+    via = Fleet.__new__(Fleet)  # the fleet's pods, this gateway's ports
+    via.__dict__.update(fleet.__dict__, port=base, gateway_metrics=base + 1)
+    try:
+        wait_for(lambda: via.routable() == 2, 60, 0.1, what="the respawned gateway routes both")
+        wait_for(lambda: len(_children(keeper.pid)) == 2, 60, 0.1, what="a spare gateway")
+        victim = int(via.gateway()["pid"])
+        stream = via.client().completions.create(
+            model="tiny-llama", prompt="a stream on the gateway that dies",
+            max_tokens=2000, temperature=0, stream=True,
+        )  # fmt: skip
+        assert next(iter(stream)).choices  # open and flowing on the victim
+        with _new_connections(base, 4) as results:
+            wait_for(lambda: len(results) >= 8, 60, 0.02, what="requests flowing")
+            t_kill = time.monotonic()
+            os.kill(victim, signal.SIGKILL)
+
+            def successor() -> int:
+                with contextlib.suppress(OSError, http.client.HTTPException, AssertionError):
+                    pid = int(via.gateway()["pid"])
+                    return pid if pid != victim else 0
+                return 0
+
+            back = wait_for(successor, 30, 0.02, what="the spare serving")
+            t_back = time.monotonic()
+            wait_for(lambda: via.routable() == 2, 30, 0.05, what="the spare routes both")
+            time.sleep(1.0)
+        cut = False
+        try:
+            for _ in stream:
+                pass
+        except Exception:  # httpx's, as the client raises it mid-stream
+            cut = True
+        after = [(t0, exc) for t0, exc in results if t0 >= t_kill]
+        failed_after = [exc for _, exc in after if exc is not None]
+        lost = [exc for t0, exc in results if t0 < t_kill and exc is not None]
+        print(
+            f"\ngateway {victim} killed, {back} serving after {t_back - t_kill:.2f} s; "
+            f"{len(after)} requests begun after the kill, {len(failed_after)} failed; "
+            f"in flight at the kill and lost: {len(lost)} requests, the open stream cut: {cut}"
+        )
+        assert failed_after == [], failed_after[:3]
+        assert len(after) >= 4
+        assert cut, "the killed gateway's open stream went on: what does it hold?"
+        assert t_back - t_kill < 5.0  # a spare's turn, not a cold start or a back-off
+        assert keeper.popen.poll() is None and len(_children(keeper.pid)) >= 1
+    finally:
+        keeper.stop()
 
 
 def _pod_requests(f: Fleet, i: int) -> float:

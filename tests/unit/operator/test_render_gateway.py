@@ -133,7 +133,11 @@ def test_the_gateway_deployment() -> None:
     assert c["image"] == CFG.image  # the pod's front's image
     engine_pod = by_kind(inst)[("Pod", "demo-0")]
     assert c["securityContext"] == engine_pod["spec"]["initContainers"][2]["securityContext"]
-    (args,) = parse(["understudy", *c["args"]])
+    # Under the respawner, which binds both ports and keeps a spare: a
+    # gateway that dies restarts in place, its connections queued meanwhile.
+    keeper, args = parse(["understudy", *c["args"]])
+    assert keeper["spare"] is True
+    assert sorted(keeper["listen"]) == ["serving=0.0.0.0:8000", "status=0.0.0.0:8091"]
     assert args["command"] == "gateway"
     assert args["endpointslices"] == "ns/demo-pods"
     assert (args["port"], args["metrics_port"]) == (8000, 8091)
@@ -149,14 +153,14 @@ def test_the_gateway_deployment() -> None:
     assert ports == {"http": 8000, "gateway-status": 8091}
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert c[probe]["httpGet"] == {"path": "/live", "port": "gateway-status", "scheme": "HTTP"}
-    assert c["resources"] == {"requests": {"cpu": "100m", "memory": "64Mi"}}
+    assert c["resources"] == {"requests": {"cpu": "100m", "memory": "128Mi"}}
 
 
 def test_the_api_key_secret_is_a_mounted_file() -> None:
     inst = make(gateway={**KEYED, "resources": {"limits": {"memory": "128Mi"}}})
     pod = by_kind(inst)[("Deployment", "demo-gateway")]["spec"]["template"]["spec"]
     (c,) = pod["containers"]
-    (args,) = parse(["understudy", *c["args"]])
+    _, args = parse(["understudy", *c["args"]])
     assert args["api_key_file"] == "/etc/understudy/api-keys/keys"
     mount = next(m for m in c["volumeMounts"] if m["name"] == "api-keys")
     assert mount == {"name": "api-keys", "mountPath": "/etc/understudy/api-keys", "readOnly": True}

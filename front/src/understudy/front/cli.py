@@ -9,6 +9,7 @@ accepts before it imports anything it does not need to accept
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -27,32 +28,49 @@ def since_exec() -> float:
         return 0.0
 
 
-def _prepare_if_spare() -> float | None:
+_FRONT_MODULES = (
+    "asyncio",
+    "uvloop",
+    "understudy.front.config",
+    "understudy.front.proxy",
+    "understudy.front.metrics",
+    "understudy.lockserver",
+    "prometheus_client",
+    "prometheus_client.exposition",
+    "understudy.wire.obs",
+)
+# A gateway's: its EndpointSlices client is most of its import time.
+_GATEWAY_MODULES = (
+    "asyncio",
+    "uvloop",
+    "understudy.front.gateway",
+    "understudy.front.slicewatch",
+    "kubernetes.client",
+    "kubernetes.watch",
+    "prometheus_client.exposition",
+    "understudy.wire.obs",
+)
+
+
+def _prepare_if_spare(modules: Sequence[str] = _FRONT_MODULES) -> float | None:
     """A spare front (``understudy respawn --spare``) imports everything a front
     ever loads, then waits for its turn: the front it stands behind died. It
     binds nothing and connects to nothing before that (the serving socket is
     the lock server's to hand over), so its turn costs only the hand-over:
     a cold start of Python and these imports is most of a second on a busy
     node, all of it time that queued connections wait. Returns the monotonic
-    time of the turn (None: not a spare), where this front's start begins."""
+    time of the turn (None: not a spare), where this front's start begins.
+    A spare gateway does the same with its own ``modules``; its ports are
+    the respawner's (``--listen``)."""
     from understudy.wire import respawn
 
     if not respawn.is_spare():
         return None
     import importlib
 
-    for module in (
-        "asyncio",
-        "uvloop",
-        "understudy.front.config",
-        "understudy.front.proxy",
-        "understudy.front.metrics",
-        "understudy.lockserver",
-        "prometheus_client",
-        "prometheus_client.exposition",
-        "understudy.wire.obs",
-    ):
-        importlib.import_module(module)
+    for module in modules:
+        with contextlib.suppress(ImportError):  # the command says what is missing
+            importlib.import_module(module)
     respawn.wait_turn()
     return time.monotonic()
 
@@ -93,6 +111,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     """``understudy gateway``: parse, one frozen config, run."""
+    _prepare_if_spare(_GATEWAY_MODULES)
     import asyncio
     import importlib.util
 

@@ -33,6 +33,7 @@ from understudy.front.apikeys import ApiKeys
 from understudy.front.forwarder import Forwarder
 from understudy.front.forwarding import COMPLETIONS
 from understudy.front.metrics import Counter, FrontMetrics, Gauge, Labelled
+from understudy.wire import handover, respawn
 from understudy.wire.obs import log_event
 from understudy.wire.serving import BEAT_INTERVAL_S, FIELD, RELAY_HEADER, RELAY_TOKENS
 
@@ -467,9 +468,21 @@ class Gateway:
         return {"pid": os.getpid(), "pods": self.router.view(), **self.pressure()}
 
     async def start(self) -> None:
-        self.port = await self._server.listen(self.cfg.host, self.cfg.port)
-        self._status = await status_port.serve(self, self.cfg.host, self.cfg.metrics_port)
+        # Under ``understudy respawn --listen`` (the rendered Deployment) both
+        # ports are the respawner's, bound once: a gateway that dies is
+        # started again in place while new connections wait in the kernel's
+        # queue, instead of being refused until its Service drops the replica.
+        serving = respawn.inherited_socket("serving")
+        if serving is None:
+            self.port = await self._server.listen(self.cfg.host, self.cfg.port)
+        else:
+            self._server.serve_on(serving, handover.BACKLOG)
+            self.port = serving.getsockname()[1]
+        self._status = await status_port.serve(
+            self, self.cfg.host, self.cfg.metrics_port, respawn.inherited_socket("status")
+        )
         self.router.start()
+        respawn.notify_ready()
         log_event(
             log, "gateway_listening", port=self.port, metrics_port=self.cfg.metrics_port,
             hold_s=self.cfg.hold_s, silence_s=self.cfg.silence_s, beat_s=BEAT_INTERVAL_S,

@@ -11,12 +11,15 @@ import than the rest of its start.
 from __future__ import annotations
 
 import json
+import socket
 from typing import Any, Protocol
 
 from understudy.front import downstream
 from understudy.front.metrics import FrontMetrics
 
 _TEXT = (b"Content-Type", b"text/plain; charset=utf-8")
+# Probes and scrapes: a few connections at a time.
+_STATUS_BACKLOG = 128
 
 
 class Source(Protocol):
@@ -57,8 +60,14 @@ def handler(source: Source) -> downstream.Handler:
     return handle
 
 
-async def serve(source: Source, host: str, port: int) -> downstream.Server:
-    """Serve the status port until the returned server is closed."""
+async def serve(
+    source: Source, host: str, port: int, sock: socket.socket | None = None
+) -> downstream.Server:
+    """Serve the status port until the returned server is closed: on ``sock``
+    where a respawner bound it (it stays open while the process restarts)."""
     server = downstream.Server(handler(source), downstream.Limits(max_body=64 * 1024))
-    await server.listen(host, port)
+    if sock is None:
+        await server.listen(host, port)
+    else:
+        server.serve_on(sock, _STATUS_BACKLOG)
     return server

@@ -781,8 +781,25 @@ def gateway_container(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]:
         "name": GATEWAY,
         "image": cfg.image,  # the pod's front's image: the gateway is the front's forwarder
         "imagePullPolicy": cfg.image_pull_policy,
+        # Under the respawner with both ports bound by it, as the pod's
+        # processes: a gateway that dies is started again in place from a
+        # spare that has done its imports, while new connections wait in the
+        # port's queue. Without it, a replica's crash refuses the Service's
+        # connections until its readiness fails (seconds) and then costs
+        # kubelet's back-off. The connections it had accepted are lost with
+        # it (docs/gateway.md, a gateway replica killed).
         "command": ["understudy"],
-        "args": gateway_args(inst),
+        "args": [
+            "respawn",
+            "--spare",
+            "--listen",
+            f"serving=0.0.0.0:{inst.spec.serving_port}",
+            "--listen",
+            f"status=0.0.0.0:{GATEWAY_STATUS_PORT}",
+            "--",
+            "understudy",
+            *gateway_args(inst),
+        ],
         "ports": [
             _port(SERVING_PORT_NAME, inst.spec.serving_port),
             _port(GATEWAY_STATUS_PORT_NAME, GATEWAY_STATUS_PORT),
@@ -795,7 +812,8 @@ def gateway_container(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]:
         "readinessProbe": {**http("/live"), "periodSeconds": 1, "failureThreshold": 3},
         "lifecycle": {"preStop": {"sleep": {"seconds": GATEWAY_UNLIST_S}}},
         "resources": _resources(
-            gw.resources, defaults={"cpu": "100m", "memory": "64Mi"}, claim=False
+            # the gateway, its spare and the respawner
+            gw.resources, defaults={"cpu": "100m", "memory": "128Mi"}, claim=False
         ),
         "securityContext": _container_security(read_only_root=True),
         "volumeMounts": mounts,
