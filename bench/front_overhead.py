@@ -158,12 +158,16 @@ CASES: dict[str, tuple[str, bytes, dict[str, str]]] = {
 }
 
 
-def parse_args(doc: str) -> argparse.Namespace:
+def parse_args(
+    doc: str, extra: Callable[[argparse.ArgumentParser], None] | None = None
+) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--requests", type=int, default=1000, help="per round and side")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--json", type=Path)
+    if extra is not None:
+        extra(ap)
     return ap.parse_args()
 
 

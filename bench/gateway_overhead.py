@@ -13,13 +13,20 @@ difference, beside the gateway's CPU time per request and the throughput
 ratio. The targets (issue 28): at most 0.3 ms p50 added, throughput at
 least 0.9x.
 
+With ``--gateway-cpu N`` the gateway runs on CPU N alone, and the pod and
+the clients on the other CPUs: the gateway on cores of its own, as its own
+pod on a cluster has them, so the ratio says whether the gateway limits the
+throughput rather than what its CPU takes from a shared machine.
+
     python bench/gateway_overhead.py [--requests 1000] [--rounds 5] [--concurrency 8]
+        [--gateway-cpu N]
 """
 
 from __future__ import annotations
 
 import contextlib
 import http.client
+import os
 import sys
 from pathlib import Path
 
@@ -30,6 +37,8 @@ from front_overhead import CASES, Side, measure_case, parse_args
 from localpod import LocalPod, free_port_block, http_json
 from procs import Proc, understudy, wait_for
 
+from understudy.tools.drill_target import pod_processes
+
 
 def _ready(port: int) -> bool:
     with contextlib.suppress(OSError, http.client.HTTPException):
@@ -37,8 +46,32 @@ def _ready(port: int) -> bool:
     return False
 
 
+def _pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` on ``cpus`` (an affinity is a thread's own)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task.name), cpus)
+
+
+def _pin_apart(pod: LocalPod, gateway: int, cpu: int) -> dict[str, list[int]]:
+    """The gateway on ``cpu``; the pod's processes and this one (the clients) elsewhere."""
+    mine = set(os.sched_getaffinity(0))
+    rest = mine - {cpu}
+    if not rest or cpu not in mine:
+        raise SystemExit(f"--gateway-cpu {cpu}: needs it and another CPU of {sorted(mine)}")
+    _pin(gateway, {cpu})
+    for pid in (*pod_processes(Path(pod.dir)), os.getpid()):
+        _pin(pid, rest)
+    return {"gateway": [cpu], "pod_and_clients": sorted(rest)}
+
+
 def main() -> int:
-    args = parse_args(__doc__)
+    args = parse_args(
+        __doc__,
+        lambda ap: ap.add_argument(
+            "--gateway-cpu", type=int, help="the gateway alone on this CPU, the rest elsewhere"
+        ),
+    )
     pod = LocalPod(engine="synthetic")
     gateway: Proc | None = None
     try:
@@ -53,6 +86,10 @@ def main() -> int:
             log=Path(pod.dir) / "gateway.out",
         )  # fmt: skip
         wait_for(lambda: _ready(port + 1), 60, 0.1, what="the gateway routing the pod")
+        pinned = None
+        if args.gateway_cpu is not None:
+            pinned = _pin_apart(pod, gateway.pid, args.gateway_cpu)
+            print(f"pinned: {pinned}")
         rows: dict[str, dict[str, float]] = {}
         results: dict[str, dict[str, object]] = {}
         for name, (path, body, headers) in CASES.items():
@@ -89,6 +126,8 @@ def main() -> int:
                 "requests_per_round": args.requests,
                 "rounds": args.rounds,
                 "concurrency": args.concurrency,
+                "pinned": pinned,
+                "load_average": os.getloadavg(),
                 "cases": results,
                 "gateway_state": http_json(port + 1, "/state")[1],
             },

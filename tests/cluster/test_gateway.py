@@ -11,7 +11,13 @@ the chart helm-installed with the operator in-cluster (test_e2e's fixtures).
 - a pod force-deleted while streams are open on it (its containers killed at
   once: a node's loss as the API sees it): every stream finishes on the
   other pod, each identical to its uninterrupted run;
-- the API-key Secret mounted into the gateway: no key, 401; the key, 200.
+- the same with the API server stopped: the gateways route on the
+  EndpointSlices they last saw;
+- a gateway replica's process SIGKILLed: no new connection through the
+  Service fails (the respawner holds its ports; its spare takes over);
+- a rollout of the instance's pods through the gateway: no request fails;
+- the API-key Secret mounted into the gateway: no key, 401; the key, 200
+  (last: every request after it needs the key).
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ STALL_BOUND_S = 5.0
 FREEZE_S = 5.0
 # Streams under a stopped API server: done well inside the stop's bound
 # (45 s, the node-monitor grace period).
-API_DOWN_TOKENS = 600
+API_DOWN_TOKENS = 1000
 # Long enough that streams span an old pod's drain.
 ROLLOUT_TOKENS = 400
 
@@ -517,56 +523,6 @@ def test_a_gateway_replica_killed_refuses_no_new_connection(gw: GatewayInstance)
     gw.wait_gateway()
 
 
-@pytest.mark.timeout(600)
-def test_the_api_key_secret_guards_the_service(gw: GatewayInstance) -> None:
-    """The Secret's key switched on: the gateway's Deployment rolls out (its
-    replicas replaced one by one), and a client that sends the key all along
-    sees no error through it; one without the key is refused, 401."""
-    c, ns, name = gw.cluster, gw.ns, gw.name
-    key = "k-" + str(int(time.time()))
-    url = gw.url()
-    answered, errors = [0], []
-    stop = threading.Event()
-
-    def keyed_client() -> None:  # a keyless gateway ignores the header
-        while not stop.is_set():
-            try:
-                _completion(url, "hello", stream=False, key=key)
-                answered[0] += 1
-            except Exception as exc:
-                errors.append(exc)
-
-    client = threading.Thread(target=keyed_client)
-    client.start()
-    try:
-        c.kubectl(
-            "create", "secret", "generic", f"{name}-keys", "-n", ns, f"--from-literal=keys={key}"
-        )
-        patch = {"spec": {"gateway": {"apiKeySecret": {"name": f"{name}-keys", "key": "keys"}}}}
-        c.kubectl("patch", "gpuinstance", name, "-n", ns, "--type=merge", "-p", json.dumps(patch))
-
-        def refused() -> bool:
-            try:
-                _completion(url, "hello", stream=False)
-            except urllib.error.HTTPError as exc:
-                return exc.code == 401
-            return False
-
-        _wait("a request without a key refused", refused, 120)
-        deployment = f"{name}-gateway"
-        c.kubectl(
-            "rollout", "status", f"deployment/{deployment}", "-n", ns, "--timeout=300s", timeout=330
-        )
-        time.sleep(2.0)  # the last old replica's pre-stop wait and drain, under the client
-    finally:
-        stop.set()
-        client.join(60)
-    sys.stderr.write(f"gateway rollout: {answered[0]} keyed requests, {len(errors)} failed\n")
-    assert not errors, errors[:5]
-    assert answered[0] > 0
-    assert _completion(url, "hello", stream=False, key=key)
-
-
 @pytest.mark.timeout(1500)
 def test_a_rollout_of_the_pods_through_the_gateway_fails_no_request(gw: GatewayInstance) -> None:
     """A spec change rolls the instance's pods out (surge first, each old pod
@@ -630,3 +586,53 @@ def test_a_rollout_of_the_pods_through_the_gateway_fails_no_request(gw: GatewayI
     assert not wrong, wrong[:2]
     assert answered[0] > 8
     gw.wait_ready(600)
+
+
+@pytest.mark.timeout(600)
+def test_the_api_key_secret_guards_the_service(gw: GatewayInstance) -> None:
+    """The Secret's key switched on: the gateway's Deployment rolls out (its
+    replicas replaced one by one), and a client that sends the key all along
+    sees no error through it; one without the key is refused, 401."""
+    c, ns, name = gw.cluster, gw.ns, gw.name
+    key = "k-" + str(int(time.time()))
+    url = gw.url()
+    answered, errors = [0], []
+    stop = threading.Event()
+
+    def keyed_client() -> None:  # a keyless gateway ignores the header
+        while not stop.is_set():
+            try:
+                _completion(url, "hello", stream=False, key=key)
+                answered[0] += 1
+            except Exception as exc:
+                errors.append(exc)
+
+    client = threading.Thread(target=keyed_client)
+    client.start()
+    try:
+        c.kubectl(
+            "create", "secret", "generic", f"{name}-keys", "-n", ns, f"--from-literal=keys={key}"
+        )
+        patch = {"spec": {"gateway": {"apiKeySecret": {"name": f"{name}-keys", "key": "keys"}}}}
+        c.kubectl("patch", "gpuinstance", name, "-n", ns, "--type=merge", "-p", json.dumps(patch))
+
+        def refused() -> bool:
+            try:
+                _completion(url, "hello", stream=False)
+            except urllib.error.HTTPError as exc:
+                return exc.code == 401
+            return False
+
+        _wait("a request without a key refused", refused, 120)
+        deployment = f"{name}-gateway"
+        c.kubectl(
+            "rollout", "status", f"deployment/{deployment}", "-n", ns, "--timeout=300s", timeout=330
+        )
+        time.sleep(2.0)  # the last old replica's pre-stop wait and drain, under the client
+    finally:
+        stop.set()
+        client.join(60)
+    sys.stderr.write(f"gateway rollout: {answered[0]} keyed requests, {len(errors)} failed\n")
+    assert not errors, errors[:5]
+    assert answered[0] > 0
+    assert _completion(url, "hello", stream=False, key=key)
