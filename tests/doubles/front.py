@@ -38,12 +38,15 @@ class Client:
         self.done = asyncio.Event()
         self.gone = False
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes, kind: bytes = b"W") -> None:
         if self.gone:
             raise downstream.ClientGone("the client left")
         self.data += data
 
-    async def write_and_drain(self, data: bytes) -> None:
+    def write_head(self, head: bytes, resume: dict[str, Any]) -> None:
+        self.write(head)
+
+    async def write_and_drain(self, data: bytes, token_ids: Any = None) -> None:
         self.write(data)
 
     def exchange_done(self, ex: downstream.Exchange) -> None:

@@ -40,12 +40,13 @@ import signal
 import socket
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import httptools
 
+from understudy.front import connlog
 from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.front")
@@ -192,7 +193,17 @@ class Exchange:
         head = self._head(status, headers, b"Content-Length: %d\r\n\r\n" % length)
         self._ended = True
         try:
-            self._conn.write(head if self.method == b"HEAD" else head + body)
+            self._conn.write(head if self.method == b"HEAD" else head + body, connlog.F)
+        finally:
+            self._conn.exchange_done(self)
+
+    def refuse(self, status: int, message: str) -> None:
+        """A refusal's answer, after which the connection closes (``X``)."""
+        body = error_body(status, message)
+        head = self._head(status, [JSON], b"Content-Length: %d\r\n\r\n" % len(body))
+        self._ended = True
+        try:
+            self._conn.write(head + body, connlog.X)
         finally:
             self._conn.exchange_done(self)
 
@@ -202,27 +213,42 @@ class Exchange:
             headers.append((b"Retry-After", b"%d" % retry_after))
         self.answer(status, headers, error_body(status, message))
 
-    def open_stream(self, status: int, headers: Headers) -> None:
-        """Begin an answer whose body follows in parts (``send``, ``end_stream``)."""
+    def open_stream(
+        self, status: int, headers: Headers, resume: dict[str, Any] | None = None
+    ) -> None:
+        """Begin an answer whose body follows in parts (``send``, ``end_stream``).
+        ``resume``: what a next front needs to continue it (``connlog``)."""
         if self.answered:
             raise RuntimeError("answered twice")
+        meta = resume or {}
         if self.method == b"HEAD":
-            self._conn.write(self._head(status, headers, b"\r\n"))
+            self._conn.write_head(self._head(status, headers, b"\r\n"), meta)
             self.end_stream()
         elif self.version == "1.1":
             self._chunked = True
-            self._conn.write(self._head(status, headers, b"Transfer-Encoding: chunked\r\n\r\n"))
+            head = self._head(status, headers, b"Transfer-Encoding: chunked\r\n\r\n")
+            self._conn.write_head(head, meta)
         else:  # HTTP/1.0 has no chunks: the body ends with the connection
             self.keep_alive = False
-            self._conn.write(self._head(status, headers, b"\r\n"))
+            self._conn.write_head(self._head(status, headers, b"\r\n"), meta)
 
-    async def send(self, data: bytes) -> None:
-        """One part of a streamed answer; waits while the client reads slower."""
+    def resumed(self, status: int) -> None:
+        """This answer's head went out from a front that died: its stream goes
+        on here (``ClientConnection.adopt``), framed as the head said."""
+        self.status = status
+        if self.version == "1.1":
+            self._chunked = True
+        else:
+            self.keep_alive = False
+
+    async def send(self, data: bytes, token_ids: Sequence[int] | None = None) -> None:
+        """One part of a streamed answer; waits while the client reads slower.
+        ``token_ids``: the tokens it carries (an event: ``connlog``)."""
         if self._ended or not data:
             return
         if self._chunked:
             data = b"%x\r\n%b\r\n" % (len(data), data)
-        await self._conn.write_and_drain(data)
+        await self._conn.write_and_drain(data, token_ids)
 
     def end_stream(self, last: bytes = b"") -> None:
         """End a streamed answer, with ``last`` as its final part (not waited for)."""
@@ -232,9 +258,9 @@ class Exchange:
         try:
             if self._chunked:
                 end = b"%x\r\n%b\r\n0\r\n\r\n" % (len(last), last) if last else b"0\r\n\r\n"
-                self._conn.write(end)
-            elif last:
-                self._conn.write(last)
+                self._conn.write(end, connlog.F)
+            else:
+                self._conn.write(last, connlog.F)
         finally:
             self._conn.exchange_done(self)
 
@@ -243,6 +269,8 @@ class Exchange:
         closing the connection is the only way left to tell the client."""
         self.keep_alive = False
         self._ended = True
+        with contextlib.suppress(ClientGone):
+            self._conn.write(b"", connlog.F)
         self._conn.exchange_done(self)
 
     def fail(self, exc: Exception) -> None:
@@ -286,6 +314,14 @@ class ClientConnection(asyncio.Protocol):
         self._idle = False
         self._expect_continue = False
         self._upgrade = False
+        # What a next front needs to finish this connection, written down as
+        # it goes (None: not kept, as on a status port or a gateway).
+        self.log: connlog.ConnLog | None = None
+        # Adopted from a front that died: its record's bytes are parsed
+        # again (``adopt``), its ended exchanges skipped, its stream resumed.
+        self._replaying = False
+        self._skip = 0
+        self._resume: connlog.Stream | None = None
         # The request being parsed.
         self._target: list[bytes] = []
         self._headers: Headers = []
@@ -317,6 +353,9 @@ class ClientConnection(asyncio.Protocol):
         self._closed = True
         self._set_busy(False)
         self._server.connections.discard(self)
+        if self.log is not None:
+            self._server.on_closed(self.log)
+            self.log = None
         self._cancel_timer()
         self._queue.clear()
         if self._active is not None and self._active.task is not None:
@@ -335,16 +374,42 @@ class ClientConnection(asyncio.Protocol):
         if self._drained is not None and not self._drained.done():
             self._drained.set_result(None)
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes, kind: bytes = connlog.W) -> None:
+        """Write to the client, written down first (``log``): ``kind`` says
+        what the bytes are to a next front (an answer's last: F)."""
+        self._check_open()
+        if self.log is not None:
+            self.log.wrote(data, kind)
+        self._send(data)
+
+    def write_head(self, head: bytes, resume: dict[str, Any]) -> None:
+        """A streamed answer's head, written down with what continues it."""
+        self._check_open()
+        if self.log is not None:
+            self.log.opened(resume, head)
+        self._send(head)
+
+    def _check_open(self) -> None:
         if self._closed or self._transport is None or self._transport.is_closing():
             raise ClientGone("the client closed its connection")
+
+    def _send(self, data: bytes) -> None:
+        assert self._transport is not None
+        if not data:
+            return
         try:
             self._transport.write(data)
         except (OSError, RuntimeError) as exc:  # uvloop: closed before we were told
             raise ClientGone(f"the client's connection failed: {exc}") from None
 
-    async def write_and_drain(self, data: bytes) -> None:
-        self.write(data)
+    async def write_and_drain(self, data: bytes, token_ids: Sequence[int] | None = None) -> None:
+        if token_ids is None:
+            self.write(data)
+        else:
+            self._check_open()
+            if self.log is not None:
+                self.log.event(token_ids, data)
+            self._send(data)
         if self._paused_writing:
             self._drained = self._loop.create_future()
             await self._drained
@@ -354,6 +419,13 @@ class ClientConnection(asyncio.Protocol):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def socket(self) -> socket.socket | None:
+        if self._transport is None or self._closed:
+            return None
+        sock: socket.socket | None = self._transport.get_extra_info("socket")
+        return sock
 
     def close(self) -> None:
         if self._transport is not None and not self._closed:
@@ -388,6 +460,8 @@ class ClientConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._refusal is not None or self._closed:
             return  # refused or closing: the rest of what it sends is not read
+        if self.log is not None and not self._replaying:
+            self.log.received(data)  # before it is parsed: a next front parses it again
         try:
             while True:
                 try:
@@ -473,6 +547,9 @@ class ClientConnection(asyncio.Protocol):
         if self._closed:
             return
         self._expect_continue = False
+        if self._skip:  # answered whole by the front that died
+            self._skip -= 1
+            return
         ex = Exchange(
             self,
             p.get_method(),
@@ -482,6 +559,12 @@ class ClientConnection(asyncio.Protocol):
             p.get_http_version(),
             p.should_keep_alive() and not self._upgrade,
         )
+        if self._resume is not None:  # its stream went out in part: it goes on
+            stream, self._resume = self._resume, None
+            ex.resumed(200)
+            self._active = ex
+            self._server.resume(ex, stream)
+            return
         self._queue.append(ex)
         if self._active is None:
             self._next()
@@ -491,7 +574,11 @@ class ClientConnection(asyncio.Protocol):
 
     def _send_continue(self) -> None:
         # Only between answers: a 100 in the middle of another answer would
-        # corrupt it. A client that waits for it waits until then.
+        # corrupt it. A client that waits for it waits until then. Never
+        # again for a request parsed a second time: its record has the first.
+        if self._replaying:
+            self._expect_continue = False
+            return
         if self._expect_continue and self._active is None and not self._queue:
             self._expect_continue = False
             self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -520,8 +607,19 @@ class ClientConnection(asyncio.Protocol):
         else:
             if not self._partial:
                 self._set_busy(False)  # answered; idle until the next request begins
+                self._compact()
             self._arm_timer()
             self._send_continue()
+
+    def _compact(self) -> None:
+        """Idle: cut the record once the kernel has every byte of it."""
+        record, t = self.log, self._transport
+        if record is None or record.idle or t is None or t.get_write_buffer_size():
+            return
+        try:
+            record.compact()
+        except OSError as exc:  # the record grows until the next try
+            log_event(log, "connlog_compact_failed", logging.WARNING, error=str(exc))
 
     def exchange_done(self, ex: Exchange) -> None:
         """``ex``'s answer is out: the connection is free for the next request."""
@@ -554,8 +652,29 @@ class ClientConnection(asyncio.Protocol):
             return
         ex = Exchange(self, b"", b"", [], b"", "1.1", keep_alive=False)
         with contextlib.suppress(ClientGone):
-            ex.error(refusal.status, refusal.message)
+            ex.refuse(refusal.status, refusal.message)
         self.close()
+
+    # ----------------------------------------------------------- adoption --
+
+    def adopt(self, plan: connlog.Plan) -> None:
+        """Finish what a front that died left on this connection (its record's
+        ``plan``): the bytes the kernel never took, then its requests parsed
+        again, the ended ones skipped and a stream under way resumed."""
+        if plan.tail:
+            self._send(plan.tail)
+        if plan.refused:
+            self.close()
+            return
+        self._skip, self._resume = plan.done, plan.stream
+        self._replaying = True
+        try:
+            if plan.rx:
+                self.data_received(plan.rx)
+        finally:
+            self._replaying = False
+        if self._active is None and not self._queue:
+            self._next()
 
 
 class Server:
@@ -578,6 +697,14 @@ class Server:
         self.busy = 0  # connections whose client waits for an answer
         self.idle = 0  # connections kept alive between requests
         self._on_busy = on_busy
+        # Connections that outlive this server's process (the pod's front:
+        # ``connhold``, ``connlog``): ``keep`` is told of each connection at
+        # its accept and returns its record (None: not kept); ``on_closed``
+        # of each record when its connection is gone; ``resume`` is given an
+        # adopted stream to go on with.
+        self.keep: Callable[[socket.socket], connlog.ConnLog | None] | None = None
+        self.on_closed: Callable[[connlog.ConnLog], None] = lambda record: record.remove()
+        self.resume: Callable[[Exchange, connlog.Stream], None] = lambda ex, _: ex.abort()
 
     def count_busy(self, delta: int, idle_delta: int = 0) -> None:
         self.busy += delta
@@ -625,6 +752,8 @@ class Server:
                 return
             proto = ClientConnection(self.handler, self.limits, self)
             proto.claim()
+            if self.keep is not None:
+                proto.log = self.keep(conn)
             task = loop.create_task(self._connect(loop, proto, conn))
             self._connecting.add(task)
             task.add_done_callback(self._connecting.discard)
@@ -639,6 +768,25 @@ class Server:
             log_event(log, "connection_failed", logging.DEBUG, error=str(exc))
             conn.close()
             proto.connection_lost(exc if isinstance(exc, OSError) else None)
+
+    async def adopt(self, conn: socket.socket, record: connlog.ConnLog, plan: connlog.Plan) -> None:
+        """A connection a front that died had accepted: finish its ``plan``."""
+        loop = asyncio.get_running_loop()
+        proto = ClientConnection(self.handler, self.limits, self)
+        proto.claim()
+        proto.log = record
+        await self._connect(loop, proto, conn)
+        if not proto.closed:
+            proto.adopt(plan)
+
+    def live(self) -> list[tuple[str, int]]:
+        """The kept connections open now: (their record's id, their descriptor)."""
+        out = []
+        for proto in self.connections:
+            sock = proto.socket
+            if proto.log is not None and sock is not None:
+                out.append((proto.log.cid, sock.fileno()))
+        return out
 
     def stop_accepting(self) -> None:
         """Leave new connections to the listening socket's other holders (they

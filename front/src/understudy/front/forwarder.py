@@ -32,7 +32,7 @@ import contextlib
 import logging
 from typing import Protocol, assert_never
 
-from understudy.front import continuation, downstream, fsm, upstream
+from understudy.front import connlog, continuation, downstream, fsm, upstream
 from understudy.front import forwarding as fw
 from understudy.front.isolation import Isolation
 from understudy.front.metrics import FrontMetrics
@@ -119,6 +119,17 @@ class Forwarder:
         except Exception as exc:  # a bug: the client still gets an answer
             self.answer_bug(req, ex, exc)
             self.finish(req, ex)
+
+    def resume(self, ex: downstream.Exchange, stream: connlog.Stream) -> None:
+        """A stream a front that died had under way on this connection
+        (``downstream.ClientConnection.adopt``): it goes on from the tokens
+        its client has, as a migration's would."""
+        req = fw.resumed_request(ex, stream, self._loop.time())
+        self.inflight += 1
+        self.metrics.adopted_streams.inc()
+        if req.relay_tokens:
+            fw.start_beats(req, ex)
+        ex.task = asyncio.create_task(self._serve_task(req, ex, None))
 
     def _answered(
         self, req: fw.Request, ex: downstream.Exchange, route: fsm.Route, sent: upstream.Response

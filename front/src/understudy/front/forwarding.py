@@ -22,7 +22,7 @@ from urllib.parse import unquote
 
 import httptools
 
-from understudy.front import continuation, downstream, fsm, upstream
+from understudy.front import connlog, continuation, downstream, fsm, upstream
 from understudy.wire.obs import log_event
 from understudy.wire.serving import (
     BEAT_EVENT,
@@ -174,13 +174,13 @@ async def relay_stream(
     async for chunk in r.chunks():
         for ev in decoder.feed(chunk):
             if not ex.answered:
-                ex.open_stream(200, SSE)
+                ex.open_stream(200, SSE, resume_meta(req))
                 if req.relay_tokens:
-                    req.beats = asyncio.create_task(_beat(ex), name="stream-beat")
+                    start_beats(req, ex)
             if req.relay_tokens:  # the gateway continues after these if we die
-                await ex.send(token_comment(ev.token_ids) + b"\n" + ev.raw)
+                await ex.send(token_comment(ev.token_ids) + b"\n" + ev.raw, ev.token_ids)
             else:
-                await ex.send(ev.raw)
+                await ex.send(ev.raw, ev.token_ids)
             req.relayed = True
             req.started = True
             req.token_ids.extend(ev.token_ids)
@@ -188,6 +188,30 @@ async def relay_stream(
                 ex.end_stream()
                 return fsm.Outcome.ANSWERED, None
     raise upstream.Broken("the stream ended without [DONE]")
+
+
+def resume_meta(req: Request) -> dict[str, Any]:
+    """What a next front needs to continue this stream on the same client
+    connection (``connlog``): its ids, as every engine of it is sent."""
+    return {"request_id": req.request_id, "created": req.created}
+
+
+def resumed_request(ex: downstream.Exchange, stream: connlog.Stream, now: float) -> Request:
+    """An adopted stream's request as its first front kept it: the ids it
+    had, and the tokens its client already has (relayed, not the request's
+    fault: no migration counted)."""
+    req = parse(ex, now)
+    meta = stream.meta
+    if isinstance(meta.get("request_id"), str) and isinstance(meta.get("created"), int):
+        req.request_id, req.created = meta["request_id"], meta["created"]
+    req.token_ids = list(stream.token_ids)
+    req.started = stream.started
+    req.relayed = True
+    return req
+
+
+def start_beats(req: Request, ex: downstream.Exchange) -> None:
+    req.beats = asyncio.create_task(_beat(ex), name="stream-beat")
 
 
 async def _beat(ex: downstream.Exchange) -> None:

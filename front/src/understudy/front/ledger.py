@@ -63,16 +63,20 @@ class Ledger:
         self.idle_lost = 0
         self.starts = 0
 
-    def take_over(self) -> Predecessor:
+    def take_over(self, adopted: int = 0) -> Predecessor:
         """Read the predecessor's record and start this front's: its busy
-        connections join the lost total."""
+        connections join the lost total, but for the ``adopted`` ones (its
+        connections the lock server kept open, which this front finishes:
+        ``connhold``), taken from its busy ones first."""
         seq, pid, busy, idle, lost, starts, idle_lost, seq2 = _RECORD.unpack_from(self._map, 0)
         torn = seq != seq2
         before = Predecessor(pid, busy, lost, starts, torn, idle, idle_lost)
         self._seq = max(seq, seq2)
         counted = pid and not torn
-        self.lost = lost + (busy if counted else 0)
-        self.idle_lost = idle_lost + (idle if counted else 0)
+        kept_busy = min(busy, adopted)
+        kept_idle = min(idle, adopted - kept_busy)
+        self.lost = lost + (busy - kept_busy if counted else 0)
+        self.idle_lost = idle_lost + (idle - kept_idle if counted else 0)
         self.starts = starts + 1
         self.busy(0, 0)
         return before

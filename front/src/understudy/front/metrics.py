@@ -152,6 +152,15 @@ _COUNTERS = {
         "understudy_front_restarts",
         "Times a front started after another one in this pod; durable",
     ),
+    "adopted": (
+        "understudy_front_adopted_connections",
+        "Client connections a front that died had accepted, finished by this one "
+        "(the lock server kept them open)",
+    ),
+    "adopted_streams": (
+        "understudy_front_adopted_streams",
+        "Streams under way on an adopted connection, continued from the client's last token",
+    ),
 }
 _GAUGES = {
     "inflight": ("understudy_front_requests_inflight", "Requests being forwarded to an engine"),
@@ -203,6 +212,8 @@ class FrontMetrics:
         self.lost = Counter()
         self.idle_lost = Counter()
         self.restarts = Counter()
+        self.adopted = Counter()
+        self.adopted_streams = Counter()
         self.inflight = Gauge()
         self.held = Gauge()
         self.routing = Gauge()

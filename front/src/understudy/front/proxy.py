@@ -18,20 +18,21 @@ front counts (``ledger``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 import time
 from typing import Any
 
-from understudy.front import downstream, fsm
+from understudy.front import connlog, downstream, fsm
 from understudy.front import status as status_port
 from understudy.front.config import FrontConfig
 from understudy.front.forwarder import Forwarder
 from understudy.front.ledger import LEDGER, Ledger, Predecessor
 from understudy.front.metrics import FrontMetrics
 from understudy.front.router import Router
-from understudy.wire import handover
+from understudy.wire import connhold, handover, uds
 from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.front")
@@ -54,6 +55,14 @@ class Front:
         )
         self._tasks: list[asyncio.Task[None]] = []
         self._status: downstream.Server | None = None
+        # The client connections outlive this front: the lock server keeps a
+        # copy of each (``connhold``), and each one's record (``connlog``)
+        # tells the next front how to finish it.
+        self._holder: connhold.Holder | None = None
+        self._conns = cfg.run_dir / connlog.DIR
+        self._cid_prefix = f"{time.time_ns():x}"
+        self._cid_next = 0
+        self._adopting: set[asyncio.Task[None]] = set()
         self._listener: socket.socket | None = None
         self._ledger: Ledger | None = None
         self._server = downstream.Server(
@@ -101,10 +110,15 @@ class Front:
             # The keeper's word on the lock until the watch's (the same word).
             self.router.feed(fsm.HolderSeen(offer.holder, offer.epoch))
         self._listener = listener
+        adopted = self._hold_connections()
         self._ledger = Ledger(self.cfg.run_dir / LEDGER)
-        before = self._ledger.take_over()
+        before = self._ledger.take_over(len(adopted))
         self._server.serve_on(listener, handover.BACKLOG)
         self._took_over(before)
+        for cid, owned in adopted:
+            task = asyncio.create_task(self._adopt(cid, owned), name="adopt")
+            self._adopting.add(task)
+            task.add_done_callback(self._adopting.discard)
         self._status = await status_port.serve(self, self.cfg.host, self.cfg.status_port)
         self.router.start()
         self._tasks = [
@@ -122,6 +136,81 @@ class Front:
             log, "listening", port=self.cfg.port, status_port=self.cfg.status_port,
             hold_s=self.cfg.hold_s, migration_limit=self.cfg.migration_limit,
         )  # fmt: skip
+
+    # -------------------------------------------- connections that outlive it --
+
+    def _hold_connections(self) -> list[tuple[str, uds.OwnedFd]]:
+        """Connect to the connections' keeper and take what it kept of a
+        front that died; from now on every accepted connection is kept."""
+        self._conns.mkdir(mode=0o700, exist_ok=True)
+        holder = connhold.Holder(self.cfg.run_dir / connhold.CONNS_SOCKET, log)
+        adopted: list[tuple[str, uds.OwnedFd]] = []
+        if holder.connect():
+            try:
+                adopted = holder.adopt()
+            except (OSError, connhold.HoldError) as exc:
+                # What the dead front had is lost; from now on, all is kept.
+                log_event(log, "adopt_failed", logging.ERROR, error=str(exc))
+                holder.close()
+        if not holder.connected:
+            log_event(
+                log, "connections_unkept", logging.WARNING,
+                consequence="until the lock server keeps them, this front's death closes "
+                "its clients' connections",
+            )  # fmt: skip
+            holder.keep_trying()
+        self._holder = holder
+        holder.live = self._server.live
+        self._server.keep = self._keep
+        self._server.on_closed = self._closed
+        self._server.resume = self.forwarder.resume
+        ids = {cid for cid, _ in adopted}
+        for stale in self._conns.iterdir():  # records of connections nobody kept
+            if stale.name not in ids:
+                with contextlib.suppress(OSError):
+                    stale.unlink()
+        return adopted
+
+    def _keep(self, conn: socket.socket) -> connlog.ConnLog | None:
+        """A connection just accepted: its record, and a copy to the keeper."""
+        assert self._holder is not None
+        self._cid_next += 1
+        cid = f"{self._cid_prefix}-{self._cid_next}"
+        try:
+            record = connlog.ConnLog.create(self._conns, cid)
+        except OSError as exc:  # a full volume: served, but not kept
+            log_event(log, "connlog_failed", logging.ERROR, error=str(exc))
+            return None
+        self._holder.hold(cid, conn.fileno())
+        return record
+
+    def _closed(self, record: connlog.ConnLog) -> None:
+        if self._holder is not None:
+            self._holder.drop(record.cid)
+        record.remove()
+
+    async def _adopt(self, cid: str, owned: uds.OwnedFd) -> None:
+        """Finish what the front that died left on one connection."""
+        sock = socket.socket(fileno=owned.detach())
+        try:
+            try:
+                record, tx_base, records = connlog.ConnLog.reopen(self._conns, cid)
+            except FileNotFoundError:  # accepted, nothing read yet
+                record, tx_base, records = connlog.ConnLog.create(self._conns, cid), 0, []
+            plan = connlog.plan(tx_base, records, connlog.kernel_count(sock))
+        except (OSError, connlog.LogError) as exc:
+            # Nothing to finish it from: its client sees the close.
+            log_event(log, "adopt_connection_failed", logging.ERROR, id=cid, error=str(exc))
+            sock.close()
+            if self._holder is not None:
+                self._holder.drop(cid)
+            return
+        self.metrics.adopted.inc()
+        log_event(
+            log, "adopted", id=cid, done=plan.done, tail=len(plan.tail), replay=len(plan.rx),
+            stream_tokens=len(plan.stream.token_ids) if plan.stream else None,
+        )  # fmt: skip
+        await self._server.adopt(sock, record, plan)
 
     def _took_over(self, before: Predecessor) -> None:
         """Count what the previous front lost, and say it."""
@@ -160,7 +249,13 @@ class Front:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.router.close()
+        live = self._server.live()
         self._server.close()
+        if self._holder is not None:
+            # Closed for good: the keeper's copies go too (the clients see the close now).
+            for cid, _ in live:
+                self._holder.drop(cid)
+            self._holder.close()
         if self._status is not None:
             self._status.close()
         if self._ledger is not None:

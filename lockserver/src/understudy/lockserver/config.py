@@ -22,6 +22,9 @@ class ServerConfig:
     # The pod's serving port, kept open for the front across its restarts
     # (understudy.wire.handover): (host, port), or None to keep nothing.
     serving: tuple[str, int] | None = None
+    # With ``serving``: how long the client connections of a front that died
+    # are kept open for the next one (connhold), then closed.
+    conns_hold_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.reconnect_window_s < 0:

@@ -41,7 +41,7 @@ from understudy.lockserver.messages import (
     client_codec,
     server_codec,
 )
-from understudy.wire import handover
+from understudy.wire import connhold, handover
 from understudy.wire.heartbeat import read_beat
 from understudy.wire.obs import log_event, start_metrics_server
 from understudy.wire.serving import SERVE_DIR, Beat, heartbeat_path
@@ -183,6 +183,11 @@ class LockServer:
         start_metrics_server(self.config.metrics_port)
         if self.config.serving is not None:
             self._spawn(self._keep_serving_socket(*self.config.serving))
+            # and a copy of each client connection the front accepts, so that
+            # the front's death closes none of them (connhold)
+            run_dir = self.config.socket_path.parent
+            keeper = connhold.Keeper(run_dir / connhold.CONNS_SOCKET, log, self.config.conns_hold_s)
+            self._spawn(keeper.serve_forever())
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -55,14 +55,14 @@ def prepare_socket_dir(directory: Path) -> None:
         directory.mkdir(parents=True, mode=0o700, exist_ok=True)
 
 
-def _remove_stale(path: Path) -> None:
+def _remove_stale(path: Path, kind: int = socket.SOCK_STREAM) -> None:
     try:
         st = path.lstat()
     except FileNotFoundError:
         return
     if not stat.S_ISSOCK(st.st_mode):
         raise FileExistsError(f"{path} exists and is not a socket; refusing to remove it")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe = socket.socket(socket.AF_UNIX, kind)
     try:
         probe.settimeout(0.5)
         probe.connect(str(path))
@@ -76,11 +76,14 @@ def _remove_stale(path: Path) -> None:
     raise OSError(errno.EADDRINUSE, f"another server is answering on {path}")
 
 
-def bind_unix(path: Path, mode: int = 0o660, backlog: int = 1024) -> socket.socket:
-    """A listening Unix socket at ``path`` with ``mode``, CLOEXEC, non-blocking."""
+def bind_unix(
+    path: Path, mode: int = 0o660, backlog: int = 1024, kind: int = socket.SOCK_STREAM
+) -> socket.socket:
+    """A listening Unix socket at ``path`` with ``mode``, CLOEXEC, non-blocking
+    (``kind``: SOCK_SEQPACKET keeps each message and its fd apart)."""
     prepare_socket_dir(path.parent)
-    _remove_stale(path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    _remove_stale(path, kind)
+    sock = socket.socket(socket.AF_UNIX, kind)
     old = os.umask(0o777 & ~mode)  # no window where the socket is wider than mode
     try:
         sock.bind(str(path))
@@ -205,6 +208,16 @@ def recv_frame(sock: socket.socket, max_size: int) -> tuple[bytes, OwnedFd | Non
         _close_all(fds)
         raise RemoteFrameError(f"{len(fds)} fds in one frame; at most one is allowed")
     return body, (OwnedFd(fds[0]) if fds else None)
+
+
+def rights(fd: int) -> tuple[int, int, bytes]:
+    """The ancillary message that carries ``fd`` (SCM_RIGHTS)."""
+    return (socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())
+
+
+def fds_from(anc: list[tuple[int, int, bytes]]) -> list[int]:
+    """The descriptors that came in ``recvmsg``'s ancillary data (now the caller's)."""
+    return _fds_from(anc)
 
 
 def _fds_from(anc: list[tuple[int, int, bytes]]) -> list[int]:

@@ -1,0 +1,229 @@
+"""What a front writes down about each client connection, so that the next
+front can finish it (``understudy.wire.connhold`` keeps the connection itself).
+
+One small file per connection, ``conns/<id>`` in the pod's run directory (a
+memory-backed volume): a header, then records, each written with one
+``pwrite`` *before* the bytes it describes reach the socket, so that a front
+killed at any instant leaves a record that says at least as much as the
+client got:
+
+- ``R``: bytes read from the client, before they are parsed;
+- ``O``: a streamed answer's head, with what its continuation needs (the
+  request's id and ``created``, JSON);
+- ``V``: one stream event as written (chunk framing included) and the token
+  ids it carries;
+- ``W``: other bytes written (``100 Continue``, a gateway's heartbeat);
+- ``F``: an answer's last bytes: the exchange is over;
+- ``X``: a refusal's answer: the connection closes after it.
+
+When the connection is idle (every answer out, nothing of a next request
+read) and the kernel has taken every byte, the file is cut back to its
+header, whose ``tx_base`` then counts the bytes that went before: a kept-
+alive connection's record stays the size of one exchange.
+
+The next front (``plan``) replays ``R`` through its parser, skips the
+exchanges that ended, writes first what the kernel never took (the record's
+bytes past the socket's own count: bytes acked by the client plus those still
+in its send queue, ``TCP_INFO`` and ``SIOCOUTQ``), and continues a stream
+that was under way from its last event, with the ids of the tokens its
+client already has.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import struct
+import termios
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DIR = "conns"
+MAGIC = b"USC1"
+_HEADER = struct.Struct("<4sIQ")  # magic, reserved, tx_base
+_REC = struct.Struct("<cI")  # kind, payload length
+_META = struct.Struct("<H")
+_COUNT = struct.Struct("<I")
+MAX_RECORD = 64 << 20
+# struct tcp_info's tcpi_bytes_acked (Linux >= 4.1): a u64 at this offset.
+_BYTES_ACKED = 120
+
+# The record kinds (module docstring).
+R, OPEN, V, W, F, X = b"R", b"O", b"V", b"W", b"F", b"X"
+_TX = frozenset({OPEN, V, W, F, X})
+
+
+class LogError(ValueError):
+    """A record that is not one of ours: the connection cannot be finished."""
+
+
+class ConnLog:
+    """This front's record of one connection (``pwrite`` at its end)."""
+
+    __slots__ = ("_end", "_fd", "cid", "path", "tx", "tx_base")
+
+    def __init__(self, path: Path, fd: int, cid: str, tx_base: int, end: int, tx: int) -> None:
+        self.path = path
+        self.cid = cid
+        self._fd = fd
+        self.tx_base = tx_base  # bytes of this connection's answers before the records
+        self._end = end
+        self.tx = tx  # bytes the records say were written after tx_base
+
+    @classmethod
+    def create(cls, directory: Path, cid: str) -> ConnLog:
+        path = directory / cid
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        os.pwrite(fd, _HEADER.pack(MAGIC, 0, 0), 0)
+        return cls(path, fd, cid, 0, _HEADER.size, 0)
+
+    @classmethod
+    def reopen(cls, directory: Path, cid: str) -> tuple[ConnLog, int, list[tuple[bytes, bytes]]]:
+        """A predecessor's record, to go on writing: it, its tx_base and records."""
+        path = directory / cid
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            data = os.pread(fd, os.fstat(fd).st_size, 0)
+            tx_base, records, end = parse(data)
+        except BaseException:
+            os.close(fd)
+            raise
+        tx = sum(len(tx_bytes(k, p)) for k, p in records if k in _TX)
+        if end < len(data):
+            os.ftruncate(fd, end)  # a torn last record: never written, as far as anyone knows
+        return cls(path, fd, cid, tx_base, end, tx), tx_base, records
+
+    def _append(self, kind: bytes, *parts: bytes) -> None:
+        size = sum(map(len, parts))
+        os.pwrite(self._fd, b"".join((_REC.pack(kind, size), *parts)), self._end)
+        self._end += _REC.size + size
+
+    def received(self, data: bytes) -> None:
+        self._append(R, data)
+
+    def opened(self, meta: dict[str, Any], head: bytes) -> None:
+        doc = json.dumps(meta, separators=(",", ":")).encode()
+        self._append(OPEN, _META.pack(len(doc)), doc, head)
+        self.tx += len(head)
+
+    def event(self, ids: Iterable[int], data: bytes) -> None:
+        packed = array.array("I", ids).tobytes()
+        self._append(V, _COUNT.pack(len(packed) // 4), packed, data)
+        self.tx += len(data)
+
+    def wrote(self, data: bytes, kind: bytes = W) -> None:
+        """Bytes written: plain (W), an answer's last (F), or a refusal's (X)."""
+        self._append(kind, data)
+        self.tx += len(data)
+
+    def compact(self) -> None:
+        """Idle, and the kernel took everything: cut the records. Truncated
+        first: a front killed between the two leaves no records and the old
+        base, which says nothing is missing (true: the kernel had it all)."""
+        os.ftruncate(self._fd, _HEADER.size)
+        self.tx_base += self.tx
+        self.tx = 0
+        os.pwrite(self._fd, _HEADER.pack(MAGIC, 0, self.tx_base), 0)
+        self._end = _HEADER.size
+
+    @property
+    def idle(self) -> bool:
+        return self._end == _HEADER.size
+
+    def remove(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+def parse(data: bytes) -> tuple[int, list[tuple[bytes, bytes]], int]:
+    """A record file's tx_base, its whole records, and where they end (a
+    torn last record, one its writer died in, is left out)."""
+    if len(data) < _HEADER.size:
+        raise LogError(f"{len(data)} bytes: no header")
+    magic, _, tx_base = _HEADER.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise LogError(f"not a connection record: {magic!r}")
+    records: list[tuple[bytes, bytes]] = []
+    at = _HEADER.size
+    while at + _REC.size <= len(data):
+        kind, size = _REC.unpack_from(data, at)
+        if kind not in (R, OPEN, V, W, F, X) or size > MAX_RECORD:
+            raise LogError(f"a record of kind {kind!r} and {size} bytes at {at}")
+        if at + _REC.size + size > len(data):
+            break
+        records.append((kind, data[at + _REC.size : at + _REC.size + size]))
+        at += _REC.size + size
+    return tx_base, records, at
+
+
+def tx_bytes(kind: bytes, payload: bytes) -> bytes:
+    """What a record says was written to the client."""
+    if kind == OPEN:
+        (n,) = _META.unpack_from(payload, 0)
+        return payload[_META.size + n :]
+    if kind == V:
+        (n,) = _COUNT.unpack_from(payload, 0)
+        return payload[_COUNT.size + 4 * n :]
+    return payload if kind in _TX else b""
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """A streamed answer under way: what its continuation needs."""
+
+    meta: dict[str, Any]
+    token_ids: tuple[int, ...]
+    started: bool  # an event went out after the head
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    rx: bytes  # every byte read since the record's start: replayed, not read again
+    done: int  # exchanges whose answer was written whole: skipped
+    tail: bytes  # what the kernel never took: written first
+    stream: Stream | None  # the answer after ``done``, if it is a stream under way
+    refused: bool  # a refusal went out: close after the tail
+
+
+def plan(tx_base: int, records: list[tuple[bytes, bytes]], kernel: int) -> Plan:
+    """How the next front finishes a connection, from its record and
+    ``kernel``, the bytes the socket took from any front (``kernel_count``)."""
+    rx = b"".join(p for k, p in records if k == R)
+    tx = b"".join(tx_bytes(k, p) for k, p in records)
+    if kernel < tx_base:
+        raise LogError(f"the socket took {kernel} bytes, fewer than the {tx_base} before")
+    tail = tx[kernel - tx_base :]
+    done = sum(1 for k, _ in records if k == F)
+    last_end = max((i for i, (k, _) in enumerate(records) if k == F), default=-1)
+    stream: Stream | None = None
+    for kind, payload in records[last_end + 1 :]:
+        if kind == OPEN:
+            (n,) = _META.unpack_from(payload, 0)
+            stream = Stream(json.loads(payload[_META.size : _META.size + n]), (), False)
+        elif kind == V and stream is not None:
+            (n,) = _COUNT.unpack_from(payload, 0)
+            ids = array.array("I")
+            ids.frombytes(payload[_COUNT.size : _COUNT.size + 4 * n])
+            stream = Stream(stream.meta, (*stream.token_ids, *ids), True)
+    refused = any(k == X for k, _ in records)
+    return Plan(rx, done, tail, stream, refused)
+
+
+def kernel_count(sock: socket.socket) -> int:
+    """Bytes this TCP socket took from its writers since it opened: acked by
+    the peer, plus those still in its send queue."""
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    if len(info) < _BYTES_ACKED + 8:
+        raise LogError("this kernel's TCP_INFO has no bytes_acked (Linux 4.1 or later)")
+    (acked,) = struct.unpack_from("<Q", info, _BYTES_ACKED)
+    queued = array.array("i", [0])
+    fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, queued)
+    return int(acked) + queued[0]
