@@ -148,6 +148,7 @@ class Front:
         if holder.connect():
             try:
                 adopted = holder.adopt()
+                holder.watch()
             except (OSError, connhold.HoldError) as exc:
                 # What the dead front had is lost; from now on, all is kept.
                 log_event(log, "adopt_failed", logging.ERROR, error=str(exc))

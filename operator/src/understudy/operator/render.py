@@ -813,7 +813,9 @@ def gateway_container(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]:
         "lifecycle": {"preStop": {"sleep": {"seconds": GATEWAY_UNLIST_S}}},
         "resources": _resources(
             # the gateway, its spare and the respawner
-            gw.resources, defaults={"cpu": "100m", "memory": "128Mi"}, claim=False
+            gw.resources,
+            defaults={"cpu": "100m", "memory": "128Mi"},
+            claim=False,
         ),
         "securityContext": _container_security(read_only_root=True),
         "volumeMounts": mounts,

@@ -103,16 +103,17 @@ class Keeper:
     async def serve_forever(self) -> None:
         server = uds.bind_unix(self.path, mode=0o660, backlog=16, kind=socket.SOCK_SEQPACKET)
         loop = asyncio.get_running_loop()
+        sessions: set[asyncio.Task[None]] = set()
         try:
             while True:
                 conn, _ = await loop.sock_accept(server)
                 conn.setblocking(False)
-                before, self._previous = (
-                    self._previous,
-                    asyncio.create_task(self._front(conn, self._previous)),
-                )
-                del before
+                self._previous = asyncio.create_task(self._front(conn, self._previous))
+                sessions.add(self._previous)
+                self._previous.add_done_callback(sessions.discard)
         finally:
+            for task in sessions:
+                task.cancel()
             server.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
@@ -235,7 +236,7 @@ class Holder:
 
     def adopt(self, timeout: float = 5.0) -> list[tuple[str, uds.OwnedFd]]:
         """Every connection the keeper holds, each as a new descriptor here
-        (blocking: called once, before this front serves); then watched."""
+        (blocking: called once, before this front serves; ``watch`` next)."""
         assert self._sock is not None
         self._sock.settimeout(timeout)
         self._sock.sendmsg([encode("adopt")])
@@ -250,10 +251,9 @@ class Holder:
                 got.append((msg["id"], owned))
             elif owned is not None:
                 owned.close()
-        self._watch()
         return got
 
-    def _watch(self) -> None:
+    def watch(self) -> None:
         """The keeper never speaks unasked: anything readable is its end."""
         assert self._sock is not None
         self._sock.setblocking(False)
@@ -347,7 +347,7 @@ class Holder:
             # Often while a restart takes (what is accepted meanwhile is not
             # kept), then seldom: a pod whose lock server keeps nothing.
             await asyncio.sleep(_RECONNECT_S if n < _RECONNECT_TRIES else _RECONNECT_MAX_S)
-        self._watch()
+        self.watch()
         live = list(self.live())
         for cid, fd in live:
             self.hold(cid, fd)

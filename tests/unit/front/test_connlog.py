@@ -1,0 +1,197 @@
+"""A connection's record (``front.connlog``): what the next front reads back,
+and how it finishes the connection, on real files and real TCP sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from understudy.front import connlog, downstream
+from understudy.front.connlog import ConnLog, LogError, kernel_count, parse, plan
+
+REQUEST = b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}"
+HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+def _reread(record: ConnLog) -> tuple[int, list[tuple[bytes, bytes]]]:
+    _, tx_base, records = ConnLog.reopen(record.path.parent, record.cid)
+    return tx_base, records
+
+
+def test_a_stream_under_way_is_resumed_after_the_ended_exchanges(tmp_path: Path) -> None:
+    r = ConnLog.create(tmp_path, "c-1")
+    r.received(REQUEST + REQUEST[:20])  # one request whole, the next begun
+    r.wrote(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}", connlog.F)
+    r.received(REQUEST[20:])
+    r.opened({"request_id": "cmpl-1", "created": 7}, HEAD)
+    r.event([5, 6], _chunk(b"data: a\n\n"))
+    r.event([], _chunk(b"data: b\n\n"))
+    r.event([9], _chunk(b"data: c\n\n"))
+    tx_base, records = _reread(r)
+    written = sum(len(connlog.tx_bytes(k, p)) for k, p in records)
+    p = plan(tx_base, records, written)  # the kernel took everything
+    assert p.rx == REQUEST + REQUEST
+    assert p.done == 1 and p.tail == b"" and not p.refused
+    assert p.stream == connlog.Stream({"request_id": "cmpl-1", "created": 7}, (5, 6, 9), True)
+
+
+def test_the_bytes_the_kernel_never_took_are_the_tail(tmp_path: Path) -> None:
+    r = ConnLog.create(tmp_path, "c-2")
+    r.received(REQUEST)
+    r.opened({"request_id": "x", "created": 1}, HEAD)
+    r.event([1], _chunk(b"data: one\n\n"))
+    tx_base, records = _reread(r)
+    p = plan(tx_base, records, len(HEAD) + 3)
+    assert p.tail == (HEAD + _chunk(b"data: one\n\n"))[len(HEAD) + 3 :]
+    # head only, no event yet: resumed from its first token, not started
+    r2 = ConnLog.create(tmp_path, "c-3")
+    r2.received(REQUEST)
+    r2.opened({"request_id": "y", "created": 2}, HEAD)
+    tx_base, records = _reread(r2)
+    assert plan(tx_base, records, len(HEAD)).stream == connlog.Stream(
+        {"request_id": "y", "created": 2}, (), False
+    )
+
+
+def test_compaction_leaves_an_idle_connection_with_its_base(tmp_path: Path) -> None:
+    r = ConnLog.create(tmp_path, "c-4")
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"
+    for _ in range(3):
+        r.received(REQUEST)
+        r.wrote(answer, connlog.F)
+        r.compact()
+    assert r.idle
+    tx_base, records = _reread(r)
+    assert (tx_base, records) == (3 * len(answer), [])
+    p = plan(tx_base, records, 3 * len(answer))
+    assert (p.rx, p.done, p.tail, p.stream) == (b"", 0, b"", None)
+    with pytest.raises(LogError, match="fewer than"):
+        plan(tx_base, records, 10)  # a socket that took less than went before: not ours
+
+
+def test_a_torn_last_record_is_left_out_and_cut(tmp_path: Path) -> None:
+    r = ConnLog.create(tmp_path, "c-5")
+    r.received(REQUEST)
+    r.wrote(b"HTTP/1.1 200 OK\r\n", connlog.W)
+    whole = r.path.stat().st_size
+    os.truncate(r.path, whole - 3)  # its writer died in the middle of it
+    _, records = _reread(r)
+    assert records == [(connlog.R, REQUEST)]
+    assert r.path.stat().st_size < whole - 3  # cut back to the last whole record
+
+
+def test_a_refusal_is_written_again_never_answered_twice(tmp_path: Path) -> None:
+    r = ConnLog.create(tmp_path, "c-6")
+    r.received(b"NOT HTTP\r\n\r\n")
+    r.wrote(b"HTTP/1.1 400 Bad Request\r\n\r\n", connlog.X)
+    tx_base, records = _reread(r)
+    assert plan(tx_base, records, 0).refused
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"XXXX" + bytes(12), b"USC1" + bytes(12) + b"Z\x01\x00\x00\x00z"],
+    ids=["empty", "magic", "kind"],
+)
+def test_what_is_not_a_record_is_refused(data: bytes) -> None:
+    with pytest.raises(LogError):
+        parse(data)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from("RWVF"), st.binary(max_size=40), st.lists(st.integers(0, 2**31))),
+        max_size=12,
+    )
+)
+def test_records_read_back_as_written(tmp_path_factory: pytest.TempPathFactory, ops: list) -> None:
+    d = tmp_path_factory.mktemp("rec")
+    r = ConnLog.create(d, "h")
+    written = []
+    for kind, data, ids in ops:
+        if kind == "R":
+            r.received(data)
+        elif kind == "V":
+            r.event(ids, data)
+        else:
+            r.wrote(data, kind.encode())
+        written.append((kind, data))
+    _, _, records = ConnLog.reopen(d, "h")
+    assert [(k.decode(), connlog.tx_bytes(k, p) if k != connlog.R else p) for k, p in records] == (
+        written
+    )
+
+
+# ------------------------------------------------------------ real sockets --
+
+
+def _pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        client = socket.create_connection(srv.getsockname())
+        server, _ = srv.accept()
+    return server, client
+
+
+def test_the_kernel_count_is_what_the_socket_took() -> None:
+    server, client = _pair()
+    with server, client:
+        assert kernel_count(server) == 0
+        server.sendall(b"x" * 1000)
+        time.sleep(0.05)
+        assert kernel_count(server) == 1000  # acked
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        server.setblocking(False)
+        sent = 1000
+        with pytest.raises(BlockingIOError):  # the client reads nothing: its queues fill
+            while True:
+                sent += server.send(b"y" * 65536)
+        assert kernel_count(server) == sent  # acked, plus still queued
+
+
+def test_an_adopted_connection_gets_the_tail_then_the_next_answer(tmp_path: Path) -> None:
+    """The dead front wrote down a whole answer but the kernel took only
+    part of it; then the client's next request, already read. The adopted
+    connection writes the rest of the first answer, none of it twice, and
+    answers the second."""
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfirst"
+    server, client = _pair()
+    record = ConnLog.create(tmp_path, "c-7")
+    second = b"GET /two HTTP/1.1\r\n\r\n"
+    record.received(b"GET /one HTTP/1.1\r\n\r\n" + second)
+    record.wrote(answer, connlog.F)
+    server.sendall(answer[:10])  # the dead front's write, cut short
+    time.sleep(0.05)
+    tx_base, records = _reread(record)
+    p = plan(tx_base, records, kernel_count(server))
+    assert p.tail == answer[10:] and p.done == 1
+
+    async def adopt() -> bytes:
+        def handle(ex: downstream.Exchange) -> None:
+            ex.answer(200, [], ex.target)
+
+        srv = downstream.Server(handle, downstream.Limits())
+        await srv.adopt(server, record, p)
+        got = b""
+        loop = asyncio.get_running_loop()
+        client.setblocking(False)
+        while not got.endswith(b"/two"):
+            got += await loop.sock_recv(client, 4096)
+        srv.close()
+        return got
+
+    got = asyncio.run(adopt())
+    client.close()
+    assert got.startswith(answer)  # the first answer whole, once
+    assert got.count(b"first") == 1 and got.endswith(b"Content-Length: 4\r\n\r\n/two")

@@ -1,0 +1,167 @@
+"""The connections' keeper and the front's side of it (``wire.connhold``), on
+real Unix sockets with real descriptors: a connection held by a front that
+then goes away is still open, the next front adopts it, a dropped one is
+closed, and a front that never comes back has its connections closed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import tempfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from understudy.wire import connhold
+from understudy.wire.connhold import Holder, HoldError, Keeper, decode, encode
+
+log = logging.getLogger("test")
+
+
+@asynccontextmanager
+async def keeper(hold_s: float = 30.0) -> AsyncIterator[Keeper]:
+    run = Path(tempfile.mkdtemp(prefix="us-", dir="/dev/shm"))
+    k = Keeper(run / connhold.CONNS_SOCKET, log, hold_s)
+    task = asyncio.create_task(k.serve_forever())
+    for _ in range(100):
+        if k.path.exists():
+            break
+        await asyncio.sleep(0.01)
+    try:
+        yield k
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def _front(k: Keeper) -> Holder:
+    h = Holder(k.path, log)
+    assert await asyncio.to_thread(h.connect)
+    return h
+
+
+async def _adopt(h: Holder) -> list[tuple[str, object]]:
+    got = await asyncio.to_thread(h.adopt)  # the keeper answers from this loop
+    h.watch()
+    return got  # type: ignore[return-value]
+
+
+async def _settle(cond: object, within: float = 2.0) -> None:
+    for _ in range(int(within / 0.01)):
+        if callable(cond) and cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("not settled")
+
+
+def _peer_sees_eof(peer: socket.socket) -> bool:
+    peer.setblocking(False)
+    try:
+        return peer.recv(1) == b""
+    except BlockingIOError:
+        return False
+
+
+def test_a_held_connection_outlives_its_front_and_the_next_front_adopts_it() -> None:
+    async def run() -> None:
+        async with keeper() as k:
+            a, a_peer = socket.socketpair()
+            b, b_peer = socket.socketpair()
+            first = await _front(k)
+            assert await _adopt(first) == []
+            first.hold("c-1", a.fileno())
+            first.hold("c-2", b.fileno())
+            first.drop("c-2")
+            await _settle(lambda: set(k.held) == {"c-1"})
+            b.close()  # the front's own copy: with the keeper's dropped, closed
+            assert _peer_sees_eof(b_peer)
+            first.close()
+            a.close()  # the front dies: its descriptors go with it
+            assert not _peer_sees_eof(a_peer)  # the keeper's copy keeps it open
+            second = await _front(k)
+            adopted = await _adopt(second)
+            assert [cid for cid, _ in adopted] == ["c-1"]
+            ((_, owned),) = adopted
+            with socket.socket(fileno=owned.detach()) as again:
+                again.sendall(b"still here")
+                a_peer.setblocking(True)
+                assert a_peer.recv(100) == b"still here"
+            second.close()
+            a_peer.close()
+            b_peer.close()
+
+    asyncio.run(run())
+
+
+def test_a_front_that_never_comes_back_has_its_connections_closed() -> None:
+    async def run() -> None:
+        async with keeper(hold_s=0.2) as k:
+            a, a_peer = socket.socketpair()
+            front = await _front(k)
+            await _adopt(front)
+            front.hold("c-1", a.fileno())
+            await _settle(lambda: "c-1" in k.held)
+            front.close()
+            a.close()
+            await _settle(lambda: not k.held)
+            assert _peer_sees_eof(a_peer)
+            a_peer.close()
+
+    asyncio.run(run())
+
+
+def test_a_keeper_that_restarts_is_given_every_open_connection_again() -> None:
+    async def run() -> None:
+        run_dir = Path(tempfile.mkdtemp(prefix="us-", dir="/dev/shm"))
+        a, a_peer = socket.socketpair()
+        k1 = Keeper(run_dir / connhold.CONNS_SOCKET, log)
+        t1 = asyncio.create_task(k1.serve_forever())
+        await _settle(k1.path.exists)
+        front = Holder(k1.path, log)
+        assert await asyncio.to_thread(front.connect)
+        await _adopt(front)
+        front.live = lambda: [("c-1", a.fileno())]
+        t1.cancel()  # the lock server dies: its copies with it
+        await asyncio.gather(t1, return_exceptions=True)
+        await _settle(lambda: not front.connected)
+        k2 = Keeper(run_dir / connhold.CONNS_SOCKET, log)
+        t2 = asyncio.create_task(k2.serve_forever())
+        await _settle(lambda: "c-1" in k2.held, 5.0)
+        front.close()
+        t2.cancel()
+        await asyncio.gather(t2, return_exceptions=True)
+        a.close()
+        a_peer.close()
+
+    asyncio.run(run())
+
+
+def test_bad_messages_are_refused_and_the_session_goes_on() -> None:
+    async def run() -> None:
+        async with keeper() as k:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.connect(str(k.path))
+            for bad in (b"nonsense", encode("hold", id="../x"), encode("held", id="c")):
+                s.sendmsg([bad])
+            s.sendmsg([encode("hold", id="no-fd")])  # a hold without its descriptor
+            s.sendmsg([encode("adopt")])
+            s.setblocking(False)
+            loop = asyncio.get_running_loop()
+            reply = await asyncio.wait_for(loop.sock_recv(s, 256), 2)
+            assert decode(reply) == {"op": "adopted", "count": 0}
+            assert not k.held
+            s.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"[]", b'{"op": "steal"}', encode("drop", id=""), encode("adopted")],
+)
+def test_decode_refuses_what_is_not_a_message(data: bytes) -> None:
+    with pytest.raises(HoldError):
+        decode(data)
