@@ -356,15 +356,15 @@ def test_gms_sidecar_killed_the_active_engine_gives_the_weights_back(instance: I
 
 
 @pytest.mark.timeout(900)
-def test_front_killed_five_times_refuses_no_connection(instance: Instance) -> None:
-    """The front's process dies five times under 16 request streams: the lock
+def test_front_killed_ten_times_fails_nothing(instance: Instance) -> None:
+    """The front's process dies ten times under 16 request streams: the lock
     server keeps the serving socket and a copy of every client connection,
     the respawner starts the front again in place (kubelet sees no container
     restart, so no CrashLoopBackOff), and the next front finishes every
     connection the dead one had: nothing is refused, nothing fails."""
     instance.wait_ready()
     before = _restarts(instance.pod(), "front")
-    report = instance.drill("--sidecar", "front", "--kills", "5")
+    report = instance.drill("--sidecar", "front", "--kills", "10")
     assert report["exit_code"] == 0, report
     assert report["refused"] == 0 and report["failed"] == 0, report
     assert report["reported_in_flight"] + report["reported_idle"] == 0, report
