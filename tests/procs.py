@@ -131,3 +131,36 @@ class Proc:
 
 def understudy(*args: str) -> list[str]:
     return [PYTHON, "-m", "understudy.cli", *args]
+
+
+Outcomes = list[tuple[float, BaseException | None]]
+
+
+@contextlib.contextmanager
+def asking(ask: Callable[[int, int], object], clients: int, join_s: float = 120) -> Any:
+    """``clients`` threads calling ``ask(client, n)`` over and over until the
+    block ends; yields each call's start (monotonic) and its failure (None:
+    it returned), as they come."""
+    outcomes: Outcomes = []
+    stop = threading.Event()
+
+    def client(i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            t0 = time.monotonic()
+            try:
+                ask(i, n)
+                outcomes.append((t0, None))
+            except BaseException as exc:  # every failure is counted
+                outcomes.append((t0, exc))
+            n += 1
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    try:
+        yield outcomes
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(join_s)

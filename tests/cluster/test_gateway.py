@@ -39,6 +39,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this tier's helpers
 import test_e2e
+from procs import asking
 from test_control_plane_down import _api_server_pid, _stopped, _unreachable
 from test_e2e import Instance, _sample, _wait
 
@@ -317,6 +318,17 @@ def _fault_under_streams(
     gw.wait_gateway()
 
 
+def _kill_all(victim: str, uid: str) -> int:
+    """SIGKILL every process of the pod from the node: how many."""
+    killed = 0
+    for pid in pod_processes(uid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+    assert killed, f"no process of {victim} on this node"
+    return killed
+
+
 @pytest.mark.timeout(900)
 def test_a_pod_lost_under_streams_moves_them_token_exact(gw: GatewayInstance) -> None:
     """A node's loss as the API and the node see it: the pod is force-deleted
@@ -326,13 +338,7 @@ def test_a_pod_lost_under_streams_moves_them_token_exact(gw: GatewayInstance) ->
         gw.cluster.kubectl(
             "delete", "pod", victim, "-n", gw.ns, "--grace-period=0", "--force", "--wait=false"
         )
-        killed = 0
-        for pid in pod_processes(uid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
-        assert killed, f"no process of {victim} on this node"
-        return f"lost ({killed} processes SIGKILLed)"
+        return f"lost ({_kill_all(victim, uid)} processes SIGKILLed)"
 
     _fault_under_streams(gw, lose)
 
@@ -396,12 +402,7 @@ def test_the_api_server_stopped_a_pod_lost_under_streams_moves_them(gw: GatewayI
             seen["stopped_s"] = time.monotonic() - t0
 
     def lose(victim: str, uid: str) -> str:
-        killed = 0
-        for pid in pod_processes(uid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
-        assert killed, f"no process of {victim} on this node"
+        killed = _kill_all(victim, uid)
         seen["unreachable"] = _unreachable(gw)  # after the kill: the streams are running
         return f"lost with the API server stopped ({killed} processes SIGKILLed)"
 
@@ -426,36 +427,6 @@ def _gateway_pid_on_node(pod: dict[str, Any], pid_in_pod: int) -> tuple[int, int
                 if line.startswith("NSpid:") and int(line.split()[-1]) == pid_in_pod:
                     found = pid
     return found, gateways
-
-
-@contextlib.contextmanager
-def _through_the_service(
-    url: str, clients: int
-) -> Iterator[list[tuple[float, BaseException | None]]]:
-    """``clients`` threads asking through ``url`` (a new connection each
-    time), until the block ends: each request's start and failure (None:
-    answered)."""
-    results: list[tuple[float, BaseException | None]] = []
-    stop = threading.Event()
-
-    def client() -> None:
-        while not stop.is_set():
-            t0 = time.monotonic()
-            try:
-                _completion(url, "hello", stream=False, max_tokens=4)
-                results.append((t0, None))
-            except BaseException as exc:  # every failure is counted
-                results.append((t0, exc))
-
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    try:
-        yield results
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(120)
 
 
 @pytest.mark.timeout(600)
@@ -490,7 +461,8 @@ def test_a_gateway_replica_killed_refuses_no_new_connection(gw: GatewayInstance)
     streams = [threading.Thread(target=own_stream, args=(i,)) for i in range(2)]
     for t in streams:
         t.start()
-    with _through_the_service(gw.url(), 4) as results:
+    url = gw.url()
+    with asking(lambda i, n: _completion(url, "hello", stream=False, max_tokens=4), 4) as results:
         _wait("the victim's streams open", lambda: gw.gateway_state(victim)["inflight"] >= 2, 60)
         _wait("requests flowing", lambda: len(results) >= 8, 60)
         t_kill = time.monotonic()

@@ -20,16 +20,15 @@ import signal
 import socket
 import subprocess
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 from localpod import free_port_block, http_json
-from procs import Proc, understudy, wait_for
+from procs import Proc, asking, understudy, wait_for
 
 from understudy.tools.drill_target import pod_processes
 
@@ -249,35 +248,6 @@ def _completion_on_a_new_connection(port: int, n: int) -> str:
         conn.close()
 
 
-@contextlib.contextmanager
-def _new_connections(port: int, clients: int) -> Iterator[list[tuple[float, BaseException | None]]]:
-    """``clients`` threads asking on a new connection each time, until the
-    block ends: each request's start and its failure (None: answered)."""
-    results: list[tuple[float, BaseException | None]] = []
-    stop = threading.Event()
-
-    def client(i: int) -> None:
-        for n in itertools.count():
-            if stop.is_set():
-                return
-            t0 = time.monotonic()
-            try:
-                _completion_on_a_new_connection(port, i * 10_000 + n)
-                results.append((t0, None))
-            except BaseException as exc:
-                results.append((t0, exc))
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    for t in threads:
-        t.start()
-    try:
-        yield results
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(60)
-
-
 def test_a_gateway_killed_under_its_respawner_refuses_no_new_connection(fleet: Fleet) -> None:
     """A gateway replica as the operator renders it: under ``understudy
     respawn --spare``, which binds both ports. Its gateway process SIGKILLed
@@ -307,7 +277,9 @@ def test_a_gateway_killed_under_its_respawner_refuses_no_new_connection(fleet: F
             max_tokens=2000, temperature=0, stream=True,
         )  # fmt: skip
         assert next(iter(stream)).choices  # open and flowing on the victim
-        with _new_connections(base, 4) as results:
+        with asking(
+            lambda i, n: _completion_on_a_new_connection(base, i * 10_000 + n), 4
+        ) as results:
             wait_for(lambda: len(results) >= 8, 60, 0.02, what="requests flowing")
             t_kill = time.monotonic()
             os.kill(victim, signal.SIGKILL)

@@ -195,3 +195,36 @@ def test_an_adopted_connection_gets_the_tail_then_the_next_answer(tmp_path: Path
     client.close()
     assert got.startswith(answer)  # the first answer whole, once
     assert got.count(b"first") == 1 and got.endswith(b"Content-Length: 4\r\n\r\n/two")
+
+
+def test_an_answered_request_that_closes_its_connection_is_closed_on_adoption(
+    tmp_path: Path,
+) -> None:
+    """HTTP/1.0 without keep-alive, answered whole by the front that died
+    before it closed the connection: the next front closes it, and serves
+    nothing more on it."""
+    server, client = _pair()
+    record = ConnLog.create(tmp_path, "c-8")
+    record.received(b"GET /one HTTP/1.0\r\n\r\n")
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nConnection: close\r\n\r\none"
+    record.wrote(answer, connlog.F)
+    server.sendall(answer)
+    time.sleep(0.05)
+    tx_base, records = _reread(record)
+    p = plan(tx_base, records, kernel_count(server))
+
+    async def adopt() -> bytes:
+        srv = downstream.Server(lambda ex: ex.answer(200, [], b"again"), downstream.Limits())
+        await srv.adopt(server, record, p)
+        loop = asyncio.get_running_loop()
+        client.setblocking(False)
+        got = b""
+        while True:
+            data = await asyncio.wait_for(loop.sock_recv(client, 4096), 5)
+            if not data:
+                return got
+            got += data
+
+    got = asyncio.run(adopt())
+    client.close()
+    assert got == answer  # once, then the close

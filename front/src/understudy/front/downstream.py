@@ -549,6 +549,8 @@ class ClientConnection(asyncio.Protocol):
         self._expect_continue = False
         if self._skip:  # answered whole by the front that died
             self._skip -= 1
+            if not p.should_keep_alive() or self._upgrade:
+                self.close()  # as that front was about to: nothing more is read
             return
         ex = Exchange(
             self,
