@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this tier's helpers, run alone too
 from crd_guard import this_crd
 from procs import wait_settled
 
