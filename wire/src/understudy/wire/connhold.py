@@ -26,6 +26,10 @@ The keeper serves one front at a time, in the order they connected: it
 reads a dead front's last messages (its socket's queue outlives it) before
 it answers the next front's ``adopt``, so a connection accepted just before
 a death is in the answer.
+
+Its messages are checked by hand (``decode``), not by pydantic models: as
+``handover``, this module is imported by a restarting front before it
+accepts, where every millisecond of import is its clients' wait.
 """
 
 from __future__ import annotations
