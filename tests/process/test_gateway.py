@@ -271,7 +271,13 @@ def test_a_gateway_killed_under_its_respawner_refuses_no_new_connection(fleet: F
     try:
         wait_for(lambda: via.routable() == 2, 60, 0.1, what="the respawned gateway routes both")
         wait_for(lambda: len(_children(keeper.pid)) == 2, 60, 0.1, what="a spare gateway")
-        victim = int(via.gateway()["pid"])
+
+        def serving() -> int:
+            with contextlib.suppress(OSError, http.client.HTTPException, AssertionError):
+                return int(via.gateway()["pid"])
+            return 0
+
+        victim: int = wait_for(serving, 30, 0.1, what="the gateway's pid")
         stream = via.client().completions.create(
             model="tiny-llama", prompt="a stream on the gateway that dies",
             max_tokens=2000, temperature=0, stream=True,
@@ -283,14 +289,9 @@ def test_a_gateway_killed_under_its_respawner_refuses_no_new_connection(fleet: F
             wait_for(lambda: len(results) >= 8, 60, 0.02, what="requests flowing")
             t_kill = time.monotonic()
             os.kill(victim, signal.SIGKILL)
-
-            def successor() -> int:
-                with contextlib.suppress(OSError, http.client.HTTPException, AssertionError):
-                    pid = int(via.gateway()["pid"])
-                    return pid if pid != victim else 0
-                return 0
-
-            back = wait_for(successor, 30, 0.02, what="the spare serving")
+            back = wait_for(
+                lambda: (pid := serving()) != victim and pid, 30, 0.02, what="the spare serving"
+            )
             t_back = time.monotonic()
             wait_for(lambda: via.routable() == 2, 30, 0.05, what="the spare routes both")
             time.sleep(1.0)
