@@ -101,6 +101,12 @@ class Fleet:
             timeout=120,
         )  # fmt: skip
 
+    def through(self, base: int) -> Fleet:
+        """The fleet's pods, through another gateway (port ``base``, metrics ``base + 1``)."""
+        via = Fleet.__new__(Fleet)
+        via.__dict__.update(self.__dict__, port=base, gateway_metrics=base + 1)
+        return via
+
     def close(self) -> None:
         self.proc.signal(signal.SIGTERM)
         with contextlib.suppress(Exception):
@@ -266,8 +272,7 @@ def test_a_gateway_killed_under_its_respawner_refuses_no_new_connection(fleet: F
         ),
         log=fleet.dir / "respawned-gateway.out",
     )  # fmt: skip
-    via = Fleet.__new__(Fleet)  # the fleet's pods, this gateway's ports
-    via.__dict__.update(fleet.__dict__, port=base, gateway_metrics=base + 1)
+    via = fleet.through(base)
     try:
         wait_for(lambda: via.routable() == 2, 60, 0.1, what="the respawned gateway routes both")
         wait_for(lambda: len(_children(keeper.pid)) == 2, 60, 0.1, what="a spare gateway")
@@ -346,8 +351,7 @@ def test_a_terminating_pod_takes_nothing_new_and_its_streams_finish_there_or_mov
         ),
         log=fleet.dir / "planned-gateway.out",
     )  # fmt: skip
-    via = Fleet.__new__(Fleet)  # the fleet's pods, this gateway's ports
-    via.__dict__.update(fleet.__dict__, port=base, gateway_metrics=base + 1)
+    via = fleet.through(base)
     try:
         wait_for(lambda: via.routable() == 2, 60, 0.1, what="the second gateway routes both")
         for grace, moves in ((60.0, False), (0.3, True)):
