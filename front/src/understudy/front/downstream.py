@@ -183,7 +183,12 @@ class Exchange:
         return b"".join(lines)
 
     def answer(
-        self, status: int, headers: Headers, body: bytes, content_length: int | None = None
+        self,
+        status: int,
+        headers: Headers,
+        body: bytes,
+        content_length: int | None = None,
+        kind: bytes = connlog.F,
     ) -> None:
         """The whole answer. ``content_length`` stands for the body a HEAD's answer
         does not carry (the engine's own ``Content-Length``)."""
@@ -193,19 +198,13 @@ class Exchange:
         head = self._head(status, headers, b"Content-Length: %d\r\n\r\n" % length)
         self._ended = True
         try:
-            self._conn.write(head if self.method == b"HEAD" else head + body, connlog.F)
+            self._conn.write(head if self.method == b"HEAD" else head + body, kind)
         finally:
             self._conn.exchange_done(self)
 
     def refuse(self, status: int, message: str) -> None:
         """A refusal's answer, after which the connection closes (``X``)."""
-        body = error_body(status, message)
-        head = self._head(status, [JSON], b"Content-Length: %d\r\n\r\n" % len(body))
-        self._ended = True
-        try:
-            self._conn.write(head + body, connlog.X)
-        finally:
-            self._conn.exchange_done(self)
+        self.answer(status, [JSON], error_body(status, message), kind=connlog.X)
 
     def error(self, status: int, message: str, retry_after: int | None = None) -> None:
         headers = [JSON]
