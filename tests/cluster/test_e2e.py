@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -151,6 +152,17 @@ class Instance:
             lambda: _condition(self.get(), "StandbyReady")["status"] == "True",
             timeout,
         )
+        # Ready is the operator's verdict, patched as the pod's routable label in
+        # the same pass; the EndpointSlice and kube-proxy's rules follow it within
+        # about a second, and a connection in that second is refused (a CI run
+        # met it: docs/operator.md, honest readiness). A user waits for the
+        # endpoint too; the first request itself is still asserted by the caller.
+        _wait("the Service accepting connections", self._accepts, 60)
+
+    def _accepts(self) -> bool:
+        host, port = self.url().removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5):
+            return True
 
     def drill(self, *args: str, timeout: float = 1800) -> dict[str, Any]:
         what = "-".join(a.strip("-") for a in args[:2])
@@ -223,12 +235,18 @@ def test_chaos_kill_active_engine_through_the_service(instance: Instance) -> Non
     assert s["failed_requests"] == 0, report.get("errors")
     assert s["wrong_answers"] == 0 and s["split_brain"] == 0 and s["epoch_regressions"] == 0
     # A SIGSTOPped engine is found hung by its heartbeat (1 s); the others fail
-    # over at once.
+    # over at once: the lock server sees the connection close and grants.
     by_signal: dict[str, list[float]] = {}
     for r in report["rounds"]:
         by_signal.setdefault(r["signal"], []).append(r["gap_s"])
+        if r["signal"] != "STOP":
+            assert r["kill_to_grant_s"] < 0.5, r
+    # The client's bound is looser than the grant's: the gap also holds the
+    # requests retried onto the engine that just woke, 16 clients' worth on two
+    # cores. A CI run at load 4-6 read one of 40 such gaps at 0.59 s (the rest
+    # 0.05-0.21 s); a heartbeat-found death would still read over a second.
     for name, gaps in by_signal.items():
-        bound = 2.0 if name == "STOP" else 0.5
+        bound = 2.0 if name == "STOP" else 1.0
         assert max(gaps) < bound, (name, sorted(gaps)[-5:])
     assert report["exit_code"] == 0
     cluster = report["cluster"]
