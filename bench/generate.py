@@ -4,7 +4,8 @@ The model is ``--model`` (default builtin:smollm2-135m, SmolLM2-135M-Instruct
 in float32; builtin:tiny-llama is the 4-layer random one), both engines in
 float32 and greedy. Measured, for each engine:
 
-* prefill: prompts of 128 and 1,024 tokens (text from our corpus) with
+* prefill: prompts of 128 and 1,024 tokens (text from our corpus, a new
+  prompt each round, so that vLLM's prefix cache reuses nothing) with
   ``max_tokens`` 1, one at a time; prefill tokens/s is the prompt's length
   over the time to its one token;
 * decode: ``--max-tokens`` tokens after chat prompts, at batch 1 (one
@@ -121,16 +122,22 @@ def chat_prompts(engine: LlamaEngine) -> list[list[int]]:
     return [engine.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
 
 
-def prefill_prompts(engine: LlamaEngine) -> dict[int, list[int]]:
-    """Prompts of exactly 128 and 1,024 tokens: our corpus's text, cut."""
+def prefill_prompts(engine: LlamaEngine, rounds: int) -> dict[int, list[list[int]]]:
+    """For each length, ``rounds`` prompts of exactly that many tokens: our
+    corpus's text, cut one token further on each round. No two share a first
+    token, so vLLM's prefix cache (on by default) has no block to reuse: the
+    same prompt sent again was answered from it in a sixth of the time
+    (2026-11-27), which is not a prefill."""
     ids = engine.encode(" ".join(tiny_llama.corpus()))
-    return {n: ids[:n] for n in PREFILL_LENGTHS}
+    if len(ids) < max(PREFILL_LENGTHS) + rounds:
+        raise SystemExit(f"the corpus has {len(ids)} tokens: too few for {rounds} rounds")
+    return {n: [ids[r : r + n] for r in range(rounds)] for n in PREFILL_LENGTHS}
 
 
-async def ours_prefill(engine: LlamaEngine, prompt: list[int], rounds: int) -> Run:
+async def ours_prefill(engine: LlamaEngine, prompts: list[list[int]]) -> Run:
     run = Run()
     t0 = time.perf_counter()
-    for _ in range(rounds):
+    for prompt in prompts:
         await ours_one(engine, prompt, SamplingParams(max_tokens=1, temperature=0), run)
     run.wall = time.perf_counter() - t0
     return run
@@ -160,8 +167,8 @@ def bench_ours(
     try:
         asyncio.run(ours_run(engine, 1, 1, 8))  # warm-up
         prefill = {
-            n: asyncio.run(ours_prefill(engine, p, rounds))
-            for n, p in prefill_prompts(engine).items()
+            n: asyncio.run(ours_prefill(engine, ps))
+            for n, ps in prefill_prompts(engine, rounds).items()
         }
         print("ours: prefill done", flush=True)
         return prefill, {b: asyncio.run(ours_run(engine, b, rounds, max_tokens)) for b in batches}
@@ -249,7 +256,7 @@ def bench_vllm(
     model: Path,
     served: str,
     prompts: list[list[int]],
-    prefill: dict[int, list[int]],
+    prefill: dict[int, list[list[int]]],
     batches: Sequence[int],
     rounds: int,
     max_tokens: int,
@@ -288,7 +295,7 @@ def bench_vllm(
         print(f"vLLM up after {startup:.0f} s", flush=True)
         server = (port, served)
         vllm_run(server, prompts[:1], 1, 1, 8)  # warm-up
-        pre = {n: vllm_run(server, [p], 1, rounds, 1) for n, p in prefill.items()}
+        pre = {n: vllm_run(server, ps, 1, rounds, 1) for n, ps in prefill.items()}
         print("vLLM: prefill done", flush=True)
         dec = {b: vllm_run(server, prompts, b, rounds, max_tokens) for b in batches}
         return pre, dec, startup
@@ -372,7 +379,7 @@ def main() -> int:
     model = models.resolve(args.model)
     ours = bench_ours(model, batches, args.rounds, args.max_tokens)
     engine = LlamaEngine(str(model))
-    prompts, prefill = chat_prompts(engine), prefill_prompts(engine)
+    prompts, prefill = chat_prompts(engine), prefill_prompts(engine, args.rounds)
     theirs: tuple[dict[int, Run], dict[int, Run]] | None = None
     startup = 0.0
     if not args.no_vllm:
