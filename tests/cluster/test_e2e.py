@@ -137,9 +137,14 @@ class Instance:
     def pod(self) -> dict[str, Any]:
         return self.cluster.get_json("pod", f"{self.name}-0", "-n", self.ns)
 
-    def url(self) -> str:
+    def address(self) -> tuple[str, int]:
+        """The Service's ClusterIP and port."""
         svc = self.cluster.get_json("service", self.name, "-n", self.ns)
-        return f"http://{svc['spec']['clusterIP']}:{svc['spec']['ports'][0]['port']}"
+        return svc["spec"]["clusterIP"], int(svc["spec"]["ports"][0]["port"])
+
+    def url(self) -> str:
+        host, port = self.address()
+        return f"http://{host}:{port}"
 
     def wait_ready(self, timeout: float = 300) -> None:
         _wait(
@@ -160,8 +165,7 @@ class Instance:
         _wait("the Service accepting connections", self._accepts, 60)
 
     def _accepts(self) -> bool:
-        host, port = self.url().removeprefix("http://").rsplit(":", 1)
-        with socket.create_connection((host, int(port)), timeout=5):
+        with socket.create_connection(self.address(), timeout=5):
             return True
 
     def drill(self, *args: str, timeout: float = 1800) -> dict[str, Any]:
