@@ -19,8 +19,10 @@ from understudy.engine_shim.adapters.llama_model import (
     KVCache,
     LlamaConfig,
     LlamaModel,
+    Prompt,
     Row,
     apply_rope,
+    invariant_rows,
     rms_norm,
     rope_tables,
     sample,
@@ -191,6 +193,59 @@ def test_a_decode_row_does_not_depend_on_the_rows_beside_it(
     for i, row in enumerate(rows):  # the same rows again, each alone (same cache positions)
         assert np.array_equal(model.decode([row], cache)[0], together[i])
     assert np.array_equal(model.decode(rows[::-1], cache), together[::-1])
+
+
+def test_a_batched_prefill_is_each_prompt_run_alone_bit_for_bit(
+    model: LlamaModel, tok: ChatTokenizer
+) -> None:
+    """Prompts of 1 to 3 chunks, shorter and longer than `batch_rows`, three of
+    them continued from a chunk boundary of a cache filled before: every
+    logit and every key and value written is what `prefill_chunks` gives each
+    prompt alone."""
+    chunk = 16
+    text = " ".join(f"word{i}" for i in range(60))
+    ids = tok.encode(text)
+    lengths, starts = [1, 3, 7, 15, 16, 20, 40, 41], [0, 0, 0, 0, 0, 16, 16, 32]
+    assert model.batch_rows(chunk) > 1  # some of these run alone, others together
+    prompts = [Prompt(ids[i : i + n], slot, s) for slot, (i, n, s) in enumerate(
+        zip(range(0, 80, 10), lengths, starts, strict=True))]  # fmt: skip
+    alone, batched = (KVCache(model.config, len(prompts), 64) for _ in range(2))
+    for cache in (alone, batched):  # the continued prompts' earlier chunks
+        for p in prompts:
+            if p.start:
+                model.prefill_chunks(p.tokens[: p.start], cache, p.slot, 0, chunk)
+    want = [model.prefill_chunks(p.tokens, alone, p.slot, p.start, chunk) for p in prompts]
+    calls: list[None] = []
+    got = model.prefill_batch(prompts, batched, chunk, lambda: calls.append(None))
+    assert len(calls) == 2  # a round per chunk of the most computed (40 from 16)
+    for w, g in zip(want, got, strict=True):
+        assert np.array_equal(w, g)
+    assert np.array_equal(alone.k, batched.k) and np.array_equal(alone.v, batched.v)
+    # the same prompts in another order: the same bits again
+    again = KVCache(model.config, len(prompts), 64)
+    for p in prompts:
+        if p.start:
+            model.prefill_chunks(p.tokens[: p.start], again, p.slot, 0, chunk)
+    for w, g in zip(want[::-1], model.prefill_batch(prompts[::-1], again, chunk), strict=True):
+        assert np.array_equal(w, g)
+    with pytest.raises(ValueError, match="chunk boundary"):
+        model.prefill_batch([Prompt(ids[:20], 0, 5)], batched, chunk)
+
+
+@pytest.mark.parametrize("shape", [(256, 256), (64, 256), (1536, 576), (576, 1536)])
+def test_from_invariant_rows_on_a_products_rows_keep_their_bits(shape: tuple[int, int]) -> None:
+    """What the probe promises, checked on other numbers: from its row count
+    up to ``most``, a product's rows are the same bits alone and amid others.
+    (One row never is here: OpenBLAS's vector kernel sums in another order.)"""
+    w = rng.standard_normal(shape, dtype=np.float32)
+    most = 24
+    need = invariant_rows([w], most)
+    assert 1 < need <= most
+    for m in range(need, most + 1):
+        x = rng.standard_normal((m, shape[1]), dtype=np.float32)
+        around = rng.standard_normal((37, shape[1]), dtype=np.float32)
+        inside = np.concatenate([around[:11], x, around[11:]]) @ w.T
+        assert np.array_equal(inside[11 : 11 + m], x @ w.T)
 
 
 def test_the_model_reads_the_callers_memory_and_never_copies(

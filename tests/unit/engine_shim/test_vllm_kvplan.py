@@ -138,6 +138,24 @@ def test_the_next_engine_adopts_what_the_dead_one_saved(epoch: int) -> None:
     assert claim is not None and claim.start == 48 and found == 48
 
 
+def test_a_match_shorter_than_a_chunk_leaves_its_slot_to_the_stream_it_belongs_to() -> None:
+    """A new request whose prompt a slot's stream began with, matched for less
+    than a chunk (so it would reuse nothing), takes the emptiest slot: the
+    stream's blocks stay for its continuation (after a failover the two
+    arrive together)."""
+    p = pool()
+    stream = [*IDS[:20], *range(30)]  # a 20-id prompt and 30 generated ids
+    assert p.claim(stream, [0, 1], prompt=20, chunk=64).slot == 0
+    p.k[:, 0, :, :50] = 1.0
+    p.seal(0, stream, 0, 50)
+    new = p.claim(IDS[:20], [0, 1], prompt=20, chunk=64)  # one block matched, chunk of 64
+    assert (new.slot, new.start) == (1, 0)
+    back = p.claim([*stream, 5], [0], prompt=20, chunk=64)
+    assert (back.slot, back.start) == (0, 50)  # all it sealed, past the prompt: no chunk grid
+    # With the stream's slot the only one free, the new request takes it.
+    assert p.claim(IDS[:20], [0], prompt=20, chunk=64).slot == 0
+
+
 ODD_ROWS = replace(SPEC, dtype="float16", head_dim=3, layers=3, kv_heads=2)  # 6-byte rows
 
 

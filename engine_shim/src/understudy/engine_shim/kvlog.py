@@ -477,14 +477,24 @@ class Index:
         """The slot among ``slots`` whose sealed blocks hold the longest prefix of
         ``tokens`` (whole blocks by their chain, then at most one block covered
         in part); None if none holds even one position."""
-        b = self.spec.block_tokens
-        hashes = chains(tokens, b)
         best: Match | None = None
-        for slot in slots:
-            got = self._prefix(slot, tokens, hashes)
+        for got in self.prefixes(tokens, slots):
             if got.positions and (best is None or got.positions > best.positions):
                 best = got
         return best
+
+    def prefixes(self, tokens: Sequence[int], slots: Iterable[int]) -> list[Match]:
+        """For each of ``slots``, how much of a prefix of ``tokens`` its sealed
+        blocks hold (`match`'s measure; 0 positions for none)."""
+        hashes = chains(tokens, self.spec.block_tokens)
+        return [self._prefix(slot, tokens, hashes) for slot in slots]
+
+    def held(self) -> dict[int, int]:
+        """The positions each slot's sealed blocks cover (slots with none: absent)."""
+        held: dict[int, int] = {}
+        for (slot, _), sealed in self.sealed.items():
+            held[slot] = held.get(slot, 0) + sealed.count
+        return held
 
     def _prefix(self, slot: int, tokens: Sequence[int], hashes: Sequence[bytes]) -> Match:
         b = self.spec.block_tokens

@@ -147,13 +147,21 @@ class KvPool:
     def claim(self, tokens: Sequence[int], free: Sequence[int], prompt: int, chunk: int) -> Claim:
         """The free slot to run ``tokens`` in, and the position its computing starts at.
 
-        The slot whose verified sealed blocks hold the longest prefix of
-        ``tokens``. The last token is always computed (its logits are what the
-        request needs), even when a sealed block holds it. A start inside the
-        first ``prompt`` tokens moves back to a multiple of ``chunk``: the
-        prompt is computed in chunks at fixed boundaries, and only the same
-        chunks give the same bits. The blocks from the start's on are retired
-        before anything is written there.
+        The slot whose sealed blocks hold the longest prefix of ``tokens``
+        that a start can reuse, its checksums verified. The last token is
+        always computed (its logits are what the request needs), even when a
+        sealed block holds it. A start inside the first ``prompt`` tokens
+        moves back to a multiple of ``chunk``: the prompt is computed in
+        chunks at fixed boundaries, and only the same chunks give the same
+        bits. The blocks from the start's on are retired before anything is
+        written there, so among slots that give the same start the one that
+        loses least is taken: the fewest sealed positions that are not a
+        prefix of ``tokens``. (After a failover every stream comes back at
+        once; a new request with the prompt of a continuation, reusing less
+        than a chunk of it, would otherwise take the continuation's slot and
+        retire its KV, and the drill's requests share their prompts. A slot
+        that holds just this request's prompt, its own from the dead engine,
+        loses nothing.)
         """
         if not free:
             raise ValueError("no free slot")
@@ -161,18 +169,26 @@ class KvPool:
         b = self.spec.block_tokens
         if chunk % b:
             raise ValueError(f"a prefill chunk of {chunk} is not a multiple of {b}")
-        match = self.index.match(tokens, free)
-        corrupt = 0
-        if match is not None:
-            slot = match.slot
-            trusted = self._verified(slot, match.blocks, match.positions)
-            corrupt = int(trusted < match.positions)
-        else:  # none holds a prefix: take the one with the least worth keeping
-            slot = min(free, key=lambda s: (len(self.index.blocks_from(s, 0)), s))
-            trusted = 0
-        start = min(trusted, len(tokens) - 1)
-        if start < prompt:
-            start -= start % chunk
+
+        def start_at(positions: int) -> int:
+            start = min(positions, len(tokens) - 1)
+            return start - start % chunk if start < prompt else start
+
+        held = self.index.held()
+        best = min(
+            self.index.prefixes(tokens, free),
+            key=lambda m: (
+                -start_at(m.positions),
+                held.get(m.slot, 0) - m.positions,
+                held.get(m.slot, 0),
+                m.slot,
+            ),
+        )
+        slot, trusted, corrupt = best.slot, 0, 0
+        if start_at(best.positions):  # (a match it cannot use is retired unread)
+            trusted = self._verified(slot, best.blocks, best.positions)
+            corrupt = int(trusted < best.positions)
+        start = start_at(trusted)
         retire = self.writer.retire(slot, start // b)
         self._write(retire)
         self._chains[slot] = kvlog.chains(tokens[: start // b * b], b)

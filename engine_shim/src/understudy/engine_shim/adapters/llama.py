@@ -41,6 +41,7 @@ from understudy.engine_shim.adapters.llama_model import (
     KVCache,
     LlamaConfig,
     LlamaModel,
+    Prompt,
     Row,
     config_digest,
     sample,
@@ -73,7 +74,8 @@ __all__ = ["Batcher", "LlamaEngine", "NotServing", "Request"]
 META_KEY: Final = "llama"
 DEFAULT_MAX_NUM_SEQS: Final = 8
 STUCK_AFTER_S: Final = 30.0  # one worker iteration longer than this: unhealthy
-# Prompt (and resumed) tokens prefilled per iteration, one request at least:
+# Prompt positions computed per iteration, one request at least (a claim's
+# adopted positions and the resumed ids, which go through decode, are free):
 # vLLM's max_num_batched_tokens in spirit. Eight requests that arrive at once
 # (a failover hands the next engine every stream in flight) are prefilled over
 # several iterations, between decode steps, instead of in one long iteration:
@@ -88,6 +90,13 @@ PREFILL_BUDGET: Final = 256
 # independent of each other, so the split changes no number.
 DECODE_BUDGET: Final = 32
 STOP_TIMEOUT_S: Final = 60.0
+# A woken engine's first requests are the streams the front hands over at
+# once, every one in flight at the death: submitted within 2-6 ms of each
+# other (SmolLM2, 8 streams, a local pod). The worker would start on the first
+# alone and hold the rest through its step (a prefill: 0.2 s), so a new
+# batcher's first iteration waits this long for the others, or until they
+# fill the slots.
+FIRST_GATHER_S: Final = 0.02
 # With the KV pool, prompts run in chunks at multiples of this (of the pool's
 # block size): a continuation that reuses blocks recomputes the same chunks,
 # so the same bits. 64 positions ran as fast as one batch (measured: 8.2 s vs
@@ -139,6 +148,7 @@ class Batcher(StepThread[Request]):
         self.max_model_len = min(max_model_len, cache.max_len)
         self._running: list[Request] = []
         self._free = list(range(cache.slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._gathered = False  # FIRST_GATHER_S
 
     # --- the caller's side ------------------------------------------------------
 
@@ -167,34 +177,61 @@ class Batcher(StepThread[Request]):
         with self._cond:
             while not (self._stopping or self._waiting or self._running):
                 self._cond.wait()
+            if not self._gathered:
+                self._gathered = True
+                self._gather(time.monotonic() + FIRST_GATHER_S)
             if self._stopping:
                 return False
             self._drop(r for r in self._running if r.cancelled)
-            admitted: list[Request] = []
-            budget = PREFILL_BUDGET
-            while (
-                self._waiting and len(admitted) < len(self._free) and (budget > 0 or not admitted)
-            ):
-                req = self._waiting.popleft()
-                if req.cancelled:
-                    continue
-                admitted.append(req)
-                budget -= len(req.prompt) + len(req.resume)
-            for req in admitted:
-                self._take_slot(req)
+            admitted = self._admit()
             self._running.extend(admitted)
             running = list(self._running)
         self.busy_since = time.monotonic()
         try:
+            # A request that needs no prompt computed (a continuation whose
+            # adopted KV covers its prompt) joins this step's decode, and the
+            # step's tokens go out before the prompts are computed (in one
+            # batch): the running streams' next tokens, a failover's
+            # continuations among them, never wait for new requests'
+            # prefills. A prompt prefilled in the last iteration has its first
+            # token sampled first, and joins the step.
+            cold = [r for r in admitted if r.position < len(r.prompt)]
             for req in admitted:
-                self._prefill(req)
-            for req in running:
-                if req.logits is not None and not req.cancelled:
-                    self._sample(req)
+                if req.position >= len(req.prompt):
+                    self._resume(req)
+            self._sample_ready(running)
             self._decode([r for r in running if r.feed and not r.cancelled])
+            self._sample_ready(running)
+            self._prefill(cold)
         finally:
             self.busy_since = None
         return True
+
+    def _gather(self, deadline: float) -> None:
+        """Wait (holding the lock's condition) until ``deadline``, or until the
+        waiting requests fill the free slots."""
+        while not self._stopping and len(self._waiting) < len(self._free):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._cond.wait(left)
+
+    def _admit(self) -> list[Request]:
+        """Waiting requests to start this iteration (the caller holds the lock),
+        each with its slot claimed: while slots are free and the prompt
+        positions to compute stay within PREFILL_BUDGET (one request at
+        least). A continuation whose claim adopted its prompt computes none,
+        so a failover's continuations all start in the first iteration."""
+        admitted: list[Request] = []
+        budget = PREFILL_BUDGET
+        while self._waiting and self._free and (budget > 0 or not admitted):
+            req = self._waiting.popleft()
+            if req.cancelled:
+                continue
+            self._take_slot(req)
+            admitted.append(req)
+            budget -= max(0, len(req.prompt) - req.position)
+        return admitted
 
     def _drop(self, requests: Any) -> None:
         with self._cond:
@@ -215,23 +252,27 @@ class Batcher(StepThread[Request]):
         self._free.remove(claim.slot)
         req.slot, req.position = claim.slot, claim.start
 
-    def _prefill(self, req: Request) -> None:
-        """Fill the cache with the prompt (after what a claim reused), then hand
-        the resumed ids to ``decode``, as the first engine fed them."""
-        n, start = len(req.prompt), req.position
-        logits: F32 | None = None
-        if self.pool is None:
-            logits = self.model.prefill(req.prompt, self.cache, req.slot)
-            req.position, req.feed = n, list(req.resume)
-        elif start < n:
-            logits = self.model.prefill_chunks(
-                req.prompt, self.cache, req.slot, start, PREFILL_CHUNK, self._progress
-            )
-            req.position, req.feed = n, list(req.resume)
-        else:  # the reused blocks reach into the resumed ids
-            req.feed = list(req.resume[start - n :])
+    def _prefill(self, requests: Sequence[Request]) -> None:
+        """Fill the caches with the prompts (after what claims reused), in one
+        batch, then hand each one's resumed ids to ``decode``, as the first
+        engine fed them."""
+        if not requests:
+            return
+        prompts = [Prompt(r.prompt, r.slot, r.position) for r in requests]
+        logits = self.model.prefill_batch(prompts, self.cache, PREFILL_CHUNK, self._progress)
+        for req, p, out in zip(requests, prompts, logits, strict=True):
+            req.position, req.feed = len(req.prompt), list(req.resume)
+            self._started(req, p.start, out)
+
+    def _resume(self, req: Request) -> None:
+        """A claim whose reused blocks reach into the resumed ids: the rest of
+        them go to ``decode``."""
+        req.feed = list(req.resume[req.position - len(req.prompt) :])
+        self._started(req, req.position, None)
+
+    def _started(self, req: Request, before: int, logits: F32 | None) -> None:
         req.ids = list(req.prompt + req.resume)[: req.position]
-        self._seal(req, start)
+        self._seal(req, before)
         req.generated = len(req.resume)
         if not req.feed:
             req.logits = logits
@@ -243,6 +284,11 @@ class Batcher(StepThread[Request]):
     def _seal(self, req: Request, before: int) -> None:
         if self.pool is not None:
             self.pool.seal(req.slot, req.ids, before, req.position)
+
+    def _sample_ready(self, requests: Sequence[Request]) -> None:
+        for req in requests:
+            if req.logits is not None and not req.cancelled:
+                self._sample(req)
 
     def _sample(self, req: Request) -> None:
         """Pick the next token and deliver it. A finished request leaves its slot
@@ -450,9 +496,12 @@ class LlamaEngine:
         not mapped yet, and holds another engine's sequences)."""
         assert self.model is not None
         ids = [i % self.config.vocab_size for i in range(WARMUP_LEN + 1)]
-        cache = self._new_cache(1, len(ids))
-        # (prefill is the same _extend over the whole prompt: one path warms both)
-        self.model.prefill_chunks(ids[:-1], cache, 0, 0, PREFILL_CHUNK)
+        cache = self._new_cache(2, len(ids))
+        # Two prompts in one batch: its probe (LlamaModel.batch_rows) runs here,
+        # not in a failover's first prefill. (prefill_chunks and prefill are
+        # the same _extend: one path warms all three.)
+        prompts = [Prompt(ids[:-1], 0, 0), Prompt(ids[:8], 1, 0)]
+        self.model.prefill_batch(prompts, cache, PREFILL_CHUNK)
         self.model.decode([Row(0, WARMUP_LEN, ids[-1])], cache)
 
     # --- sleep / wake -------------------------------------------------------------

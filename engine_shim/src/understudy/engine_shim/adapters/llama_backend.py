@@ -24,7 +24,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from understudy.engine_shim.adapters.llama_model import Row
+from understudy.engine_shim.adapters.llama_model import Prompt, Row
 
 __all__ = ["Cache", "Forward"]
 
@@ -45,7 +45,7 @@ C_contra = TypeVar("C_contra", bound=Cache, contravariant=True)
 
 
 class Forward(Protocol[C_contra]):
-    """The model's three ways through the cache (see `llama_model.LlamaModel`)."""
+    """The model's ways through the cache (see `llama_model.LlamaModel`)."""
 
     def prefill(self, tokens: Sequence[int], cache: C_contra, slot: int) -> F32: ...
 
@@ -58,5 +58,13 @@ class Forward(Protocol[C_contra]):
         chunk: int,
         progress: Callable[[], None] | None = None,
     ) -> F32: ...
+
+    def prefill_batch(
+        self,
+        prompts: Sequence[Prompt],
+        cache: C_contra,
+        chunk: int,
+        progress: Callable[[], None] | None = None,
+    ) -> list[F32]: ...
 
     def decode(self, rows: Sequence[Row], cache: C_contra) -> F32: ...

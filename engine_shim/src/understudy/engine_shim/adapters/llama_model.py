@@ -13,7 +13,9 @@ per running sequence, every slot able to hold ``max_len`` positions.
 Two paths fill the cache and give logits:
 
 * `prefill` runs a whole prompt as one batch of rows (matrix products), for
-  speed; `prefill_chunks` runs it in chunks at fixed positions. Attention is
+  speed; `prefill_chunks` runs it in chunks at fixed positions, and
+  `prefill_batch` several prompts' chunks at once: their rows share each
+  weight's product, each prompt attends over its own slot. Attention is
   blocked: a block of ``QUERY_BLOCK`` query positions meets only the keys up
   to its own end (the causal half is never computed), as one product per KV
   head for all the query heads that share it. Its result depends only on the
@@ -29,6 +31,13 @@ Two paths fill the cache and give logits:
   OpenBLAS packs the whole weight matrix for every call: a step of 8
   sequences was no faster than 8 row products, which stream each weight
   from the L3 cache after the first row, and a step of 1 was 4x slower.)
+
+A product's rows are the same bits alone and inside a bigger product once
+they are many enough to leave OpenBLAS's small-matrix kernels (measured
+here: from 3 to 7 rows, by the weight's shape), so `prefill_batch` shares a
+product only among chunks of at least `LlamaModel.batch_rows` rows, probed
+on the model's own weights (`invariant_rows`); a shorter chunk runs alone,
+as `prefill_chunks` runs it.
 
 Together: the logits at every generated position are a function of the
 prompt and the ids before that position, bit for bit on one machine with one
@@ -64,8 +73,10 @@ __all__ = [
     "KVCache",
     "LlamaConfig",
     "LlamaModel",
+    "Prompt",
     "Row",
     "apply_rope",
+    "invariant_rows",
     "rms_norm",
     "rope_tables",
     "sample",
@@ -225,6 +236,34 @@ def _matmul(x: F32, weight: F32) -> F32:
     return out
 
 
+def invariant_rows(weights: Sequence[F32], most: int) -> int:
+    """The fewest rows from which a product ``x @ w.T`` of up to ``most`` rows,
+    for each ``w`` of ``weights``, gives each row the same bits as the same
+    row inside a bigger product (``most + 1`` when even ``most`` rows do
+    not). BLAS libraries pick kernels by shape: OpenBLAS 0.3.31 gives
+    products under a size (rows x the weight's) its small-matrix kernels, and
+    one row its vector kernel, each summing in another order. Checked with
+    the arrays themselves (the kernels go by shape, strides and alignment):
+    every row count up to ``most``, stacked in one product at varied
+    offsets, against each alone. Every count, since the kernels' bounds move
+    with the weight's shape (a 64 x 256 weight: up to 17 rows; SmolLM2's
+    smallest, 192 x 576: up to 6). SmolLM2's four shapes, up to 64 rows:
+    0.34 s, once, at start-up."""
+    rng = np.random.default_rng(0)
+    counts = range(most, 0, -1)
+    need = 1
+    for w in weights:
+        blocks = [rng.standard_normal((m, w.shape[1]), dtype=np.float32) for m in counts]
+        together = np.concatenate(blocks) @ w.T
+        offset = 0
+        for block in blocks:
+            m = block.shape[0]
+            if not np.array_equal(together[offset : offset + m], block @ w.T):
+                need = max(need, m + 1)
+            offset += m
+    return need
+
+
 def _softmax(scores: F32) -> F32:
     scores = scores - scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores)
@@ -315,6 +354,16 @@ class Row:
     token: int
 
 
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One prompt of a `LlamaModel.prefill_batch`: ``tokens[start:]`` into
+    ``slot``, whose positions before ``start`` hold the KV of the rest."""
+
+    tokens: Sequence[int]
+    slot: int
+    start: int
+
+
 # A decoder layer's weights in a checkpoint, in ``_Layer``'s field order: every
 # back-end (numpy here, torch in llama_torch) reads them by these names.
 LAYER_PARTS: Final = (
@@ -380,6 +429,7 @@ class LlamaModel:
         self._cos, self._sin = rope_tables(c.head_dim, c.rope_theta, c.max_position_embeddings)
         # A query block's diagonal square: position i attends to keys 0..i.
         self._causal = np.triu(np.full((QUERY_BLOCK,) * 2, -np.inf, dtype=np.float32), k=1)
+        self._batch_rows: dict[int, int] = {}  # batch_rows' probes, by chunk
 
     def _check_tokens(self, tokens: Sequence[int]) -> npt.NDArray[np.int64]:
         ids = np.asarray(tokens, dtype=np.int64)
@@ -409,7 +459,7 @@ class LlamaModel:
     ) -> F32:
         """Like `prefill`, returning the logits after every token: (len(tokens), vocab)
         (``last_only``: after the last one, (1, vocab))."""
-        x = self._extend(tokens, cache, slot, 0)
+        x = self._extend([(tokens, slot, 0)], cache)
         if last_only:
             x = x[-1:]
         out: F32 = rms_norm(x, self._norm, self._eps) @ self._head.T
@@ -439,32 +489,99 @@ class LlamaModel:
             raise ValueError(f"start {start} is not a chunk boundary before {len(tokens)}")
         x: F32 | None = None
         for begin in range(start, len(tokens), chunk):
-            x = self._extend(tokens[begin : begin + chunk], cache, slot, begin)
+            x = self._extend([(tokens[begin : begin + chunk], slot, begin)], cache)
             if progress is not None:
                 progress()
         assert x is not None
         out: F32 = (rms_norm(x[-1:], self._norm, self._eps) @ self._head.T)[0]
         return out
 
-    def _extend(self, tokens: Sequence[int], cache: KVCache, slot: int, start: int) -> F32:
-        """Positions ``start``.. of ``slot`` from ``tokens``, attending to the cache
-        before them; the hidden states after the last layer (before the norm)."""
+    def prefill_batch(
+        self,
+        prompts: Sequence[Prompt],
+        cache: KVCache,
+        chunk: int,
+        progress: Callable[[], None] | None = None,
+    ) -> list[F32]:
+        """`prefill_chunks` of every prompt, each one's logits after its last
+        token, the same bits as each run alone: round by round, every prompt's
+        next chunk, those of at least `batch_rows` rows through the same
+        products (``progress``: after each round)."""
+        for p in prompts:
+            if p.start % chunk or not 0 <= p.start < len(p.tokens):
+                raise ValueError(f"start {p.start} is not a chunk boundary before {len(p.tokens)}")
+        shared = self.batch_rows(chunk)
+        begins = [p.start for p in prompts]
+        last: list[F32 | None] = [None] * len(prompts)
+        while todo := [i for i, p in enumerate(prompts) if begins[i] < len(p.tokens)]:
+            parts = [(i, prompts[i].tokens[begins[i] : begins[i] + chunk]) for i in todo]
+            together = [(i, ids) for i, ids in parts if len(ids) >= shared]
+            alone = [[(i, ids)] for i, ids in parts if len(ids) < shared]
+            for run in [together, *alone] if together else alone:
+                x = self._extend([(ids, prompts[i].slot, begins[i]) for i, ids in run], cache)
+                offset = 0
+                for i, ids in run:
+                    offset += len(ids)
+                    last[i] = x[offset - 1 : offset]
+            for i, ids in parts:
+                begins[i] += len(ids)
+            if progress is not None:
+                progress()
+        head = self._head.T
+        return [(rms_norm(x, self._norm, self._eps) @ head)[0] for x in last if x is not None]
+
+    def batch_rows(self, chunk: int) -> int:
+        """The fewest rows of a chunk that `prefill_batch` runs in a product
+        shared with other prompts' chunks: `invariant_rows` of this model's
+        matrices (one of each shape), probed once per process and ``chunk``."""
+        if chunk not in self._batch_rows:
+            layer = self._layers[0]
+            matrices = (
+                layer.wq,
+                layer.wk,
+                layer.wv,
+                layer.wo,
+                layer.w_gate,
+                layer.w_up,
+                layer.w_down,
+            )
+            distinct = {(w.shape, w.strides): w for w in matrices}
+            self._batch_rows[chunk] = invariant_rows(list(distinct.values()), chunk)
+        return self._batch_rows[chunk]
+
+    def _extend(self, parts: Sequence[tuple[Sequence[int], int, int]], cache: KVCache) -> F32:
+        """For each part ``(tokens, slot, start)``, positions ``start``.. of ``slot``
+        from ``tokens``, attending to the cache before them; the hidden states
+        after the last layer (before the norm), the parts' rows in order. The
+        parts share every weight's product; attention is each part's own."""
         c = self.config
-        ids = self._check_tokens(tokens)
-        n, end = ids.size, start + ids.size
-        if end > min(cache.max_len, c.max_position_embeddings):
-            raise ValueError(f"{end} positions exceed the context of {cache.max_len}")
-        kvh, d = c.num_kv_heads, c.head_dim
-        cos, sin = self._cos[start:end, None], self._sin[start:end, None]
+        ids = self._check_tokens([t for tokens, _, _ in parts for t in tokens])
+        spans: list[tuple[int, int, int, int]] = []  # rows from, rows to, slot, start
+        row = 0
+        for tokens, slot, start in parts:
+            if start + len(tokens) > min(cache.max_len, c.max_position_embeddings):
+                raise ValueError(
+                    f"{start + len(tokens)} positions exceed the context of {cache.max_len}"
+                )
+            spans.append((row, row + len(tokens), slot, start))
+            row += len(tokens)
+        n, kvh, d = ids.size, c.num_kv_heads, c.head_dim
+        positions = np.concatenate([np.arange(s, s + b - a) for a, b, _, s in spans])
+        cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]
         x = self._embed[ids]
         for li, layer in enumerate(self._layers):
             h = rms_norm(x, layer.attn_norm, self._eps)
             q = apply_rope((h @ layer.wq.T).reshape(n, c.num_heads, d), cos, sin)
             q *= self._scale  # once per query, not once per score
             k = apply_rope((h @ layer.wk.T).reshape(n, kvh, d), cos, sin)
-            cache.k[li, slot, :, start:end] = k.transpose(1, 0, 2)
-            cache.v[li, slot, :, start:end] = (h @ layer.wv.T).reshape(n, kvh, d).transpose(1, 0, 2)
-            context = self._attend(q, cache.k[li, slot, :, :end], cache.v[li, slot, :, :end], start)
+            v = (h @ layer.wv.T).reshape(n, kvh, d)
+            context = np.empty_like(q)
+            for a, b, slot, start in spans:
+                end = start + b - a
+                cache.k[li, slot, :, start:end] = k[a:b].transpose(1, 0, 2)
+                cache.v[li, slot, :, start:end] = v[a:b].transpose(1, 0, 2)
+                keys, values = cache.k[li, slot, :, :end], cache.v[li, slot, :, :end]
+                context[a:b] = self._attend(q[a:b], keys, values, start)
             x += context.reshape(n, c.num_heads * d) @ layer.wo.T
             x += self._mlp(x, layer, _matmul)
         return x

@@ -39,6 +39,7 @@ import torch
 from understudy.engine_shim.adapters.llama_model import (
     LAYER_PARTS,
     LlamaConfig,
+    Prompt,
     Row,
     rope_tables,
 )
@@ -198,7 +199,7 @@ class TorchModel:
             raise ValueError(f"token id out of range 0..{self.config.vocab_size - 1}")
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
-    # --- the three ways through the cache (llama_backend.Forward) ---------------
+    # --- the ways through the cache (llama_backend.Forward) ---------------------
 
     def prefill(self, tokens: Sequence[int], cache: TorchCache, slot: int) -> F32:
         """Run ``tokens`` at positions 0.. into ``slot``; the logits after the last."""
@@ -226,6 +227,20 @@ class TorchModel:
             assert x is not None
             logits: F32 = self._logits(x[-1:], rowwise=False)[0]
         return logits
+
+    def prefill_batch(
+        self,
+        prompts: Sequence[Prompt],
+        cache: TorchCache,
+        chunk: int,
+        progress: Callable[[], None] | None = None,
+    ) -> list[F32]:
+        """`llama_model.LlamaModel.prefill_batch`, one prompt after another: which
+        row counts keep a row's bits in cuBLAS's and torch's CPU products is not
+        probed, so no product is shared."""
+        return [
+            self.prefill_chunks(p.tokens, cache, p.slot, p.start, chunk, progress) for p in prompts
+        ]
 
     def _extend(self, tokens: Sequence[int], cache: TorchCache, slot: int, start: int) -> Tensor:
         """Positions ``start``.. of ``slot`` from ``tokens``, attending to the cache
