@@ -116,10 +116,10 @@ def test_requests_arriving_together_at_an_idle_engine_enter_vllm_in_one_step(
     apart: the first must not be stepped alone while the others wait a step.
     (The quiet time is stretched here so that a loaded machine's scheduling
     cannot split them.)"""
-    from understudy.engine_shim.adapters import vllm
+    from understudy.engine_shim import step_thread
 
-    monkeypatch.setattr(vllm, "ADMIT_QUIET_S", 2.0)
-    monkeypatch.setattr(vllm, "ADMIT_MAX_S", 30.0)
+    monkeypatch.setattr(step_thread, "ADMIT_QUIET_S", 2.0)
+    monkeypatch.setattr(step_thread, "ADMIT_MAX_S", 30.0)
     engine = FakeEngine()
     w, fatal = _worker(engine)
     reqs = [_request(rid, 3) for rid in "abc"]

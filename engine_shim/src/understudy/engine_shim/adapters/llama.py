@@ -90,13 +90,6 @@ PREFILL_BUDGET: Final = 256
 # independent of each other, so the split changes no number.
 DECODE_BUDGET: Final = 32
 STOP_TIMEOUT_S: Final = 60.0
-# A woken engine's first requests are the streams the front hands over at
-# once, every one in flight at the death: submitted within 2-6 ms of each
-# other (SmolLM2, 8 streams, a local pod). The worker would start on the first
-# alone and hold the rest through its step (a prefill: 0.2 s), so a new
-# batcher's first iteration waits this long for the others, or until they
-# fill the slots.
-FIRST_GATHER_S: Final = 0.02
 # With the KV pool, prompts run in chunks at multiples of this (of the pool's
 # block size): a continuation that reuses blocks recomputes the same chunks,
 # so the same bits. 64 positions ran as fast as one batch (measured: 8.2 s vs
@@ -148,7 +141,6 @@ class Batcher(StepThread[Request]):
         self.max_model_len = min(max_model_len, cache.max_len)
         self._running: list[Request] = []
         self._free = list(range(cache.slots - 1, -1, -1))  # pop() hands out slot 0 first
-        self._gathered = False  # FIRST_GATHER_S
 
     # --- the caller's side ------------------------------------------------------
 
@@ -177,9 +169,8 @@ class Batcher(StepThread[Request]):
         with self._cond:
             while not (self._stopping or self._waiting or self._running):
                 self._cond.wait()
-            if not self._gathered:
-                self._gathered = True
-                self._gather(time.monotonic() + FIRST_GATHER_S)
+            if not self._running:
+                self._gather()  # step_thread.ADMIT_QUIET_S
             if self._stopping:
                 return False
             self._drop(r for r in self._running if r.cancelled)
@@ -206,15 +197,6 @@ class Batcher(StepThread[Request]):
         finally:
             self.busy_since = None
         return True
-
-    def _gather(self, deadline: float) -> None:
-        """Wait (holding the lock's condition) until ``deadline``, or until the
-        waiting requests fill the free slots."""
-        while not self._stopping and len(self._waiting) < len(self._free):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            self._cond.wait(left)
 
     def _admit(self) -> list[Request]:
         """Waiting requests to start this iteration (the caller holds the lock),

@@ -90,15 +90,6 @@ KV_AT_WAKE: Final = ("lazy", "populate")
 # streams, a failover recomputes the streams without one (4 slots, 8 clients).
 KV_POOL_SLOTS: Final = 8
 
-# An idle engine that gets a request waits for the next one before it steps:
-# until none has come for ADMIT_QUIET_S, at most ADMIT_MAX_S. The front sends
-# a failover's continuations together, and a step started on the first alone
-# made the others wait a whole step (seen in a drill: one continuation loaded,
-# the other seven one step later, 0.1-1 s on loaded cores). A lone request on
-# an idle engine pays ADMIT_QUIET_S; a busy engine never waits.
-ADMIT_QUIET_S: Final = 0.02
-ADMIT_MAX_S: Final = 0.1
-
 Deliver = Callable[[Step | BaseException], None]
 _ids = itertools.count()
 
@@ -177,7 +168,7 @@ class Worker(StepThread[Request]):
             if self._stopping:
                 return None
             if not self._running:
-                self._gather()
+                self._gather()  # step_thread.ADMIT_QUIET_S
             new = [r for r in self._waiting if not r.cancelled]
             self._waiting.clear()
             aborts = [r.id for r in self._aborts if r.id in self._running]
@@ -185,17 +176,6 @@ class Worker(StepThread[Request]):
                 self._running.pop(rid, None)
             self._aborts.clear()
         return new, aborts
-
-    def _gather(self) -> None:
-        """Under the lock, with nothing in vLLM: let the requests arriving
-        together come in, so that one step admits them all (ADMIT_QUIET_S)."""
-        end = time.monotonic() + ADMIT_MAX_S
-        seen = len(self._waiting)
-        while not self._stopping and (left := end - time.monotonic()) > 0:
-            self._cond.wait(min(ADMIT_QUIET_S, left))
-            if len(self._waiting) == seen:
-                return
-            seen = len(self._waiting)
 
     def _submit(self, new: list[Request], aborts: list[str]) -> None:
         if aborts:
