@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from understudy.tools.drill_load import Kind, _answer
 from understudy.tools.drill_result import Report, Round, headline, render, to_json
-from understudy.tools.series import Sample, Tally
+from understudy.tools.series import RECENT, Sample, Tally
 from understudy.tools.stalls import IN_FLIGHT_S, Stall, stream_times
 
 # A stream that gets a token every 0.1 s from 10.0 to 11.0, and 0.6 s of
@@ -100,6 +100,10 @@ def test_the_tally_reads_each_streams_tokens_once_and_lets_them_go() -> None:
     assert sorted(tally.between) == pytest.approx([0.1] * 7)
     assert all(s.tokens == () for s in streams)  # a long drill keeps no token times
     assert tally.requests == 3
+    # the answered ones' durations, the last RECENT of them (the drill's kill phase)
+    assert list(tally.recent_s) == pytest.approx([1.5, 0.4, 0.6])
+    tally.add([Sample(0.0, 2.0, False, error="x")] + [Sample(0.0, 0.25, True, "d")] * 60, [])
+    assert list(tally.recent_s) == [0.25] * RECENT
 
 
 def test_the_summary_and_its_text_lead_with_the_stall_against_the_tpot() -> None:

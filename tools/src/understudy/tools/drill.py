@@ -44,7 +44,7 @@ from understudy.tools.drill_load import Client, Kind, Poisoner, fold, kinds_for
 from understudy.tools.drill_result import Report, Round, round_line
 from understudy.tools.drill_target import Target, isolation_open
 from understudy.tools.drill_watch import Watcher, wait
-from understudy.tools.series import KILL_WINDOW_S, Sample, Tally
+from understudy.tools.series import KILL_WINDOW_S, RECENT, Sample, Tally
 
 SCENARIOS = ("takeover-kill", "lockserver", "gms")
 STEADY_S = 30.0  # the stretch before each kill whose gaps between answers are the baseline
@@ -53,8 +53,8 @@ STEADY_S = 30.0  # the stretch before each kill whose gaps between answers are t
 # re-arms lands at the same point of their cycle every round: in one run of
 # SmolLM2 with 8 clients, every kill caught the streams in their prefills,
 # and 10 kills caught 1 stream between two tokens. Each kill waits a further
-# random part of one request's duration (the median of the last ones).
-PHASE_SAMPLES = 50
+# random part of one request's duration (the median of the last ones:
+# series.RECENT, and those not folded yet).
 
 
 class Session:
@@ -73,6 +73,11 @@ class Session:
 
     def samples(self) -> list[Sample]:
         return [s for c in self.pool for s in list(c.samples)]
+
+    def request_s(self) -> float:
+        """The median duration of the last answered requests (0 before any)."""
+        done = [*self.tally.recent_s, *(s.end - s.start for s in self.samples() if s.ok)]
+        return statistics.median(done[-RECENT:]) if done else 0.0
 
     def killed_at(self) -> list[float]:
         return [self.origin + r.kill_at_s for r in self.rounds if r.kill_at_s is not None]
@@ -167,7 +172,7 @@ def _kill(ses: _Session, plan: _Plan, rnd: Round, active: dict[str, Any]) -> tup
     if plan.every and (kills := ses.killed_at()):
         # Rounds back to back: faults stack on requests that lived through the last one.
         time.sleep(max(0.0, kills[-1] + plan.every - time.monotonic()))
-    time.sleep(random.uniform(0.0, request_s(ses.samples())))  # PHASE_SAMPLES
+    time.sleep(random.uniform(0.0, ses.request_s()))
     t_kill, wall_kill = time.monotonic(), time.time()
     ses.target.kill(active, sig)
     rnd.kill_at_s = t_kill - ses.origin
@@ -186,13 +191,6 @@ def _kill(ses: _Session, plan: _Plan, rnd: Round, active: dict[str, Any]) -> tup
             rnd.also_killed = taker["name"]
             rnd.killed_epoch = taker.get("epoch") or rnd.killed_epoch
     return t_kill, wall_kill
-
-
-def request_s(samples: list[Sample]) -> float:
-    """The median duration of the last PHASE_SAMPLES answered requests (0
-    before any)."""
-    done = sorted((s for s in samples if s.ok), key=lambda s: s.end)[-PHASE_SAMPLES:]
-    return statistics.median(s.end - s.start for s in done) if done else 0.0
 
 
 def _measure(ses: _Session, plan: _Plan, rnd: Round, t_kill: float, wall_kill: float) -> None:

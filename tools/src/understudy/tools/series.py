@@ -5,7 +5,7 @@ it, ``understudy drill --report`` draws what it returns."""
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -43,6 +43,7 @@ class Sample:
 # thinned out so that a long drill's JSON and charts stay small.
 SERIES_LIMIT = 20_000
 KILL_WINDOW_S = (-1.0, 3.0)  # around each kill, kept whole
+RECENT = 50  # answered requests whose durations a Tally keeps (the drill's kill phase)
 
 
 def _near_kill(s: Sample, kills: list[float]) -> bool:
@@ -110,6 +111,7 @@ class Tally:
         # between tokens (the TPOT the stall reads against)
         self.stalls: list[Stall] = []
         self.between: list[float] = []
+        self.recent_s: deque[float] = deque(maxlen=RECENT)  # the last answered ones' durations
 
     def add(self, samples: list[Sample], kills: list[float]) -> None:
         """Fold ``samples``, which end before any kill after ``kills``."""
@@ -123,6 +125,7 @@ class Tally:
             self.by_kind[s.kind] = self.by_kind.get(s.kind, 0) + 1
             if s.ok:
                 self.answers.setdefault(s.kind, Counter())[s.digest] += 1
+                self.recent_s.append(s.end - s.start)
             else:
                 self.failed += 1
                 self.errors[s.error] = self.errors.get(s.error, 0) + 1
