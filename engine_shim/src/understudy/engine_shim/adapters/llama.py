@@ -181,7 +181,10 @@ class Batcher(StepThread[Request]):
         self.busy_since = time.monotonic()
         import logging as _l
         import os as _o
-        _t0 = time.monotonic(); _ct = time.thread_time(); _adm=[(len(r.prompt), len(r.resume), r.position) for r in admitted]
+
+        _t0 = time.monotonic()
+        _ct = time.thread_time()
+        _adm = [(len(r.prompt), len(r.resume), r.position) for r in admitted]
         try:
             # A request that needs no prompt computed (a continuation whose
             # adopted KV covers its prompt) joins this step's decode, and the
@@ -203,7 +206,15 @@ class Batcher(StepThread[Request]):
         finally:
             self.busy_since = None
         if _o.environ.get("US_TRACE"):
-            _l.getLogger("trace").warning("iter admitted=%s running=%d rows=%d decode_s=%.3f prefill_s=%.3f cpu=%.3f", _adm, len(running), _rows, _t1-_t0, time.monotonic()-_t1, time.thread_time()-_ct)
+            _l.getLogger("trace").warning(
+                "iter admitted=%s running=%d rows=%d decode_s=%.3f prefill_s=%.3f cpu=%.3f",
+                _adm,
+                len(running),
+                _rows,
+                _t1 - _t0,
+                time.monotonic() - _t1,
+                time.thread_time() - _ct,
+            )
         return True
 
     def _admit(self) -> list[Request]:

@@ -169,7 +169,9 @@ class Worker(StepThread[Request]):
                 return None
             if not self._running:
                 self._gather()  # step_thread.ADMIT_QUIET_S
-            new = [r for r in self._waiting if not r.cancelled]
+            # Continued streams enter vLLM first, so its scheduler asks the KV
+            # pool for their slots before a new request's (llama.Batcher._admit).
+            new = sorted((r for r in self._waiting if not r.cancelled), key=lambda r: not r.resumed)
             self._waiting.clear()
             aborts = [r.id for r in self._aborts if r.id in self._running]
             for rid in aborts:
