@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -34,3 +35,40 @@ def test_what_the_work_raises_reaches_the_caller() -> None:
 
     with pytest.raises(RuntimeError, match="no weights"):
         run_yielding(fail, "start-up")
+
+
+def test_after_its_time_the_work_runs_at_the_callers_priority_again() -> None:
+    """A start-up longer than ``most_s`` gets its normal priority back (and so
+    do the threads it started) where the process may raise it; unprivileged,
+    it keeps yielding (sched(7))."""
+    before = _priority()
+    seen: list[tuple[int, int]] = []
+
+    def work() -> None:
+        seen.append(_priority())
+        child: list[tuple[int, int]] = []
+        started = threading.Event()
+        release = threading.Event()
+
+        def helper() -> None:  # a thread the start-up starts (an OpenMP team's)
+            started.set()
+            release.wait(5)
+            child.append(_priority())
+
+        t = threading.Thread(target=helper)
+        t.start()
+        started.wait(5)
+        time.sleep(0.6)
+        release.set()
+        t.join()
+        seen.append(_priority())
+        seen.extend(child)
+
+    run_yielding(work, "start-up", most_s=0.2)
+    lowered = (os.SCHED_BATCH, max(before[1], STARTUP_NICE))
+    assert seen[0] == lowered
+    if os.geteuid() == 0:
+        assert seen[1:] == [before, before]
+    else:
+        assert seen[1:] == [lowered, lowered]
+    assert _priority() == before

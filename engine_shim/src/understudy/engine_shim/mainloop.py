@@ -11,6 +11,7 @@ until a probe notices).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -52,11 +53,27 @@ _INIT_BUCKETS = (0.25, 0.5, 1, 1.5, 2, 3, 5, 7.5, 10, 15, 20, 30, 60, 120, 300, 
 # are busy, and the standby must still be ready in seconds, before the next
 # death.
 STARTUP_NICE: Final = 10
+# ... for this long at most; then back to the caller's priority where the
+# process may raise it (run_yielding). Under a saturated CPU ~10% is too
+# little for a start-up of seconds of CPU: vLLM's (~15 s of CPU on SmolLM2)
+# re-armed after 100 s in a local drill of 8 clients, with the engines in
+# one autogroup (so that nice weighs at all: tools.local). The first
+# seconds after a failover, when the Active engine takes the streams over,
+# are what the yield is for.
+STARTUP_YIELD_S: Final = 5.0
 
 
-def run_yielding(work: Callable[[], None], name: str, nice: int = STARTUP_NICE) -> None:
+def run_yielding(
+    work: Callable[[], None],
+    name: str,
+    nice: int = STARTUP_NICE,
+    most_s: float = STARTUP_YIELD_S,
+) -> None:
     """Run ``work`` on a thread of its own at a lower CPU priority, wait for it,
-    and raise what it raised.
+    and raise what it raised. After ``most_s`` the threads still at that
+    priority (the work's, and those it started) are put back at the caller's
+    where the process may do so (``startup_priority_restored``; as root, or
+    with CAP_SYS_NICE).
 
     A thread, because Linux keeps the policy and the nice value per thread, and
     an unprivileged thread cannot take them back (sched(7): leaving SCHED_IDLE
@@ -67,6 +84,7 @@ def run_yielding(work: Callable[[], None], name: str, nice: int = STARTUP_NICE) 
     lower one (GMS's watcher of the init session, which sleep drops).
     """
     failure: list[BaseException] = []
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     def run() -> None:
         try:
@@ -80,16 +98,36 @@ def run_yielding(work: Callable[[], None], name: str, nice: int = STARTUP_NICE) 
             failure.append(exc)
 
     # A thread's nice weighs only against the threads of its own autogroup
-    # (or cgroup): each local engine is a session of its own, and a
-    # restart's start-up at thread nice 10 still took 0.7x the Active's CPU
-    # in a drill. Lowering the process's autogroup instead starved its
+    # (or cgroup): the local runner keeps a pod's processes in one session
+    # (tools.local); in Kubernetes each container is a cgroup, which nice
+    # does not cross. Lowering the process's autogroup instead starved its
     # status port at load 30 (a liveness kill of the restarting engine), so
     # it is not done.
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
-    thread.join()
+    thread.join(most_s)
+    if thread.is_alive():
+        _restore_priority(before, nice)
+        thread.join()
     if failure:
         raise failure[0]
+
+
+def _restore_priority(before: int, lowered: int) -> None:
+    """Put this process's threads at nice ``lowered`` back at ``before`` and
+    SCHED_OTHER (run_yielding's time is up), as far as permitted."""
+    restored = 0
+    try:
+        for tid in map(int, os.listdir("/proc/self/task")):
+            with contextlib.suppress(ProcessLookupError):
+                if os.getpriority(os.PRIO_PROCESS, tid) == lowered:
+                    os.setpriority(os.PRIO_PROCESS, tid, before)
+                    os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                    restored += 1
+    except OSError as exc:  # unprivileged: the yield lasts the whole start-up
+        log_event(log, "startup_priority_kept", reason=exc)
+        return
+    log_event(log, "startup_priority_restored", threads=restored)
 
 
 class Metrics:

@@ -243,7 +243,13 @@ class Supervisor:
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                start_new_session=True,
+                # A process group of its own (signalled whole), in the
+                # supervisor's session: a session of its own would be an
+                # autogroup of its own, and Linux shares the CPU equally
+                # between autogroups, whatever the nice of their threads. A
+                # restarting engine's start-up (at nice 10, docs/performance.md)
+                # then took as much CPU as the Active engine that serves.
+                process_group=0,
             )
         c.started_at = time.monotonic()
         c.backoff = backoff.started(c.backoff, c.started_at)
