@@ -179,12 +179,6 @@ class Batcher(StepThread[Request]):
             self._running.extend(admitted)
             running = list(self._running)
         self.busy_since = time.monotonic()
-        import logging as _l
-        import os as _o
-
-        _t0 = time.monotonic()
-        _ct = time.thread_time()
-        _adm = [(len(r.prompt), len(r.resume), r.position) for r in admitted]
         try:
             # A request that needs no prompt computed (a continuation whose
             # adopted KV covers its prompt) joins this step's decode, and the
@@ -198,23 +192,11 @@ class Batcher(StepThread[Request]):
                 if req.position >= len(req.prompt):
                     self._resume(req)
             self._sample_ready(running)
-            _rows = sum(len(r.feed) for r in running if r.feed and not r.cancelled)
             self._decode([r for r in running if r.feed and not r.cancelled])
             self._sample_ready(running)
-            _t1 = time.monotonic()
             self._prefill(cold)
         finally:
             self.busy_since = None
-        if _o.environ.get("US_TRACE"):
-            _l.getLogger("trace").warning(
-                "iter admitted=%s running=%d rows=%d decode_s=%.3f prefill_s=%.3f cpu=%.3f",
-                _adm,
-                len(running),
-                _rows,
-                _t1 - _t0,
-                time.monotonic() - _t1,
-                time.thread_time() - _ct,
-            )
         return True
 
     def _admit(self) -> list[Request]:
