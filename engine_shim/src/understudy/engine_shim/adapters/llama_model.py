@@ -485,16 +485,7 @@ class LlamaModel:
         ``progress`` is called after every chunk (a long prompt is work under
         way, not a stuck engine).
         """
-        if start % chunk or not 0 <= start < len(tokens):
-            raise ValueError(f"start {start} is not a chunk boundary before {len(tokens)}")
-        x: F32 | None = None
-        for begin in range(start, len(tokens), chunk):
-            x = self._extend([(tokens[begin : begin + chunk], slot, begin)], cache)
-            if progress is not None:
-                progress()
-        assert x is not None
-        out: F32 = (rms_norm(x[-1:], self._norm, self._eps) @ self._head.T)[0]
-        return out
+        return self.prefill_batch([Prompt(tokens, slot, start)], cache, chunk, progress)[0]
 
     def prefill_batch(
         self,
@@ -510,7 +501,7 @@ class LlamaModel:
         for p in prompts:
             if p.start % chunk or not 0 <= p.start < len(p.tokens):
                 raise ValueError(f"start {p.start} is not a chunk boundary before {len(p.tokens)}")
-        shared = self.batch_rows(chunk)
+        shared = self.batch_rows(chunk) if len(prompts) > 1 else 1  # one: no product shared
         begins = [p.start for p in prompts]
         last: list[F32 | None] = [None] * len(prompts)
         while todo := [i for i, p in enumerate(prompts) if begins[i] < len(p.tokens)]:
