@@ -116,6 +116,33 @@ class GatewayInstance(Instance):
             if not p["metadata"].get("deletionTimestamp")
         }
 
+    def describe(self) -> str:
+        """What a rollout that does not end is waiting on: each pod's phase,
+        readiness and deletion, the operator's replicas, each gateway's pod
+        list, and the operator's last words on this instance."""
+        lines = []
+        for p in self.engine_pods() + self.gateway_pods():
+            meta, status = p["metadata"], p.get("status", {})
+            ready = {c["name"]: c.get("ready") for c in status.get("containerStatuses") or ()}
+            conds = [(c["type"], c["status"]) for c in status.get("conditions") or ()]
+            lines.append(
+                f"pod {meta['name']}: {status.get('phase')} "
+                f"deleting={meta.get('deletionTimestamp')} node={p['spec'].get('nodeName')} "
+                f"ready={ready} conditions={conds}"
+            )
+            if "understudy.dev/gateway" in meta.get("labels", {}) and status.get("podIP"):
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    lines.append(f"  gateway pods: {self.gateway_state(p)['pods']}")
+        inst = self.cluster.get_json("gpuinstance", self.name, "-n", self.ns)
+        lines.append(f"replicas: {json.dumps(inst.get('status', {}).get('replicas'))}")
+        lines.append(f"conditions: {json.dumps(inst.get('status', {}).get('conditions'))}")
+        logs = self.cluster.kubectl(
+            "logs", "-n", test_e2e.OPERATOR_NS, "-l", "app.kubernetes.io/name=understudy",
+            "--tail=400", check=False,
+        ).stdout  # fmt: skip
+        lines += [ln for ln in logs.splitlines() if self.name in ln][-40:]
+        return "\n".join(lines)
+
     def wait_gateway(self, timeout: float = 300) -> None:
         deployment = f"{self.name}-gateway"
         _wait(
@@ -542,7 +569,10 @@ def test_a_rollout_of_the_pods_through_the_gateway_fails_no_request(gw: GatewayI
                 and gw.every_gateway_routes_to(pods)
             )
 
-        _wait("both pods replaced, the gateways routing to the new ones", rolled, 1200)
+        try:
+            _wait("both pods replaced, the gateways routing to the new ones", rolled, 1200)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{gw.describe()}") from None
         took = time.monotonic() - t0
         time.sleep(3.0)  # requests on the new pods alone
     finally:
