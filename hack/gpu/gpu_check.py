@@ -13,8 +13,13 @@ Steps, each recorded whether it ran, passed, or why not:
    torch`` (builtin:tiny-llama, 2 shadows), ``understudy drill --kills 10
    --clients 8`` (streams checked by the drill), then ``local down``; GPU
    memory per process through NVML sampled every second meanwhile.
-4. ``wake_bench``: not run; the reason is recorded (no existing bench runs
-   the synthetic engine on CUDA: it fills and checksums through host views).
+4. ``wake_bench`` (GPU only): the wake at scale. ``understudy local up
+   --gms-backend cuda --engine synthetic --model synthetic:<--wake-size>``
+   (default 60GiB, one shadow: the engines fill and checksum the weights by
+   the driver's copies, ``Allocation.write``/``read``), ``understudy drill
+   --kills <--kills> --clients 2``, then ``local down``. Passes when the
+   drill does; records kill -> Active p50/p99/max, and whether p99 meets the
+   issue's target (<= 50 ms) as ``target_met``, which fails nothing.
 
 Writes ``gpu-check.json`` and ``summary.txt`` under ``$OUT`` (else
 ``./gpu-check-out``). Exit status: 0 a GPU was found and every step that ran
@@ -193,8 +198,12 @@ class NvmlSampler(threading.Thread):
 
             pynvml.nvmlInit()
             h = pynvml.nvmlDeviceGetHandleByIndex(0)
+            # The versioned call where the binding has it: the unversioned one
+            # refuses when pyNVML's and the library's versions differ.
+            running = getattr(pynvml, "nvmlDeviceGetComputeRunningProcesses_v3", None)
+            running = running or pynvml.nvmlDeviceGetComputeRunningProcesses
             while not self.stop.wait(1.0):
-                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+                for p in running(h):
                     used = int(p.usedGpuMemory or 0)
                     self.most[p.pid] = max(used, self.most.get(p.pid, 0))
         except Exception as exc:  # recorded: NVML's part is a measurement, not a gate
@@ -294,12 +303,63 @@ def drill(out: Path, kills: int, budget: float) -> dict[str, Any]:
     return result
 
 
-WAKE_BENCH_WHY = (
-    "no existing bench runs on CUDA: the synthetic engine fills and checksums its "
-    "weights through host views (engine_shim adapters/synthetic.py: alloc.array, "
-    "alloc.view), which a CUDA VMM allocation does not have, and bench/gms_remap.py "
-    "measures the host backend"
-)
+WAKE_TARGET_MS = 50.0  # issue 29: kill -> Active p99 at 60 GiB
+# What the drill leaves the wake bench: 60 GiB filled by the loader (numpy on
+# the host, copied in 64 MiB at a time: tens of seconds), a shadow, 10 kills.
+WAKE_RESERVE_S = 120.0
+
+
+def wake_figures(report: dict[str, Any]) -> dict[str, Any]:
+    """Kill -> Active p50/p99/max in ms from a drill report, and whether p99
+    meets ``WAKE_TARGET_MS`` (None when the drill measured no failover)."""
+    got = (report.get("summary") or {}).get("kill_to_active_s") or {}
+    ms = {k: round(got[k] * 1000, 1) for k in ("p50", "p99", "max") if got.get(k) is not None}
+    met = ms["p99"] <= WAKE_TARGET_MS if "p99" in ms else None
+    return {"kill_to_active_ms": ms, "n": got.get("n", 0), "target_p99_ms": WAKE_TARGET_MS,
+            "target_met": met}  # fmt: skip
+
+
+def wake_bench(out: Path, kills: int, budget: float, size: str) -> dict[str, Any]:
+    """The synthetic engine's weights (``size``) in GMS on CUDA, one shadow,
+    and ``kills`` kills of the Active engine under 2 clients."""
+    pod = Path(tempfile.mkdtemp(prefix="gpu-check-wake-"))
+    up = [
+        "local", "up", "--detach", "--engine", "synthetic", "--model", f"synthetic:{size}",
+        "--gms-backend", "cuda", "--shadows", "1", "--dir", str(pod),
+        "--port", "18730", "--status-port", "18740", "--metrics-port", "18750",
+        "--ready-timeout", "300",
+    ]  # fmt: skip
+    sampler = NvmlSampler()
+    sampler.start()
+    start = time.monotonic()
+    result: dict[str, Any] = {"ran": True, "size": size, "pod_dir": str(pod)}
+    try:
+        got = _understudy(*up, timeout=360)
+        result["up"] = {"exit": got.returncode, "tail": (got.stdout + got.stderr)[-1500:],
+                        "seconds": round(time.monotonic() - start, 1)}  # fmt: skip
+        if got.returncode != 0:
+            result["ok"] = False
+            return result
+        report = out / "wake-bench.json"
+        left = max(120.0, budget - (time.monotonic() - start))
+        got = _understudy(
+            "drill", "--dir", str(pod), "--kills", str(kills), "--clients", "2",
+            "--output", str(report), timeout=left,
+        )  # fmt: skip
+        result["drill_exit"] = got.returncode
+        result["drill_tail"] = (got.stdout + got.stderr)[-2000:]
+        if report.exists():
+            result.update(wake_figures(json.loads(report.read_text())))
+        result["ok"] = got.returncode == 0
+    except subprocess.TimeoutExpired as exc:
+        result["ok"], result["why"] = False, f"timed out: {exc}"
+    finally:
+        sampler.stop.set()
+        sampler.join(5)
+        result["nvml"] = sampler.report(pod)
+        _understudy("local", "down", "--dir", str(pod), timeout=60)
+        result["seconds"] = round(time.monotonic() - start, 1)
+    return result
 
 
 def summary(doc: dict[str, Any]) -> str:
@@ -308,7 +368,7 @@ def summary(doc: dict[str, Any]) -> str:
         f"GPU: {d['why']}" if d["gpu"] else f"no GPU found: {d['why']}",
         f"tests: {_line(doc['tests'])}",
         f"drill: {_line(doc['drill'])}",
-        f"wake bench: not run: {doc['wake_bench']['why']}",
+        f"wake bench: {_line(doc['wake_bench'])}",
     ]
     rep = doc["drill"].get("report", {}).get("summary") or doc["drill"].get("report")
     if isinstance(rep, dict):
@@ -316,6 +376,17 @@ def summary(doc: dict[str, Any]) -> str:
         lines.append("drill figures: " + json.dumps({k: rep.get(k) for k in keys}))
     for p in doc["drill"].get("nvml", {}).get("processes", []):
         lines.append(f"  GPU memory {p['container']}: {p['max_bytes'] / 2**20:.0f} MiB")
+    wake = doc["wake_bench"]
+    if wake.get("ran") and "kill_to_active_ms" in wake:
+        ms, met = wake["kill_to_active_ms"], wake["target_met"]
+        verdict = "no failover measured" if met is None else "met" if met else "NOT met"
+        lines.append(
+            f"wake bench figures ({wake['size']}, {wake['n']} failovers): kill -> Active "
+            + ", ".join(f"{k} {v} ms" for k, v in ms.items())
+            + f"; target p99 <= {wake['target_p99_ms']:g} ms: {verdict}"
+        )
+    for p in wake.get("nvml", {}).get("processes", []):
+        lines.append(f"  GPU memory (wake) {p['container']}: {p['max_bytes'] / 2**20:.0f} MiB")
     lines.append(f"exit status {doc['exit']}")
     return "\n".join(lines) + "\n"
 
@@ -330,14 +401,16 @@ def _line(step: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or "gpu-check-out")
-    ap.add_argument("--steps", default="tests,drill", help="comma list of tests, drill")
+    ap.add_argument("--steps", default="tests,drill,wake", help="comma list of tests, drill, wake")
     ap.add_argument("--kills", type=int, default=10)
-    ap.add_argument("--budget", type=float, default=280.0, help="seconds in all (about)")
+    ap.add_argument("--wake-size", default="60GiB", help="the wake bench's synthetic weights")
+    # The issue's bound for the whole check on one H100: five minutes.
+    ap.add_argument("--budget", type=float, default=290.0, help="seconds in all (about)")
     args = ap.parse_args(argv)
     out = Path(args.out).absolute()
     out.mkdir(parents=True, exist_ok=True)
     steps = {s for s in args.steps.split(",") if s}
-    if unknown := steps - {"tests", "drill"}:
+    if unknown := steps - {"tests", "drill", "wake"}:
         print(f"gpu_check: unknown steps {sorted(unknown)}", file=sys.stderr)
         return 2
     start = time.monotonic()
@@ -346,7 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gpu = bool(found["gpu"])
     print(f"GPU: {found['why']}" if gpu else f"no GPU found: {found['why']}", flush=True)
     doc["tests"] = (
-        tests(gpu, out, timeout=args.budget * 0.45) if "tests" in steps
+        tests(gpu, out, timeout=args.budget * 0.35) if "tests" in steps
         else {"ran": False, "why": "not asked"}
     )  # fmt: skip
     if "drill" not in steps:
@@ -354,9 +427,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif not gpu:
         doc["drill"] = {"ran": False, "why": "no GPU found (the drill needs GMS on a real GPU)"}
     else:
-        doc["drill"] = drill(out, args.kills, args.budget - (time.monotonic() - start))
-    doc["wake_bench"] = {"ran": False, "why": WAKE_BENCH_WHY}
-    failed = any(doc[s].get("ran") and not doc[s].get("ok") for s in ("tests", "drill"))
+        reserve = WAKE_RESERVE_S if "wake" in steps else 0.0
+        doc["drill"] = drill(out, args.kills, args.budget - reserve - (time.monotonic() - start))
+    if "wake" not in steps:
+        doc["wake_bench"] = {"ran": False, "why": "not asked"}
+    elif not gpu:
+        why = "no GPU found (the wake bench needs GMS on a real GPU)"
+        doc["wake_bench"] = {"ran": False, "why": why}
+    else:
+        left = args.budget - (time.monotonic() - start)
+        doc["wake_bench"] = wake_bench(out, args.kills, left, args.wake_size)
+    failed = any(
+        doc[s].get("ran") and not doc[s].get("ok") for s in ("tests", "drill", "wake_bench")
+    )
     doc["exit"] = 1 if failed else 0 if gpu else NO_GPU
     doc["seconds"] = round(time.monotonic() - start, 1)
     (out / "gpu-check.json").write_text(json.dumps(doc, indent=1) + "\n")

@@ -26,6 +26,7 @@ def _load(name: str) -> ModuleType:
 
 
 bundle = _load("bundle")
+gpu_check = _load("gpu_check")
 
 
 def test_the_bundle_asks_pypi_only_for_what_the_machine_lacks() -> None:
@@ -66,7 +67,7 @@ def test_the_size_bound_names_the_biggest_files(tmp_path: Path) -> None:
 def test_without_a_gpu_the_check_says_so_and_exits_3(tmp_path: Path) -> None:
     env = {**os.environ, "OUT": str(tmp_path / "out"), "LD_LIBRARY_PATH": str(tmp_path)}
     got = subprocess.run(
-        [sys.executable, str(ROOT / "hack" / "gpu" / "gpu_check.py"), "--steps", "drill"],
+        [sys.executable, str(ROOT / "hack" / "gpu" / "gpu_check.py"), "--steps", "drill,wake"],
         capture_output=True, text=True, timeout=120, env=env, check=False,
     )  # fmt: skip
     assert got.returncode == 3, got.stderr
@@ -74,9 +75,36 @@ def test_without_a_gpu_the_check_says_so_and_exits_3(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / "out" / "gpu-check.json").read_text())
     assert doc["detect"]["gpu"] is False
     assert doc["drill"] == {"ran": False, "why": "no GPU found (the drill needs GMS on a real GPU)"}
-    assert doc["wake_bench"]["ran"] is False
+    why = "no GPU found (the wake bench needs GMS on a real GPU)"
+    assert doc["wake_bench"] == {"ran": False, "why": why}
+    assert doc["tests"] == {"ran": False, "why": "not asked"}
     assert doc["exit"] == 3
-    assert (tmp_path / "out" / "summary.txt").read_text().startswith("no GPU found")
+    text = (tmp_path / "out" / "summary.txt").read_text()
+    assert text.startswith("no GPU found")
+    assert f"wake bench: not run: {why}" in text
+
+
+def test_the_wake_bench_reads_kill_to_active_from_the_drill_report() -> None:
+    stats = {"n": 10, "p50": 0.0123, "p95": 0.04, "p99": 0.0456, "max": 0.0612, "min": 0.01}
+    figures = gpu_check.wake_figures({"summary": {"kill_to_active_s": stats}})
+    assert figures == {"kill_to_active_ms": {"p50": 12.3, "p99": 45.6, "max": 61.2}, "n": 10,
+                       "target_p99_ms": 50.0, "target_met": True}  # fmt: skip
+    slow = gpu_check.wake_figures({"summary": {"kill_to_active_s": {**stats, "p99": 0.0501}}})
+    assert slow["target_met"] is False  # recorded, never a failure of the step
+    assert gpu_check.wake_figures({"summary": {"kill_to_active_s": None}})["target_met"] is None
+    doc = {
+        "detect": {"gpu": True, "why": "NVIDIA H100"},
+        "tests": {"ran": False, "why": "not asked"},
+        "drill": {"ran": False, "why": "not asked"},
+        "wake_bench": {"ran": True, "ok": True, "size": "60GiB", **figures},
+        "exit": 0,
+    }
+    text = gpu_check.summary(doc)
+    assert "wake bench: passed\n" in text
+    assert (
+        "wake bench figures (60GiB, 10 failovers): kill -> Active p50 12.3 ms, p99 45.6 ms, "
+        "max 61.2 ms; target p99 <= 50 ms: met"
+    ) in text
 
 
 @pytest.mark.parametrize("script", ["check", "run"])

@@ -3,7 +3,7 @@
     client = GmsClient.connect(path, Mode.RW_OR_RO, timeout=60.0, on_lost=die)
     if client.granted_mode is Granted.RW:
         a = client.allocate(n)            # mapped read-write at a.address
-        a.view()[:] = weights
+        a.write(weights)                  # either backend (a.view(): host only)
         client.put_metadata("layer0", {"alloc": a.id, "offset": 0, ...})
         client.commit()                   # layout hash; mappings become read-only
     else:
@@ -85,6 +85,8 @@ class StaleMemoryLayoutError(GmsError):
 
 
 LostCallback = Callable[[BaseException], None]
+# What ``Allocation.write`` copies from (a numpy array's ``.data`` is a memoryview).
+Bytes = bytes | bytearray | memoryview
 R = TypeVar("R")
 
 _RETRY_CONNECT_S = 0.05
@@ -116,6 +118,30 @@ class Allocation:
         import numpy as np
 
         return np.frombuffer(self.view(), dtype=dtype, count=count, offset=offset)
+
+    def write(self, data: Bytes, offset: int = 0) -> None:
+        """Copy ``data`` (any C-contiguous buffer) in at ``offset``, on either
+        backend: through the mapping (host) or the driver's host-to-device copy
+        (cuda). Only the writer, before commit; raises while unmapped."""
+        src = memoryview(data).cast("B")
+        mapper = self._client._check_mapped()
+        if not self._client.writable:
+            raise GmsError("allocation is read-only (committed, or an RO session)")
+        self._check_span(offset, src.nbytes)
+        if src.nbytes:
+            mapper.write(self.address + offset, src)
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """A copy of ``nbytes`` at ``offset``, on either backend (host: through
+        the mapping; cuda: the driver's device-to-host copy). Raises while
+        unmapped, as ``view`` does."""
+        mapper = self._client._check_mapped()
+        self._check_span(offset, nbytes)
+        return mapper.read(self.address + offset, nbytes) if nbytes else b""
+
+    def _check_span(self, offset: int, nbytes: int) -> None:
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
+            raise ValueError(f"{nbytes} bytes at {offset}: outside the {self.size}-byte allocation")
 
 
 class _Watcher(threading.Thread):
@@ -414,9 +440,14 @@ class GmsClient:
     def allocations(self) -> list[Allocation]:
         return list(self._allocs)
 
-    def _check_view(self) -> None:
-        if not self._mapped:
+    def _check_mapped(self) -> ClientMapper:
+        """The mapper, while the allocations are mapped (else ``GmsError``)."""
+        if not self._mapped or self._mapper is None:
             raise GmsError("allocation is not mapped (sleeping or closed)")
+        return self._mapper
+
+    def _check_view(self) -> None:
+        self._check_mapped()
         if self.backend != "host":
             raise GmsError(f"{self.backend} memory has no host view; use .address")
 

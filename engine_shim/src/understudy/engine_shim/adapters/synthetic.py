@@ -8,6 +8,12 @@ checksum over a fixed sample of 4 KiB pages of every allocation (or over all
 bytes with ``{"full": true}``), which must never change across failovers;
 ``{"hold_ms": N}`` makes a request take N ms more, so a test can have
 requests in flight when an engine dies.
+
+It runs on either GMS backend: the bytes go in and out by ``Allocation.write``
+and ``read`` (host: through the mapping; cuda: the driver's copies), through a
+host buffer of at most 64 MiB, never a view of the allocation. An
+allocation's padding past its share of the words is written as zeros, as a
+fresh memfd reads, so the checksums are the same on both backends.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 META_KEY = "synthetic"
 PAGE = 4096
 SAMPLES_PER_ALLOC = 16
-_FILL_CHUNK = 8 * 1024 * 1024  # words per numpy step (64 MiB)
+_CHUNK = 64 * 1024 * 1024  # bytes per copy in or out (the host buffer's size)
 _UNITS = {
     "": 1,
     "B": 1,
@@ -51,12 +57,23 @@ def parse_size(text: str) -> int:
     return int(value) // 8 * 8
 
 
-def fill(view: np.ndarray, first_word: int) -> None:
-    """Write the deterministic pattern into ``view`` (uint64 words)."""
-    for start in range(0, len(view), _FILL_CHUNK):
-        n = min(_FILL_CHUNK, len(view) - start)
-        idx = np.arange(first_word + start, first_word + start + n, dtype=np.uint64)
-        np.multiply(idx, GOLDEN, out=view[start : start + n])
+def fill(alloc: Allocation, nbytes: int, first_word: int) -> None:
+    """Write the deterministic pattern as the first ``nbytes`` (a multiple of
+    8) of ``alloc``, words ``first_word`` on, and zeros after them, through
+    one host buffer of at most ``_CHUNK`` bytes."""
+    buf = np.arange(min(_CHUNK, max(nbytes, alloc.size - nbytes)) // 8, dtype=np.uint64)
+    buf += np.uint64(first_word)
+    buf *= GOLDEN  # word i is i * GOLDEN; the next chunk's is len(buf) * GOLDEN on
+    step = np.uint64(len(buf) * int(GOLDEN) % 2**64)
+    for start in range(0, nbytes, _CHUNK):
+        if start:
+            buf += step
+        alloc.write(buf[: min(_CHUNK, nbytes - start) // 8].data, start)
+    if nbytes < alloc.size:  # the padding: zeros, whatever the device held before
+        buf.fill(0)
+        zeros = buf.data.cast("B")
+        for start in range(nbytes, alloc.size, len(zeros)):
+            alloc.write(zeros[: min(len(zeros), alloc.size - start)], start)
 
 
 class SyntheticEngine:
@@ -92,8 +109,7 @@ class SyntheticEngine:
         records = []
         for size in sizes:
             alloc = session.allocate(max(size, 8))
-            words = alloc.array(np.uint64, count=size // 8)
-            fill(words, first_word)
+            fill(alloc, size, first_word)
             records.append({"allocation": alloc.id, "first_word": first_word, "bytes": size})
             first_word += size // 8
         session.put_metadata(META_KEY, {"total": self.total, "records": records})
@@ -124,14 +140,14 @@ class SyntheticEngine:
     def checksum(self, full: bool) -> str:
         h = hashlib.sha256()
         for a in self.allocs:
-            view = a.view()
             if full:
-                h.update(view)
+                for start in range(0, a.size, _CHUNK):
+                    h.update(a.read(start, min(_CHUNK, a.size - start)))
                 continue
             pages = max(1, a.size // PAGE)
             for k in range(SAMPLES_PER_ALLOC):
                 p = (k * pages) // SAMPLES_PER_ALLOC
-                h.update(view[p * PAGE : min(a.size, (p + 1) * PAGE)])
+                h.update(a.read(p * PAGE, min(a.size, (p + 1) * PAGE) - p * PAGE))
         return h.hexdigest()
 
     async def handle_checksum(self, request: web.Request) -> web.Response:

@@ -54,6 +54,13 @@ class ClientMapper(Protocol):
     def protect_readonly(self, address: int, size: int) -> None:
         """Make a mapping read-only (after commit)."""
 
+    def write(self, address: int, data: memoryview) -> None:
+        """Copy ``data`` (format ``B``) from host memory into the memory mapped
+        read-write at ``address``; the bytes are in place when it returns."""
+
+    def read(self, address: int, nbytes: int) -> bytes:
+        """A host copy of ``nbytes`` of the memory mapped at ``address``."""
+
     def export(self, address: int) -> int:
         """A new fd for the memory mapped at ``address``, which a restarted
         server can adopt (re-adoption); the caller closes it once sent."""

@@ -20,12 +20,14 @@ and logs that it did.
 Client (``CudaVmmMapper``): ``cuMemImportFromShareableHandle`` on the received
 fd, ``cuMemAddressReserve`` once per allocation, ``cuMemMap`` and
 ``cuMemSetAccess`` (READWRITE for the writer, READ after commit and for
-readers). Sleep is ``cuMemUnmap`` + ``cuMemRelease`` of the imported handle
-with the VA reservation kept; wake imports the new fd and maps it at the same
-address. Physical memory is reference-counted across processes:
-the server's ``cuMemRelease`` frees nothing while an engine still holds an
-imported handle. The client needs a current context (the engine has one; if
-not, the device's primary context is retained and made current).
+readers), ``cuMemcpyHtoD`` / ``cuMemcpyDtoH`` for ``Allocation.write`` and
+``read`` (a device pointer is no host pointer). Sleep is ``cuMemUnmap`` +
+``cuMemRelease`` of the imported handle with the VA reservation kept; wake
+imports the new fd and maps it at the same address. Physical memory is
+reference-counted across processes: the server's ``cuMemRelease`` frees
+nothing while an engine still holds an imported handle. The client needs a
+current context (the engine has one; if not, the device's primary context is
+retained and made current; a copy from a thread with none makes it current).
 
 Without a driver, cuda-python raises a ``RuntimeError`` subclass on the first
 driver call; both classes turn that into ``BackendUnavailable`` with one line.
@@ -211,8 +213,8 @@ class CudaVmmMapper:
         self._dev = _init(drv, device)
         result, ctx = drv.cuCtxGetCurrent()
         _check(drv, result, "cuCtxGetCurrent")
-        if not int(ctx):
-            _retain_primary(drv, self._dev)
+        # The context the copies run in, from any thread (``_current``).
+        self._ctx = ctx if int(ctx) else _retain_primary(drv, self._dev)
         self._handles: dict[int, Any] = {}  # address -> imported handle
 
     def _access(self, address: int, size: int, writable: bool) -> None:
@@ -254,6 +256,37 @@ class CudaVmmMapper:
 
     def protect_readonly(self, address: int, size: int) -> None:
         self._access(address, size, writable=False)
+
+    def _current(self) -> None:
+        """Copies need a current context, and a context is current per thread:
+        a thread with none (a checksum pool's, say) gets the one this mapper was
+        made under (the engine's, or the device's primary context)."""
+        drv = self._drv
+        result, ctx = drv.cuCtxGetCurrent()
+        _check(drv, result, "cuCtxGetCurrent")
+        if not int(ctx):
+            (result,) = drv.cuCtxSetCurrent(self._ctx)
+            _check(drv, result, "cuCtxSetCurrent")
+
+    def write(self, address: int, data: memoryview) -> None:
+        """``cuMemcpyHtoD``, then ``cuCtxSynchronize``: from pageable host memory
+        the copy may return before its DMA lands, and another process reads
+        these bytes once the writer commits."""
+        drv = self._drv
+        self._current()
+        (result,) = drv.cuMemcpyHtoD(address, data, data.nbytes)
+        _check(drv, result, f"cuMemcpyHtoD({data.nbytes})")
+        (result,) = drv.cuCtxSynchronize()
+        _check(drv, result, "cuCtxSynchronize")
+
+    def read(self, address: int, nbytes: int) -> bytes:
+        """``cuMemcpyDtoH`` (to pageable memory it returns once the copy is done)."""
+        drv = self._drv
+        self._current()
+        out = bytearray(nbytes)
+        (result,) = drv.cuMemcpyDtoH(out, address, nbytes)
+        _check(drv, result, f"cuMemcpyDtoH({nbytes})")
+        return bytes(out)
 
     def export(self, address: int) -> int:
         """The imported handle, exported again: a restarted server adopts it.

@@ -55,6 +55,12 @@ _mprotect.restype = ctypes.c_int
 _mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
+def _bytes_at(address: int, nbytes: int) -> memoryview:
+    """The mapped bytes at ``address``, as ``Allocation.view()`` sees them: the
+    host backend's copies go through the mapping itself."""
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
 def _oserror(what: str) -> OSError:
     err = ctypes.get_errno()
     return OSError(err, f"{what}: {os.strerror(err)}")
@@ -165,6 +171,12 @@ class HostMapper:
     def protect_readonly(self, address: int, size: int) -> None:
         if _mprotect(address, size, mmap.PROT_READ) != 0:
             raise _oserror("mprotect")
+
+    def write(self, address: int, data: memoryview) -> None:
+        _bytes_at(address, data.nbytes)[:] = data
+
+    def read(self, address: int, nbytes: int) -> bytes:
+        return bytes(_bytes_at(address, nbytes))
 
     def unmap(self, address: int, size: int) -> None:
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED
