@@ -176,5 +176,10 @@ class LocalPod:
         return (self.dir / "logs" / f"{container}.log").read_text(errors="replace")
 
     def close(self) -> None:
-        self.proc.stop()
+        # The supervisor's own stop (Supervisor.down) waits up to 5 s for the
+        # containers' SIGTERM, then SIGKILLs what is left and waits for it: a
+        # SIGKILL of the supervisor at 5 s (Proc.stop's default) raced that,
+        # and left a draining engine container (its respawner and spare)
+        # running with no pod.
+        self.proc.stop(wait_s=20.0)
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -117,12 +117,12 @@ class Proc:
     def alive(self) -> bool:
         return self.popen.poll() is None
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 5.0) -> None:
         if self.alive():
             self.signal(signal.SIGCONT)
             self.signal(signal.SIGTERM)
             try:
-                self.popen.wait(5)
+                self.popen.wait(wait_s)
             except subprocess.TimeoutExpired:
                 self.kill9()
         if self._log is not subprocess.DEVNULL:
