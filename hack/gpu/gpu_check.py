@@ -263,34 +263,36 @@ def _understudy(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     )
 
 
-def drill(out: Path, kills: int, budget: float) -> dict[str, Any]:
-    pod = Path(tempfile.mkdtemp(prefix="gpu-check-pod-"))
-    up = [
-        "local", "up", "--detach", "--engine", "torch", "--gms-backend", "cuda",
-        "--engine-python", PYTHON, "--shadows", "2", "--dir", str(pod),
-        "--port", "18700", "--status-port", "18710", "--metrics-port", "18720",
-        "--ready-timeout", "150",
-    ]  # fmt: skip
+def _pod_drill(
+    name: str, up: Sequence[str], drill_args: Sequence[str], out: Path, budget: float,
+    up_timeout: float, least: float,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:  # fmt: skip
+    """A local pod (``local up --detach`` with ``up``) in a fresh directory,
+    ``understudy drill`` on it (``drill_args``; its report ``out/<name>.json``),
+    then ``local down``, with each process's GPU memory from NVML meanwhile:
+    the step's record and the drill's report (None: there is none)."""
+    pod = Path(tempfile.mkdtemp(prefix=f"gpu-check-{name}-"))
     sampler = NvmlSampler()
     sampler.start()
     start = time.monotonic()
     result: dict[str, Any] = {"ran": True, "pod_dir": str(pod)}
+    report: dict[str, Any] | None = None
     try:
-        got = _understudy(*up, timeout=200)
-        result["up"] = {"exit": got.returncode, "tail": (got.stdout + got.stderr)[-1500:]}
+        got = _understudy("local", "up", "--detach", "--dir", str(pod), *up, timeout=up_timeout)
+        result["up"] = {"exit": got.returncode, "tail": (got.stdout + got.stderr)[-1500:],
+                        "seconds": round(time.monotonic() - start, 1)}  # fmt: skip
         if got.returncode != 0:
             result["ok"] = False
-            return result
-        report = out / "drill.json"
-        left = max(60.0, budget - (time.monotonic() - start))
+            return result, None
+        path = out / f"{name}.json"
+        left = max(least, budget - (time.monotonic() - start))
         got = _understudy(
-            "drill", "--dir", str(pod), "--kills", str(kills), "--clients", "8",
-            "--timeout", "30", "--output", str(report), timeout=left,
-        )  # fmt: skip
+            "drill", "--dir", str(pod), *drill_args, "--output", str(path), timeout=left
+        )
         result["drill_exit"] = got.returncode
         result["drill_tail"] = (got.stdout + got.stderr)[-2000:]
-        if report.exists():
-            result["report"] = json.loads(report.read_text())
+        if path.exists():
+            report = json.loads(path.read_text())
         result["ok"] = got.returncode == 0
     except subprocess.TimeoutExpired as exc:
         result["ok"], result["why"] = False, f"timed out: {exc}"
@@ -300,6 +302,19 @@ def drill(out: Path, kills: int, budget: float) -> dict[str, Any]:
         result["nvml"] = sampler.report(pod)
         _understudy("local", "down", "--dir", str(pod), timeout=60)
         result["seconds"] = round(time.monotonic() - start, 1)
+    return result, report
+
+
+def drill(out: Path, kills: int, budget: float) -> dict[str, Any]:
+    up = [
+        "--engine", "torch", "--gms-backend", "cuda", "--engine-python", PYTHON,
+        "--shadows", "2", "--port", "18700", "--status-port", "18710",
+        "--metrics-port", "18720", "--ready-timeout", "150",
+    ]  # fmt: skip
+    args = ["--kills", str(kills), "--clients", "8", "--timeout", "30"]
+    result, report = _pod_drill("drill", up, args, out, budget, up_timeout=200, least=60.0)
+    if report is not None:
+        result["report"] = report
     return result
 
 
@@ -322,43 +337,16 @@ def wake_figures(report: dict[str, Any]) -> dict[str, Any]:
 def wake_bench(out: Path, kills: int, budget: float, size: str) -> dict[str, Any]:
     """The synthetic engine's weights (``size``) in GMS on CUDA, one shadow,
     and ``kills`` kills of the Active engine under 2 clients."""
-    pod = Path(tempfile.mkdtemp(prefix="gpu-check-wake-"))
     up = [
-        "local", "up", "--detach", "--engine", "synthetic", "--model", f"synthetic:{size}",
-        "--gms-backend", "cuda", "--shadows", "1", "--dir", str(pod),
-        "--port", "18730", "--status-port", "18740", "--metrics-port", "18750",
-        "--ready-timeout", "300",
+        "--engine", "synthetic", "--model", f"synthetic:{size}", "--gms-backend", "cuda",
+        "--shadows", "1", "--port", "18730", "--status-port", "18740",
+        "--metrics-port", "18750", "--ready-timeout", "300",
     ]  # fmt: skip
-    sampler = NvmlSampler()
-    sampler.start()
-    start = time.monotonic()
-    result: dict[str, Any] = {"ran": True, "size": size, "pod_dir": str(pod)}
-    try:
-        got = _understudy(*up, timeout=360)
-        result["up"] = {"exit": got.returncode, "tail": (got.stdout + got.stderr)[-1500:],
-                        "seconds": round(time.monotonic() - start, 1)}  # fmt: skip
-        if got.returncode != 0:
-            result["ok"] = False
-            return result
-        report = out / "wake-bench.json"
-        left = max(120.0, budget - (time.monotonic() - start))
-        got = _understudy(
-            "drill", "--dir", str(pod), "--kills", str(kills), "--clients", "2",
-            "--output", str(report), timeout=left,
-        )  # fmt: skip
-        result["drill_exit"] = got.returncode
-        result["drill_tail"] = (got.stdout + got.stderr)[-2000:]
-        if report.exists():
-            result.update(wake_figures(json.loads(report.read_text())))
-        result["ok"] = got.returncode == 0
-    except subprocess.TimeoutExpired as exc:
-        result["ok"], result["why"] = False, f"timed out: {exc}"
-    finally:
-        sampler.stop.set()
-        sampler.join(5)
-        result["nvml"] = sampler.report(pod)
-        _understudy("local", "down", "--dir", str(pod), timeout=60)
-        result["seconds"] = round(time.monotonic() - start, 1)
+    args = ["--kills", str(kills), "--clients", "2"]
+    result, report = _pod_drill("wake-bench", up, args, out, budget, up_timeout=360, least=120.0)
+    result["size"] = size
+    if report is not None:
+        result.update(wake_figures(report))
     return result
 
 
