@@ -21,8 +21,10 @@ from understudy.engine_shim.adapters.llama_model import (
     LlamaModel,
     Prompt,
     Row,
+    _in_products,
     apply_rope,
     invariant_rows,
+    products_keep_rows,
     rms_norm,
     rope_tables,
     sample,
@@ -184,7 +186,9 @@ def test_decode_continues_the_cache_as_a_full_forward_would(
 def test_a_decode_row_does_not_depend_on_the_rows_beside_it(
     model: LlamaModel, tok: ChatTokenizer
 ) -> None:
-    prompts = [tok.encode(t) for t in ("alpha beta", "one two three four", "x", "café 東京")]
+    """Up to 11 rows: several products of `DECODE_ROWS` and a padded one."""
+    words = ("alpha beta", "one two three four", "x", "café 東京", "la", "mi re do", "q")
+    prompts = [tok.encode(t) for t in (*words, "ab cd", "ef", "gh ij kl", "mn")]
     cache = KVCache(model.config, len(prompts), 64)
     for slot, ids in enumerate(prompts):
         model.prefill(ids, cache, slot)
@@ -193,6 +197,28 @@ def test_a_decode_row_does_not_depend_on_the_rows_beside_it(
     for i, row in enumerate(rows):  # the same rows again, each alone (same cache positions)
         assert np.array_equal(model.decode([row], cache)[0], together[i])
     assert np.array_equal(model.decode(rows[::-1], cache), together[::-1])
+    for n in (3, 5, 9):
+        assert np.array_equal(model.decode(rows[-n:], cache), together[-n:])
+
+
+@pytest.mark.parametrize(
+    "shape", [(256, 256), (704, 256), (256, 704), (576, 576), (1536, 576), (576, 1536), (5000, 576)]
+)
+def test_decode_products_keep_a_rows_bits_in_any_step(shape: tuple[int, int]) -> None:
+    """What `products_keep_rows` promises, on other numbers: in `_in_products`,
+    a row is the same bits alone and at any place of a step of up to 19
+    rows. SmolLM2's shapes and a head with a partial last block among them."""
+    w = rng.standard_normal(shape, dtype=np.float32)
+    if not products_keep_rows([w]):
+        pytest.skip(f"this BLAS's products of {shape} give a row other bits by its place")
+    x = rng.standard_normal(shape[1], dtype=np.float32)
+    alone = _in_products(x[None], w)[0]
+    assert np.abs(alone - w @ x).max() < 1e-3  # the product itself
+    for m in range(2, 20):
+        rows = rng.standard_normal((m, shape[1]), dtype=np.float32)
+        place = int(rng.integers(m))
+        rows[place] = x
+        assert np.array_equal(_in_products(rows, w)[place], alone), (m, place)
 
 
 def test_a_batched_prefill_is_each_prompt_run_alone_bit_for_bit(
@@ -334,13 +360,21 @@ def test_top_p_keeps_the_smallest_nucleus_and_temperature_sharpens() -> None:
     assert cold.count(0) > 495
 
 
+@pytest.mark.parametrize("kernel", ["products", "rows"])
 def test_decode_in_weight_blocks_keeps_rows_independent_and_exact(
-    model: LlamaModel, tok: ChatTokenizer, monkeypatch: pytest.MonkeyPatch
+    model: LlamaModel, tok: ChatTokenizer, monkeypatch: pytest.MonkeyPatch, kernel: str
 ) -> None:
-    """The row-by-row products over blocks of a weight's rows (the output head
-    of a real model is many blocks): a row still does not depend on the rows
-    beside it, and the logits are the full forward's."""
+    """Both ways a decode multiplies (in products of rows, or row by row
+    where a BLAS gives no products that keep a row's bits), over blocks of a
+    weight's rows (the output head of a real model is many blocks): a row
+    still does not depend on the rows beside it, and the logits are the full
+    forward's."""
     monkeypatch.setattr(llama_model, "ROWWISE_BLOCK_BYTES", 100 * 256 * 4)  # 100 rows a block
+    monkeypatch.setattr(llama_model, "DECODE_BLOCK_BYTES", 100 * 256 * 4)
+    if kernel == "rows":
+        monkeypatch.setattr(llama_model, "products_keep_rows", lambda weights: False)
+    model = LlamaModel(model.tensors, model.config)
+    assert model.decode_products == (kernel == "products")
     prompts = [tok.encode(t) for t in ("alpha beta", "one two three four", "x")]
     cache = KVCache(model.config, len(prompts), 64)
     for slot, ids in enumerate(prompts):

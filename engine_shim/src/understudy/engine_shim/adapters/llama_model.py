@@ -20,17 +20,25 @@ Two paths fill the cache and give logits:
   to its own end (the causal half is never computed), as one product per KV
   head for all the query heads that share it. Its result depends only on the
   prompt's ids (and the chunk grid).
-* `decode` appends rows of any number of sequences at once. Every matrix
-  product there is done row by row (vector times matrix), and attention per
-  row over that row's own sequence, so a row's numbers depend only on its
-  sequence — never on which other rows share the step. (OpenBLAS picks its
-  kernels by the shape: the row of a 1-row product and the same row inside
-  an 8-row product differ in the last bits, and products of 2 to 6 rows go
-  to yet another kernel, measured with numpy 2.4's OpenBLAS 0.3.31. Calls
-  of a fixed 8 rows, zero-padded, would be batch-invariant too, but
-  OpenBLAS packs the whole weight matrix for every call: a step of 8
-  sequences was no faster than 8 row products, which stream each weight
-  from the L3 cache after the first row, and a step of 1 was 4x slower.)
+* `decode` appends rows of any number of sequences at once, so that a
+  row's numbers depend only on its sequence — never on which other rows
+  share the step. OpenBLAS picks its kernels by a product's shape: the row
+  of a 1-row product and the same row inside an 8-row product differ in the
+  last bits, and so do rows by their place in a product (measured with
+  numpy 2.4's OpenBLAS 0.3.31: its small-matrix kernel takes rows four at a
+  time and the rows left over another way). So every product of a step has
+  DECODE_ROWS rows, zero-padded, over blocks of DECODE_BLOCK_BYTES of the
+  weight's rows: a block is read from memory once for all the step's rows,
+  and small enough that packing it costs no second pass over memory. A
+  probe at start-up (`products_keep_rows`) checks, on the model's own weight
+  shapes, that such a product gives a row the same bits at each of its
+  places; where it does not (another BLAS), every product is row by row
+  (vector times matrix), as before. Attention is per row over its own
+  sequence. (Products of 8 rows over the whole weight at once were no
+  faster than 8 row products: OpenBLAS packs the whole matrix, one more
+  pass over memory. SmolLM2's products in a step of 8 rows, one core: 100
+  ms row by row, 66 ms in products of 4 rows; a step of one row, 41 ms and
+  53 ms: the price of a row's bits not depending on its neighbours.)
 
 A product's rows are the same bits alone and inside a bigger product once
 they are many enough to leave OpenBLAS's small-matrix kernels (measured
@@ -77,6 +85,7 @@ __all__ = [
     "Row",
     "apply_rope",
     "invariant_rows",
+    "products_keep_rows",
     "rms_norm",
     "rope_tables",
     "sample",
@@ -91,6 +100,17 @@ ROWWISE_BLOCK_BYTES: Final = 8 << 20
 L3 cache (32 MB here). A layer's matrices (at most 3.5 MB for SmolLM2) are
 one block; the output head (113 MB) is 14, so a step of 8 rows reads it from
 memory once, not 8 times."""
+DECODE_ROWS: Final = 4
+"""Rows of each of a decode's products (module docstring): OpenBLAS's small-
+matrix kernel takes rows four at a time. SmolLM2, one core, a step's
+products: 8 rows as two products of 4 took 66 ms, as one of 8 (over 256 KiB
+blocks) 67 ms, as four of 2 73 ms; 1 row padded to 4, 53 ms."""
+DECODE_BLOCK_BYTES: Final = 512 << 10
+"""Weight bytes per block of a decode's products: half this core's L2 cache
+(1 MB), so a block is packed from the L2, not read again from memory. Also
+the most that keeps 4-row products in OpenBLAS's small-matrix kernel here:
+SmolLM2, a step of 8 rows, one core: blocks of 128, 384, 512 and 768 KiB took
+74, 66, 66 and 145 ms."""
 QUERY_BLOCK: Final = 32
 """Query positions per attention block in a prefill. A block's scores (3 KV
 heads x 32 x 3 query heads x the keys so far: 1.2 MB at 1,024 positions for
@@ -223,17 +243,65 @@ def _rowwise(x: F32, weight: F32) -> F32:
     from memory for the first row and from the L3 cache for the others. The
     blocks do not depend on the rows, so neither do a row's bits."""
     out = np.empty((x.shape[0], weight.shape[0]), dtype=np.float32)
-    step = max(1, ROWWISE_BLOCK_BYTES // (weight.shape[1] * weight.itemsize))
-    for begin in range(0, weight.shape[0], step):
-        wt = weight[begin : begin + step].T
+    starts = _blocks(weight, ROWWISE_BLOCK_BYTES)
+    for begin in starts:
+        wt = weight[begin : begin + starts.step].T
         for r in range(x.shape[0]):
-            np.matmul(x[r], wt, out=out[r, begin : begin + step])
+            np.matmul(x[r], wt, out=out[r, begin : begin + starts.step])
     return out
 
 
 def _matmul(x: F32, weight: F32) -> F32:
     out: F32 = x @ weight.T
     return out
+
+
+def _blocks(weight: F32, block_bytes: int) -> range:
+    """The first row of each block of ``block_bytes`` of ``weight``'s rows."""
+    return range(0, weight.shape[0], max(1, block_bytes // (weight.shape[1] * weight.itemsize)))
+
+
+def _in_products(x: F32, weight: F32) -> F32:
+    """x (rows, in) @ weight.T as products of DECODE_ROWS rows, zero-padded,
+    over DECODE_BLOCK_BYTES blocks of the weight's rows (module docstring):
+    their shapes do not depend on the rows, so, where `products_keep_rows`,
+    neither do a row's bits."""
+    rows = x.shape[0]
+    padded = -(-rows // DECODE_ROWS) * DECODE_ROWS
+    if padded != rows:
+        x = np.concatenate((x, np.zeros((padded - rows, x.shape[1]), dtype=np.float32)))
+    out = np.empty((padded, weight.shape[0]), dtype=np.float32)
+    starts = _blocks(weight, DECODE_BLOCK_BYTES)
+    for begin in starts:
+        wt = weight[begin : begin + starts.step].T
+        for r in range(0, padded, DECODE_ROWS):
+            np.matmul(
+                x[r : r + DECODE_ROWS],
+                wt,
+                out=out[r : r + DECODE_ROWS, begin : begin + starts.step],
+            )
+    return out[:rows]
+
+
+def products_keep_rows(weights: Sequence[F32]) -> bool:
+    """Whether `_in_products` gives a row the same bits at each place of its
+    product, for each of ``weights`` (then a decode's rows do not depend on
+    each other; otherwise a decode goes row by row). Checked with arrays of
+    the weights' own shapes and strides (the kernels go by shape), one whole
+    block and the last: a few milliseconds."""
+    rng = np.random.default_rng(0)
+    for weight in weights:
+        starts = _blocks(weight, DECODE_BLOCK_BYTES)
+        w = weight[max(0, starts[-1] - starts.step) :]  # one whole block and the last
+        x = rng.standard_normal(w.shape[1], dtype=np.float32)
+        seen: list[F32] = []
+        for place in range(DECODE_ROWS):
+            rows = rng.standard_normal((DECODE_ROWS, w.shape[1]), dtype=np.float32)
+            rows[place] = x
+            seen.append(_in_products(rows, w)[place])
+            if not np.array_equal(seen[-1], seen[0]):
+                return False
+    return True
 
 
 def invariant_rows(weights: Sequence[F32], most: int) -> int:
@@ -430,6 +498,8 @@ class LlamaModel:
         # A query block's diagonal square: position i attends to keys 0..i.
         self._causal = np.triu(np.full((QUERY_BLOCK,) * 2, -np.inf, dtype=np.float32), k=1)
         self._batch_rows: dict[int, int] = {}  # batch_rows' probes, by chunk
+        self.decode_products: Final = products_keep_rows([*self._distinct_matrices(), self._head])
+        """Whether a decode runs in products of rows (else row by row)."""
 
     def _check_tokens(self, tokens: Sequence[int]) -> npt.NDArray[np.int64]:
         ids = np.asarray(tokens, dtype=np.int64)
@@ -526,19 +596,19 @@ class LlamaModel:
         shared with other prompts' chunks: `invariant_rows` of this model's
         matrices (one of each shape), probed once per process and ``chunk``."""
         if chunk not in self._batch_rows:
-            layer = self._layers[0]
-            matrices = (
-                layer.wq,
-                layer.wk,
-                layer.wv,
-                layer.wo,
-                layer.w_gate,
-                layer.w_up,
-                layer.w_down,
-            )
-            distinct = {(w.shape, w.strides): w for w in matrices}
-            self._batch_rows[chunk] = invariant_rows(list(distinct.values()), chunk)
+            self._batch_rows[chunk] = invariant_rows(self._distinct_matrices(), chunk)
         return self._batch_rows[chunk]
+
+    def _distinct_matrices(self) -> list[F32]:
+        """One of each shape and strides of a layer's matrices (a probe's arrays)."""
+        layer = self._layers[0]
+        matrices = (layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down)
+        return list({(w.shape, w.strides): w for w in matrices}.values())
+
+    def _decode_product(self, x: F32, weight: F32) -> F32:
+        if self.decode_products:
+            return _in_products(x, weight)
+        return _rowwise(x, weight)
 
     def _extend(self, parts: Sequence[tuple[Sequence[int], int, int]], cache: KVCache) -> F32:
         """For each part ``(tokens, slot, start)``, positions ``start``.. of ``slot``
@@ -626,23 +696,25 @@ class LlamaModel:
         for li, layer in enumerate(self._layers):
             h = rms_norm(x, layer.attn_norm, self._eps)
             q = apply_rope(
-                _rowwise(h, layer.wq).reshape(r, kvh, rep, d), cos[:, None], sin[:, None]
+                self._decode_product(h, layer.wq).reshape(r, kvh, rep, d),
+                cos[:, None],
+                sin[:, None],
             )
             q *= self._scale
             keys, values = cache.k[li], cache.v[li]
             keys[slots, :, positions] = apply_rope(
-                _rowwise(h, layer.wk).reshape(r, kvh, d), cos, sin
+                self._decode_product(h, layer.wk).reshape(r, kvh, d), cos, sin
             )
-            values[slots, :, positions] = _rowwise(h, layer.wv).reshape(r, kvh, d)
+            values[slots, :, positions] = self._decode_product(h, layer.wv).reshape(r, kvh, d)
             context = np.empty((r, kvh, rep, d), dtype=np.float32)
             # Per row over its own sequence (the module docstring): a loop over
             # the step's rows, each one product per KV head for its rep heads.
             for i, (slot, length) in enumerate(zip(slots, lengths, strict=True)):
                 probs = _softmax(q[i] @ keys[slot, :, :length].transpose(0, 2, 1))
                 context[i] = probs @ values[slot, :, :length]
-            x += _rowwise(context.reshape(r, c.num_heads * d), layer.wo)
-            x += self._mlp(x, layer, _rowwise)
-        return _rowwise(rms_norm(x, self._norm, self._eps), self._head)
+            x += self._decode_product(context.reshape(r, c.num_heads * d), layer.wo)
+            x += self._mlp(x, layer, self._decode_product)
+        return self._decode_product(rms_norm(x, self._norm, self._eps), self._head)
 
 
 def config_digest(model_dir: Path | str) -> str:
