@@ -168,6 +168,19 @@ class Instance:
         with socket.create_connection(self.address(), timeout=5):
             return True
 
+    def logs(self, container: str, *words: str, last: int = 60) -> str:
+        """The container's log lines that hold any of ``words``, the last
+        ``last`` of them, for a failure's message (the respawner restarts a
+        sidecar in place, so the lines of every process it ran are there)."""
+        proc = self.cluster.kubectl(
+            "logs", "-n", self.ns, f"pod/{self.name}-0", "-c", container, "--tail=20000",
+            check=False,
+        )  # fmt: skip
+        lines = [line for line in proc.stdout.splitlines() if any(w in line for w in words)]
+        return f"--- {container}: {len(lines)} lines, the last {last} ---\n" + "\n".join(
+            lines[-last:] or [proc.stderr.strip()]
+        )
+
     def drill(self, *args: str, timeout: float = 1800) -> dict[str, Any]:
         what = "-".join(a.strip("-") for a in args[:2])
         out = REPORTS / f"drill-{self.name}-{what}-{int(time.time())}.json"
@@ -389,8 +402,12 @@ def test_front_killed_ten_times_fails_nothing(instance: Instance) -> None:
     instance.wait_ready()
     before = _restarts(instance.pod(), "front")
     report = instance.drill("--sidecar", "front", "--kills", "10")
-    assert report["exit_code"] == 0, report
-    assert report["refused"] == 0 and report["failed"] == 0, report
+    if report["exit_code"] or report["refused"] or report["failed"]:
+        # What the fronts and the connections' keeper said (a CI run lost the
+        # 16 connections of the first kill only, the sidecars' logs gone since).
+        words = ("conns_", "adopt", "took_over", "connections_unkept", "lost", "accepting")
+        why = "\n".join((instance.logs("front", *words), instance.logs("lockserver", "conns_")))
+        pytest.fail(f"{report}\n{why}")
     assert report["reported_in_flight"] + report["reported_idle"] == 0, report
     assert all(r["back"] for r in report["rounds"]), report
     assert _restarts(instance.pod(), "front") == before  # restarted in place
