@@ -97,9 +97,9 @@ F32 = npt.NDArray[np.float32]
 
 ROWWISE_BLOCK_BYTES: Final = 8 << 20
 """Weight bytes per block of a decode's row-by-row products (where
-`products_keep_rows` fails): well inside the L3 cache (32 MB here). A layer's matrices (at most 3.5 MB for SmolLM2) are
-one block; the output head (113 MB) is 14, so a step of 8 rows reads it from
-memory once, not 8 times."""
+`products_keep_rows` fails): well inside the L3 cache (32 MB here). A
+layer's matrices (at most 3.5 MB for SmolLM2) are one block; the output head
+(113 MB) is 14, so a step of 8 rows reads it from memory once, not 8 times."""
 DECODE_ROWS: Final = 4
 """Rows of each of a decode's products (module docstring): OpenBLAS's small-
 matrix kernel takes rows four at a time. SmolLM2, one core, a step's
