@@ -294,12 +294,14 @@ def products_keep_rows(weights: Sequence[F32]) -> bool:
         starts = _blocks(weight, DECODE_BLOCK_BYTES)
         w = weight[max(0, starts[-1] - starts.step) :]  # one whole block and the last
         x = rng.standard_normal(w.shape[1], dtype=np.float32)
-        seen: list[F32] = []
+        first: F32 | None = None
         for place in range(DECODE_ROWS):
             rows = rng.standard_normal((DECODE_ROWS, w.shape[1]), dtype=np.float32)
             rows[place] = x
-            seen.append(_in_products(rows, w)[place])
-            if not np.array_equal(seen[-1], seen[0]):
+            got = _in_products(rows, w)[place]
+            if first is None:
+                first = got
+            elif not np.array_equal(got, first):
                 return False
     return True
 
@@ -500,6 +502,7 @@ class LlamaModel:
         self._batch_rows: dict[int, int] = {}  # batch_rows' probes, by chunk
         self.decode_products: Final = products_keep_rows([*self._distinct_matrices(), self._head])
         """Whether a decode runs in products of rows (else row by row)."""
+        self._decode_product: Final = _in_products if self.decode_products else _rowwise
 
     def _check_tokens(self, tokens: Sequence[int]) -> npt.NDArray[np.int64]:
         ids = np.asarray(tokens, dtype=np.int64)
@@ -604,11 +607,6 @@ class LlamaModel:
         layer = self._layers[0]
         matrices = (layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down)
         return list({(w.shape, w.strides): w for w in matrices}.values())
-
-    def _decode_product(self, x: F32, weight: F32) -> F32:
-        if self.decode_products:
-            return _in_products(x, weight)
-        return _rowwise(x, weight)
 
     def _extend(self, parts: Sequence[tuple[Sequence[int], int, int]], cache: KVCache) -> F32:
         """For each part ``(tokens, slot, start)``, positions ``start``.. of ``slot``
