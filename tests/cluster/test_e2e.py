@@ -147,22 +147,60 @@ class Instance:
         return f"http://{host}:{port}"
 
     def wait_ready(self, timeout: float = 300) -> None:
-        _wait(
-            "GpuInstance Ready",
-            lambda: _condition(self.get(), "Ready")["status"] == "True",
-            timeout,
-        )
-        _wait(
-            "GpuInstance StandbyReady",
-            lambda: _condition(self.get(), "StandbyReady")["status"] == "True",
-            timeout,
-        )
+        try:
+            _wait(
+                "GpuInstance Ready",
+                lambda: _condition(self.get(), "Ready")["status"] == "True",
+                timeout,
+            )
+            _wait(
+                "GpuInstance StandbyReady",
+                lambda: _condition(self.get(), "StandbyReady")["status"] == "True",
+                timeout,
+            )
+        except AssertionError as e:
+            # A pod that never gets Ready says nothing in the assertion; what
+            # it was doing is in its status, the namespace's events and its
+            # containers' last lines (a CI run waited 20 min on one blind).
+            raise AssertionError(f"{e}\n{self.diagnose()}") from None
         # Ready is the operator's verdict, patched as the pod's routable label in
         # the same pass; the EndpointSlice and kube-proxy's rules follow it within
         # about a second, and a connection in that second is refused (a CI run
         # met it: docs/operator.md, honest readiness). A user waits for the
         # endpoint too; the first request itself is still asserted by the caller.
         _wait("the Service accepting connections", self._accepts, 60)
+
+    def diagnose(self) -> str:
+        """The instance's conditions, the pod's container states, the
+        namespace's events and each container's last lines."""
+        out = []
+        for args in (
+            ("get", "gpuinstance", self.name, "-n", self.ns, "-o", "jsonpath={.status}"),
+            ("get", "pod", "-n", self.ns, "-o", "wide"),
+            ("get", "pod", f"{self.name}-0", "-n", self.ns, "-o",
+             "jsonpath={.status.containerStatuses}"),
+            ("get", "events", "-n", self.ns, "--sort-by=.lastTimestamp"),
+        ):  # fmt: skip
+            proc = self.cluster.kubectl(*args, check=False)
+            out.append(
+                f"--- kubectl {' '.join(args[:3])} ---\n{proc.stdout[-6000:]}{proc.stderr[-500:]}"
+            )
+        pod = self.cluster.kubectl(
+            "get", "pod", f"{self.name}-0", "-n", self.ns, "-o", "json", check=False
+        )
+        names = []
+        if pod.returncode == 0:
+            names = [c["name"] for c in json.loads(pod.stdout)["spec"]["containers"]]
+        for name in names:
+            proc = self.cluster.kubectl(
+                "logs", "-n", self.ns, f"pod/{self.name}-0", "-c", name, "--tail=25", check=False
+            )
+            out.append(f"--- {name} ---\n{proc.stdout[-4000:]}{proc.stderr[-500:]}")
+        proc = self.cluster.kubectl(
+            "logs", "-n", OPERATOR_NS, "deployment/understudy-operator", "--tail=40", check=False
+        )
+        out.append(f"--- the operator ---\n{proc.stdout[-6000:]}{proc.stderr[-500:]}")
+        return "\n".join(out)
 
     def _accepts(self) -> bool:
         with socket.create_connection(self.address(), timeout=5):
