@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import http.client
 import json
 import math
@@ -91,6 +92,7 @@ class Round:
     in_flight: int  # chunks that arrived within 20 ms of the kill (sent before it)
     stall_s: float = math.nan  # the stream's last token before the kill -> first after
     between_s: list[float] = field(default_factory=list)  # its other intervals (TPOT)
+    phases_s: dict[str, float] = field(default_factory=dict)  # kill -> next token, in parts
 
 
 @dataclass
@@ -214,6 +216,48 @@ def reused_by_next(pod: Pod, killed_pid: int) -> int | None:
     return found[-1] if found else None
 
 
+# The pod's log lines' time (``obs``'s asctime: local wall clock, to the ms).
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?event=(\w+)(.*)$", re.M)
+PHASES = ("detect", "grant", "wake", "claim", "first_step")
+
+
+def _events(text: str, after: float) -> list[tuple[float, str, str]]:
+    out = []
+    for m in _STAMP.finditer(text):
+        at = datetime.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        if at >= after - 0.002:  # the stamp is cut to the ms
+            out.append((at, m[2], m[3]))
+    return out
+
+
+def phases(pod: Pod, killed_pid: int, kill_wall: float, next_wall: float) -> dict[str, float]:
+    """Kill -> next token in parts, from the pod's logs: the death seen by
+    the lock server (the holder's disconnection: the dead engine's teardown
+    and its socket's EOF), the lock granted, the next engine Active (weights
+    and pool mapped), the continuation resent by the front and claimed
+    (``kv_reused``: matched, checksums verified), and the first step after
+    it to the client. A part whose line is missing is left out."""
+    lock = "".join(pod.log(p.stem) for p in (pod.dir / "logs").glob("lock*.log"))
+    ev = _events(lock, kill_wall)
+    # The grant is fed by the holder's disconnection and logged before it.
+    granted = next((t for t, e, _ in ev if e == "granted"), None)
+    seen = [t for t, e, f in ev if e == "released" or "was_holder=True" in f]
+    released = min([*seen, granted]) if seen and granted is not None else None
+    active = pod.active(not_pid=killed_pid)
+    mine = _events(pod.log(active["name"]), kill_wall) if active else []
+    woke = next((t for t, e, f in mine if e == "transition" and "to_state=Active" in f), None)
+    claimed = next((t for t, e, _ in mine if e == "kv_reused"), None)
+    marks = [("detect", released), ("grant", granted), ("wake", woke), ("claim", claimed)]
+    out: dict[str, float] = {}
+    last = kill_wall
+    for name, at in marks:
+        if at is not None:
+            out[name] = at - last
+            last = at
+    out["first_step"] = next_wall - last
+    return out
+
+
 def wait_armed(pod: Pod, timeout: float = 900) -> None:
     deadline = time.monotonic() + timeout
     while not pod.armed():
@@ -248,11 +292,18 @@ def run_mode(args: argparse.Namespace, mode: str, base: int) -> list[Round]:
                 in_flight = sum(1 for t in after if t - killed_at < 0.02)
                 gap = after[in_flight] - killed_at if len(after) > in_flight else float("nan")
                 caught = stream_times(times, [killed_at])
+                wall = time.time() - time.monotonic()
+                reused = reused_by_next(pod, pid)
+                parts = (
+                    phases(pod, pid, killed_at + wall, after[in_flight] + wall)
+                    if len(after) > in_flight
+                    else {}
+                )
                 got = Round(
-                    context, mode, gap, text == want, reused_by_next(pod, pid),
+                    context, mode, gap, text == want, reused,
                     times[0] - t0, in_flight,
                     caught.stalls[0].stall_s if caught.stalls else math.nan,
-                    list(caught.between_s),
+                    list(caught.between_s), parts,
                 )  # fmt: skip
                 rounds.append(got)
                 print(
@@ -260,7 +311,8 @@ def run_mode(args: argparse.Namespace, mode: str, base: int) -> list[Round]:
                     f"(TPOT p50 {statistics.median(got.between_s or [math.nan]):.3f}s), "
                     f"kill->next {gap:.3f}s "
                     f"identical={got.identical} reused={got.reused_positions} "
-                    f"load={os.getloadavg()[0]:.2f}",
+                    f"load={os.getloadavg()[0]:.2f}\n    parts (ms): "
+                    + " ".join(f"{k} {v * 1000:.0f}" for k, v in parts.items()),
                     flush=True,
                 )
     finally:
@@ -285,6 +337,18 @@ def stall_table(rounds: list[Round], contexts: list[int]) -> dict[str, Any]:
     return out
 
 
+def parts_table(rounds: list[Round], contexts: list[int]) -> dict[str, Any]:
+    """Per mode and context: each part of kill -> next token (``phases``)."""
+    out: dict[str, Any] = {}
+    for mode in MODES:
+        for c in contexts:
+            mine = [r.phases_s for r in rounds if r.mode == mode and r.context == c]
+            got = {k: [p[k] for p in mine if k in p] for k in PHASES}
+            if any(got.values()):
+                out[f"{mode}/{c}"] = {k: summary(v) for k, v in got.items() if v}
+    return out
+
+
 def report(rounds: list[Round], contexts: list[int]) -> dict[str, Any]:
     table: dict[str, Any] = {}
     for mode in MODES:
@@ -306,6 +370,7 @@ def report(rounds: list[Round], contexts: list[int]) -> dict[str, Any]:
                 ratios[f"{c}: on vs {other}"] = a["p50"] / b["p50"]
     return {
         "stream_stall_s": stall_table(rounds, contexts),
+        "kill_to_next_token_parts_s": parts_table(rounds, contexts),
         "kill_to_next_token_s": table,
         "ratios_p50": ratios,
     }
@@ -402,6 +467,11 @@ def main() -> int:
     print("kill -> next token (s)")
     for key, s in result["kill_to_next_token_s"].items():
         print(f"  {key:>10}  n={s['n']}  p50={s['p50']:.3f}  max={s['max']:.3f}")
+    print("kill -> next token in parts, p50 (ms): " + " / ".join(PHASES))
+    for key, got in result["kill_to_next_token_parts_s"].items():
+        print(f"  {key:>10}  " + "  ".join(
+            f"{k} {got[k]['p50'] * 1000:.0f}" if k in got else f"{k} -" for k in PHASES
+        ))  # fmt: skip
     print("ratios (p50)")
     for key, v in result["ratios_p50"].items():
         print(f"  {key:>22}  {v:.2f}x")
