@@ -165,3 +165,45 @@ def test_bad_messages_are_refused_and_the_session_goes_on() -> None:
 def test_decode_refuses_what_is_not_a_message(data: bytes) -> None:
     with pytest.raises(HoldError):
         decode(data)
+
+
+def test_a_keeper_busy_with_a_live_previous_front_answers_adopt_within_the_fronts_wait() -> None:
+    """The keeper reads a previous front that has not gone (alive, silent) for
+    PREVIOUS_S, then answers the next front's ``adopt``, which waits longer
+    (ADOPT_S): the held connection is adopted, not lost to a timeout."""
+
+    async def run() -> None:
+        assert connhold.PREVIOUS_S < connhold.ADOPT_S
+        async with keeper() as k:
+            a, _a_peer = socket.socketpair()
+            first = await _front(k)
+            assert await _adopt(first) == []
+            first.hold("c-1", a.fileno())
+            await _settle(lambda: set(k.held) == {"c-1"})
+            second = await _front(k)  # the first has not gone
+            t0 = asyncio.get_running_loop().time()
+            got = await _adopt(second)
+            waited = asyncio.get_running_loop().time() - t0
+            assert [cid for cid, _ in got] == ["c-1"]
+            assert connhold.PREVIOUS_S - 0.1 < waited < connhold.ADOPT_S
+            first.close()
+            second.close()
+
+    asyncio.run(run())
+
+
+def test_adopt_without_an_answer_raises_and_keeps_no_part() -> None:
+    """A keeper that never answers: TimeoutError at the deadline, no list of
+    what came before it."""
+    run_dir = Path(tempfile.mkdtemp(prefix="us-", dir="/dev/shm"))
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server.bind(str(run_dir / connhold.CONNS_SOCKET))
+    server.listen(1)
+    h = Holder(run_dir / connhold.CONNS_SOCKET, log)
+    assert h.connect()
+    conn, _ = server.accept()
+    with pytest.raises(TimeoutError):
+        h.adopt(timeout=0.2)
+    h.close()
+    conn.close()
+    server.close()

@@ -55,6 +55,12 @@ from understudy.wire.obs import log_event
 CONNS_SOCKET = "conns.sock"
 MAX_MESSAGE = 256
 HOLD_S = 30.0  # a front that does not come back within this: its clients see the close
+# The keeper reads a previous front's last messages for at most PREVIOUS_S
+# before it answers the next front's ``adopt``; that front waits ADOPT_S for
+# the answer, well beyond (equal waits would race, and a front that gave up
+# would leave the connections it was sent held by nobody's front).
+PREVIOUS_S = 3.0
+ADOPT_S = 10.0
 MAX_HELD = 65536
 _RECONNECT_S = 0.05
 _RECONNECT_TRIES = 200  # 10 s of them
@@ -132,7 +138,7 @@ class Keeper:
             if previous is not None:
                 # Its socket is closed (it died) or about to be: read it to the end.
                 with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                    await asyncio.wait_for(asyncio.shield(previous), 5.0)
+                    await asyncio.wait_for(asyncio.shield(previous), PREVIOUS_S)
             while True:
                 try:
                     data, owned = await uds.sock_recv_with_fd(conn, MAX_MESSAGE)
@@ -238,24 +244,30 @@ class Holder:
         self._sock = sock
         return True
 
-    def adopt(self, timeout: float = 5.0) -> list[tuple[str, uds.OwnedFd]]:
+    def adopt(self, timeout: float = ADOPT_S) -> list[tuple[str, uds.OwnedFd]]:
         """Every connection the keeper holds, each as a new descriptor here
-        (blocking: called once, before this front serves; ``watch`` next)."""
+        (blocking: called once, before this front serves; ``watch`` next).
+        No ``adopted`` within ``timeout``: TimeoutError, never a part."""
         assert self._sock is not None
-        self._sock.settimeout(timeout)
-        self._sock.sendmsg([encode("adopt")])
         got: list[tuple[str, uds.OwnedFd]] = []
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            data, owned = _recv(self._sock)
-            msg = decode(data)
-            if msg["op"] == "adopted":
-                break
-            if msg["op"] == "held" and owned is not None:
-                got.append((msg["id"], owned))
-            elif owned is not None:
+        try:
+            self._sock.settimeout(timeout)
+            self._sock.sendmsg([encode("adopt")])
+            while True:
+                self._sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                data, owned = _recv(self._sock)
+                msg = decode(data)
+                if msg["op"] == "adopted":
+                    return got
+                if msg["op"] == "held" and owned is not None:
+                    got.append((msg["id"], owned))
+                elif owned is not None:
+                    owned.close()
+        except BaseException:
+            for _, owned in got:
                 owned.close()
-        return got
+            raise
 
     def watch(self) -> None:
         """The keeper never speaks unasked: anything readable is its end."""
