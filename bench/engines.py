@@ -164,6 +164,11 @@ def main() -> int:
         value = "-" if row["value"] is None else f"{row['value']:.3f}"
         met = {None: "-", True: "met", False: "NOT met"}[row["met"]]
         print(f"{row['figure']:44} {value:>8} {row['bound']:>8}  {met}")
+    print("\nkill -> next token in parts, p50 (ms; bench/kv_failover.py's phases)")
+    for part in ("llama", "vllm"):
+        for key, got in results.get(part, {}).get("kill_to_next_token_parts_s", {}).items():
+            cells = "  ".join(f"{k} {v['p50'] * 1000:.0f}" for k, v in got.items())
+            print(f"  {part:6} {key:>8}  {cells}")
     identical = all(results[p].get("identical", False) for p in ("llama", "vllm") if p in results)
     failed = [p for p, r in results.items() if r["part"]["rc"] != 0 or "benchmark" not in r]
     print(f"\nevery stream byte-identical across its kill: {identical}")
