@@ -218,7 +218,7 @@ def reused_by_next(pod: Pod, killed_pid: int) -> int | None:
 
 # The pod's log lines' time (``obs``'s asctime: local wall clock, to the ms).
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?event=(\w+)(.*)$", re.M)
-PHASES = ("detect", "grant", "wake", "claim", "first_step")
+PHASES = ("detect", "grant", "wake", "claim", "copy", "first_step")
 
 
 def _events(text: str, after: float) -> list[tuple[float, str, str]]:
@@ -235,7 +235,8 @@ def phases(pod: Pod, killed_pid: int, kill_wall: float, next_wall: float) -> dic
     the lock server (the holder's disconnection: the dead engine's teardown
     and its socket's EOF), the lock granted, the next engine Active (weights
     and pool mapped), the continuation resent by the front and claimed
-    (``kv_reused``: matched, checksums verified), and the first step after
+    (``kv_reused``: matched, checksums verified), for ``vllm`` the adopted
+    blocks copied into its cache (``kv_loaded``), and the first step after
     it to the client. A part whose line is missing is left out."""
     lock = "".join(pod.log(p.stem) for p in (pod.dir / "logs").glob("lock*.log"))
     ev = _events(lock, kill_wall)
@@ -247,7 +248,11 @@ def phases(pod: Pod, killed_pid: int, kill_wall: float, next_wall: float) -> dic
     mine = _events(pod.log(active["name"]), kill_wall) if active else []
     woke = next((t for t, e, f in mine if e == "transition" and "to_state=Active" in f), None)
     claimed = next((t for t, e, _ in mine if e == "kv_reused"), None)
-    marks = [("detect", released), ("grant", granted), ("wake", woke), ("claim", claimed)]
+    copied = next((t for t, e, _ in mine if e == "kv_loaded"), None)  # vllm's only
+    marks = [
+        ("detect", released), ("grant", granted), ("wake", woke), ("claim", claimed),
+        ("copy", copied),
+    ]  # fmt: skip
     out: dict[str, float] = {}
     last = kill_wall
     for name, at in marks:
