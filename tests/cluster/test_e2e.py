@@ -196,10 +196,16 @@ class Instance:
                 "logs", "-n", self.ns, f"pod/{self.name}-0", "-c", name, "--tail=25", check=False
             )
             out.append(f"--- {name} ---\n{proc.stdout[-4000:]}{proc.stderr[-500:]}")
-        proc = self.cluster.kubectl(
-            "logs", "-n", OPERATOR_NS, "deployment/understudy-operator", "--tail=40", check=False
-        )
-        out.append(f"--- the operator ---\n{proc.stdout[-6000:]}{proc.stderr[-500:]}")
+        # An instance with no status at all (the wait's "last: None") was
+        # never handled: the operator's pod and its last lines say why.
+        for args in (
+            ("get", "pods", "-n", OPERATOR_NS, "-o", "wide"),
+            ("logs", "-n", OPERATOR_NS, "deployment/understudy-operator", "--tail=40"),
+            ("logs", "-n", OPERATOR_NS, "deployment/understudy-operator", "--previous",
+             "--tail=20"),
+        ):  # fmt: skip
+            proc = self.cluster.kubectl(*args, check=False)
+            out.append(f"--- the operator: {args[0]} ---\n{proc.stdout[-6000:]}{proc.stderr[-99:]}")
         return "\n".join(out)
 
     def _accepts(self) -> bool:
