@@ -205,14 +205,19 @@ def stream(
     return "".join(parts), times, t0, killed_at, killed_pid
 
 
-def reused_by_next(pod: Pod, killed_pid: int) -> int | None:
+def next_log(pod: Pod, killed_pid: int) -> str:
+    """The log of the engine Active after the kill, since its last start
+    ("" if none is Active within a minute)."""
     deadline = time.monotonic() + 60
     while (active := pod.active(not_pid=killed_pid)) is None:
         if time.monotonic() > deadline:
-            return None
+            return ""
         time.sleep(0.2)
-    tail = pod.log(active["name"]).split("event=starting")[-1]
-    found = [int(m) for m in re.findall(r"event=kv_reused .*?positions=(\d+)", tail)]
+    return pod.log(active["name"]).split("event=starting")[-1]
+
+
+def reused(log: str) -> int | None:
+    found = [int(m) for m in re.findall(r"event=kv_reused .*?positions=(\d+)", log)]
     return found[-1] if found else None
 
 
@@ -230,7 +235,7 @@ def _events(text: str, after: float) -> list[tuple[float, str, str]]:
     return out
 
 
-def phases(pod: Pod, killed_pid: int, kill_wall: float, next_wall: float) -> dict[str, float]:
+def phases(pod: Pod, log: str, kill_wall: float, next_wall: float) -> dict[str, float]:
     """Kill -> next token in parts, from the pod's logs: the death seen by
     the lock server (the holder's disconnection: the dead engine's teardown
     and its socket's EOF), the lock granted, the next engine Active (weights
@@ -244,8 +249,7 @@ def phases(pod: Pod, killed_pid: int, kill_wall: float, next_wall: float) -> dic
     granted = next((t for t, e, _ in ev if e == "granted"), None)
     seen = [t for t, e, f in ev if e == "released" or "was_holder=True" in f]
     released = min([*seen, granted]) if seen and granted is not None else None
-    active = pod.active(not_pid=killed_pid)
-    mine = _events(pod.log(active["name"]), kill_wall) if active else []
+    mine = _events(log, kill_wall)  # the next Active's (``next_log``)
     woke = next((t for t, e, f in mine if e == "transition" and "to_state=Active" in f), None)
     claimed = next((t for t, e, _ in mine if e == "kv_reused"), None)
     copied = next((t for t, e, _ in mine if e == "kv_loaded"), None)  # vllm's only
@@ -298,14 +302,14 @@ def run_mode(args: argparse.Namespace, mode: str, base: int) -> list[Round]:
                 gap = after[in_flight] - killed_at if len(after) > in_flight else float("nan")
                 caught = stream_times(times, [killed_at])
                 wall = time.time() - time.monotonic()
-                reused = reused_by_next(pod, pid)
+                log = next_log(pod, pid)
                 parts = (
-                    phases(pod, pid, killed_at + wall, after[in_flight] + wall)
+                    phases(pod, log, killed_at + wall, after[in_flight] + wall)
                     if len(after) > in_flight
                     else {}
                 )
                 got = Round(
-                    context, mode, gap, text == want, reused,
+                    context, mode, gap, text == want, reused(log),
                     times[0] - t0, in_flight,
                     caught.stalls[0].stall_s if caught.stalls else math.nan,
                     list(caught.between_s), parts,
