@@ -172,40 +172,30 @@ class Instance:
 
     def diagnose(self) -> str:
         """The instance's conditions, the pod's container states, the
-        namespace's events and each container's last lines."""
-        out = []
-        for args in (
-            ("get", "gpuinstance", self.name, "-n", self.ns, "-o", "jsonpath={.status}"),
-            ("get", "pod", "-n", self.ns, "-o", "wide"),
-            ("get", "pod", f"{self.name}-0", "-n", self.ns, "-o",
-             "jsonpath={.status.containerStatuses}"),
-            ("get", "events", "-n", self.ns, "--sort-by=.lastTimestamp"),
-        ):  # fmt: skip
-            proc = self.cluster.kubectl(*args, check=False)
-            out.append(
-                f"--- kubectl {' '.join(args[:3])} ---\n{proc.stdout[-6000:]}{proc.stderr[-500:]}"
-            )
+        namespace's events, each container's last lines, and the operator's
+        pod and last lines (an instance with no status at all, the wait's
+        "last: None", was never handled by it)."""
         pod = self.cluster.kubectl(
             "get", "pod", f"{self.name}-0", "-n", self.ns, "-o", "json", check=False
         )
-        names = []
-        if pod.returncode == 0:
-            names = [c["name"] for c in json.loads(pod.stdout)["spec"]["containers"]]
-        for name in names:
-            proc = self.cluster.kubectl(
-                "logs", "-n", self.ns, f"pod/{self.name}-0", "-c", name, "--tail=25", check=False
-            )
-            out.append(f"--- {name} ---\n{proc.stdout[-4000:]}{proc.stderr[-500:]}")
-        # An instance with no status at all (the wait's "last: None") was
-        # never handled: the operator's pod and its last lines say why.
-        for args in (
+        doc = json.loads(pod.stdout) if pod.returncode == 0 else {}
+        names = [c["name"] for c in doc.get("spec", {}).get("containers", [])]
+        operator = ("-n", OPERATOR_NS, "deployment/understudy-operator")
+        commands = [
+            ("get", "gpuinstance", self.name, "-n", self.ns, "-o", "jsonpath={.status}"),
+            ("get", "pod", "-n", self.ns, "-o", "wide"),
+            ("get", "events", "-n", self.ns, "--sort-by=.lastTimestamp"),
+            *(("logs", "-n", self.ns, f"pod/{self.name}-0", "-c", n, "--tail=25") for n in names),
             ("get", "pods", "-n", OPERATOR_NS, "-o", "wide"),
-            ("logs", "-n", OPERATOR_NS, "deployment/understudy-operator", "--tail=40"),
-            ("logs", "-n", OPERATOR_NS, "deployment/understudy-operator", "--previous",
-             "--tail=20"),
-        ):  # fmt: skip
+            ("logs", *operator, "--tail=40"),
+            ("logs", *operator, "--previous", "--tail=20"),
+        ]
+        out = [f"--- the pod's containers ---\n{doc.get('status', {}).get('containerStatuses')}"]
+        for args in commands:
             proc = self.cluster.kubectl(*args, check=False)
-            out.append(f"--- the operator: {args[0]} ---\n{proc.stdout[-6000:]}{proc.stderr[-99:]}")
+            out.append(
+                f"--- kubectl {' '.join(args)} ---\n{proc.stdout[-6000:]}{proc.stderr[-300:]}"
+            )
         return "\n".join(out)
 
     def _accepts(self) -> bool:
