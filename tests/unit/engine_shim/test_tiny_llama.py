@@ -101,6 +101,20 @@ def test_cached_builds_once_even_when_two_processes_ask_together(
     assert tiny_llama.cached(0, cache) == Path(built)  # found, not rebuilt
 
 
+def test_the_model_cache_is_under_xdg_cache_home_unless_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("UNDERSTUDY_MODEL_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert model_cache.cache_dir() == tmp_path / "xdg" / "understudy" / "models"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")  # not absolute: ignored (the spec)
+    assert model_cache.cache_dir() == Path.home() / ".cache" / "understudy" / "models"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert model_cache.cache_dir() == Path.home() / ".cache" / "understudy" / "models"
+    monkeypatch.setenv("UNDERSTUDY_MODEL_CACHE", str(tmp_path / "own"))
+    assert model_cache.cache_dir() == tmp_path / "own"
+
+
 def test_model_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("UNDERSTUDY_MODEL_CACHE", str(tmp_path))
     assert model_cache.cache_dir() == tmp_path

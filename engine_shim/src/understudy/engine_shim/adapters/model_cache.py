@@ -3,7 +3,8 @@
 Every built-in checkpoint (``builtin:tiny-llama``, ``builtin:smollm2-135m``) is
 a Hugging Face directory that some code writes offline, deterministically.
 `built_once` keeps it under the cache root (default
-``~/.cache/understudy/models``), building it into a temporary directory beside
+``$XDG_CACHE_HOME/understudy/models``, ``~/.cache`` where that is unset, as
+``hack/setup`` keeps its venvs and uv its wheels), building it into a temporary directory beside
 its final place and renaming it there when complete, under an exclusive
 ``flock``: a reader never sees half a checkpoint, and a primary and a shadow
 that start together build it once.
@@ -34,7 +35,11 @@ class ModelMissing(ValueError):
 
 def cache_dir() -> Path:
     root = os.environ.get("UNDERSTUDY_MODEL_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "understudy" / "models"
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")  # the XDG spec: ignored unless absolute
+    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "understudy" / "models"
 
 
 @contextlib.contextmanager
