@@ -39,16 +39,22 @@ TRANSIENT = (AssertionError, KeyError, IndexError, StopIteration, TypeError, Val
 
 def wait_settled(what: str, fn: Callable[[], Any], timeout: float = 180, every: float = 1) -> Any:
     """Poll ``fn`` until it returns something truthy, treating TRANSIENT errors as
-    "not yet"; on timeout the last value seen is in the message."""
+    "not yet"; on timeout the last value seen is in the message, and the last
+    error where the last call raised (a CI run's "last: None" could not tell a
+    condition never written from an object kubectl could not read)."""
     deadline = time.monotonic() + timeout
     last: Any = None
+    error: BaseException | None = None
     while time.monotonic() < deadline:
-        with contextlib.suppress(*TRANSIENT):
-            last = fn()
+        try:
+            last, error = fn(), None
             if last:
                 return last
+        except TRANSIENT as exc:
+            error = exc
         time.sleep(every)
-    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
+    raised = f"; it raised {error!r:.800}" if error is not None else ""
+    raise AssertionError(f"timed out waiting for {what} (last: {last!r}{raised})")
 
 
 class Proc:

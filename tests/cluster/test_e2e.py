@@ -173,8 +173,9 @@ class Instance:
     def diagnose(self) -> str:
         """The instance's conditions, the pod's container states, the
         namespace's events, each container's last lines, and the operator's
-        pod and last lines (an instance with no status at all, the wait's
-        "last: None", was never handled by it)."""
+        pod and last lines (the wait's "last: None" is an instance that no
+        status pass reached, or one that kubectl could not read: the first
+        command's output tells which)."""
         pod = self.cluster.kubectl(
             "get", "pod", f"{self.name}-0", "-n", self.ns, "-o", "json", check=False
         )
