@@ -4,10 +4,10 @@ Every built-in checkpoint (``builtin:tiny-llama``, ``builtin:smollm2-135m``) is
 a Hugging Face directory that some code writes offline, deterministically.
 `built_once` keeps it under the cache root (default
 ``$XDG_CACHE_HOME/understudy/models``, ``~/.cache`` where that is unset, as
-``hack/setup`` keeps its venvs and uv its wheels), building it into a temporary directory beside
-its final place and renaming it there when complete, under an exclusive
-``flock``: a reader never sees half a checkpoint, and a primary and a shadow
-that start together build it once.
+``hack/setup`` keeps its venvs and uv its wheels), building it into a
+temporary directory beside its final place and renaming it there when
+complete, under an exclusive ``flock``: a reader never sees half a
+checkpoint, and a primary and a shadow that start together build it once.
 """
 
 from __future__ import annotations
