@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from understudy.front import connlog, downstream
-from understudy.front.connlog import ConnLog, LogError, kernel_count, parse, plan
+from understudy.front.connlog import ConnLog, LogError, kernel_count, kernel_read, parse, plan
 
 REQUEST = b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}"
 HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -101,7 +101,7 @@ def test_a_refusal_is_written_again_never_answered_twice(tmp_path: Path) -> None
 
 @pytest.mark.parametrize(
     "data",
-    [b"", b"XXXX" + bytes(12), b"USC1" + bytes(12) + b"Z\x01\x00\x00\x00z"],
+    [b"", b"XXXX" + bytes(20), b"USC2" + bytes(20) + b"Z\x01\x00\x00\x00z"],
     ids=["empty", "magic", "kind"],
 )
 def test_what_is_not_a_record_is_refused(data: bytes) -> None:
@@ -182,7 +182,7 @@ def test_an_adopted_connection_gets_the_tail_then_the_next_answer(tmp_path: Path
             ex.answer(200, [], ex.target)
 
         srv = downstream.Server(handle, downstream.Limits())
-        await srv.adopt(server, record, p)
+        srv.adopt(server, record, p)
         got = b""
         loop = asyncio.get_running_loop()
         client.setblocking(False)
@@ -215,7 +215,7 @@ def test_an_answered_request_that_closes_its_connection_is_closed_on_adoption(
 
     async def adopt() -> bytes:
         srv = downstream.Server(lambda ex: ex.answer(200, [], b"again"), downstream.Limits())
-        await srv.adopt(server, record, p)
+        srv.adopt(server, record, p)
         loop = asyncio.get_running_loop()
         client.setblocking(False)
         got = b""
@@ -228,3 +228,83 @@ def test_an_answered_request_that_closes_its_connection_is_closed_on_adoption(
     got = asyncio.run(adopt())
     client.close()
     assert got == answer  # once, then the close
+
+
+def test_the_read_count_is_what_readers_took_from_the_socket() -> None:
+    """Peeked bytes, unread bytes and the client's FIN are not counted."""
+    server, client = _pair()
+    with server, client:
+        assert kernel_read(server) == 0
+        client.sendall(b"x" * 1000)
+        time.sleep(0.05)
+        assert kernel_read(server) == 0  # received, not read
+        assert len(server.recv(300, socket.MSG_PEEK)) == 300
+        assert kernel_read(server) == 0  # a peek takes nothing
+        assert len(server.recv(300)) == 300
+        assert kernel_read(server) == 300
+        client.shutdown(socket.SHUT_WR)  # the FIN takes a sequence number, not a byte
+        time.sleep(0.05)
+        assert kernel_read(server) == 300
+        assert len(server.recv(2000)) == 700
+        assert server.recv(10) == b""  # the end, read
+        assert kernel_read(server) == 1000
+
+
+def test_the_read_base_survives_a_compaction(tmp_path: Path) -> None:
+    r = ConnLog.create(tmp_path, "c-10")
+    r.received(REQUEST)
+    r.wrote(b"HTTP/1.1 204 No Content\r\n\r\n", connlog.F)
+    r.compact()
+    r.received(REQUEST[:7])
+    again, _, records = ConnLog.reopen(tmp_path, "c-10")
+    assert (again.rx_base, again.rx) == (len(REQUEST), 7)
+    assert (
+        plan(again.tx_base, records, again.tx_base, rx_base=again.rx_base, read=len(REQUEST)).skip
+        == 7
+    )
+
+
+def test_bytes_read_but_never_written_down_cannot_be_finished(tmp_path: Path) -> None:
+    """A front that took bytes from the kernel and died before it wrote them
+    down: the request is gone, and the next front says so."""
+    server, client = _pair()
+    with server, client:
+        record = ConnLog.create(tmp_path, "c-11")
+        client.sendall(REQUEST)
+        time.sleep(0.05)
+        server.recv(10)
+        tx_base, records = _reread(record)
+        with pytest.raises(LogError, match="10 bytes were read"):
+            plan(tx_base, records, kernel_count(server), read=kernel_read(server))
+
+
+def test_bytes_written_down_but_still_in_the_socket_are_answered_once(tmp_path: Path) -> None:
+    """The dead front peeked at a request and wrote it down, and died before
+    it took it from the kernel: the next front takes it from the socket
+    unread, answers the record's copy once, then what the client sends next."""
+    first = b"GET /one HTTP/1.1\r\n\r\n"
+    server, client = _pair()
+    record = ConnLog.create(tmp_path, "c-12")
+    client.sendall(first)
+    time.sleep(0.05)
+    record.received(server.recv(100, socket.MSG_PEEK))
+    tx_base, records = _reread(record)
+    p = plan(tx_base, records, kernel_count(server), rx_base=0, read=kernel_read(server))
+    assert p.skip == len(first) and p.rx == first
+
+    async def adopt() -> bytes:
+        srv = downstream.Server(lambda ex: ex.answer(200, [], ex.target), downstream.Limits())
+        srv.adopt(server, record, p)
+        loop = asyncio.get_running_loop()
+        client.setblocking(False)
+        await loop.sock_sendall(client, b"GET /two HTTP/1.1\r\n\r\n")
+        got = b""
+        while not got.endswith(b"/two"):
+            got += await asyncio.wait_for(loop.sock_recv(client, 4096), 5)
+        srv.close()
+        return got
+
+    got = asyncio.run(adopt())
+    client.close()
+    assert got.count(b"/one") == 1 and got.count(b"/two") == 1
+    assert got.index(b"/one") < got.index(b"/two")

@@ -207,3 +207,40 @@ def test_adopt_without_an_answer_raises_and_keeps_no_part() -> None:
     h.close()
     conn.close()
     server.close()
+
+
+def test_a_keeper_that_dies_while_it_is_given_them_again_is_redialled() -> None:
+    """The lock server restarts twice within milliseconds: the keeper the
+    front reconnected to closes before it took the holds. The front dials
+    again, and the next keeper gets every open connection."""
+
+    async def run() -> None:
+        run_dir = Path(tempfile.mkdtemp(prefix="us-", dir="/dev/shm"))
+        path = run_dir / connhold.CONNS_SOCKET
+        a, a_peer = socket.socketpair()
+        short = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        short.bind(str(path))
+        short.listen(1)
+        k2 = Keeper(path, log)
+        tasks: list[asyncio.Task[None]] = []
+
+        def live() -> list[tuple[str, int]]:
+            if not tasks:  # the first keeper dies now, before a hold reaches it
+                conn, _ = short.accept()
+                conn.close()
+                short.close()
+                path.unlink()
+                tasks.append(asyncio.create_task(k2.serve_forever()))
+            return [("c-1", a.fileno())]
+
+        front = Holder(path, log)
+        front.live = live
+        front.keep_trying()
+        await _settle(lambda: "c-1" in k2.held, 5.0)
+        front.close()
+        tasks[0].cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        a.close()
+        a_peer.close()
+
+    asyncio.run(run())

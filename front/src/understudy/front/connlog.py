@@ -16,17 +16,25 @@ client got:
 - ``F``: an answer's last bytes: the exchange is over;
 - ``X``: a refusal's answer: the connection closes after it.
 
+``R`` is written while the bytes are still the kernel's: the front peeks
+at them, writes them down, and only then takes them (``kept``). A front
+killed in between leaves them in both places; one killed after a plain read
+would have taken a request nobody has.
+
 When the connection is idle (every answer out, nothing of a next request
 read) and the kernel has taken every byte, the file is cut back to its
-header, whose ``tx_base`` then counts the bytes that went before: a kept-
-alive connection's record stays the size of one exchange.
+header, whose ``tx_base`` and ``rx_base`` then count the bytes that went
+each way before: a kept-alive connection's record stays the size of one
+exchange.
 
-The next front (``plan``) replays ``R`` through its parser, skips the
-exchanges that ended, writes first what the kernel never took (the record's
-bytes past the socket's own count: bytes acked by the client plus those still
-in its send queue, ``TCP_INFO`` and ``SIOCOUTQ``), and continues a stream
-that was under way from its last event, with the ids of the tokens its
-client already has.
+The next front (``plan``) takes from the socket what the record has already
+(``skip``: the bytes written down but still in the kernel's receive queue,
+from the socket's own count, ``kernel_read``), replays ``R`` through its
+parser, skips the exchanges that ended, writes first what the kernel never
+took (the record's bytes past the socket's own count: bytes acked by the
+client plus those still in its send queue, ``TCP_INFO`` and ``SIOCOUTQ``),
+and continues a stream that was under way from its last event, with the ids
+of the tokens its client already has.
 """
 
 from __future__ import annotations
@@ -45,14 +53,21 @@ from pathlib import Path
 from typing import Any
 
 DIR = "conns"
-MAGIC = b"USC1"
-_HEADER = struct.Struct("<4sIQ")  # magic, reserved, tx_base
+MAGIC = b"USC2"
+_HEADER = struct.Struct("<4sIQQ")  # magic, reserved, tx_base, rx_base
 _REC = struct.Struct("<cI")  # kind, payload length
+_RX_BASE = struct.Struct("<Q")
+_RX_BASE_AT = _HEADER.size - _RX_BASE.size
 _META = struct.Struct("<H")
 _COUNT = struct.Struct("<I")
 MAX_RECORD = 64 << 20
-# struct tcp_info's tcpi_bytes_acked (Linux >= 4.1): a u64 at this offset.
+# struct tcp_info (Linux >= 4.1): tcpi_state, a u8 first; tcpi_bytes_acked and
+# tcpi_bytes_received, u64s at these offsets.
 _BYTES_ACKED = 120
+_BYTES_RECEIVED = 128
+# The states in which the peer's FIN has arrived: the kernel counts it as a
+# byte received (it takes a sequence number), and it is not data.
+_FIN_STATES = frozenset({6, 7, 8, 9, 11})  # TIME_WAIT, CLOSE, CLOSE_WAIT, LAST_ACK, CLOSING
 
 # The record kinds (module docstring).
 R, OPEN, V, W, F, X = b"R", b"O", b"V", b"W", b"F", b"X"
@@ -66,38 +81,50 @@ class LogError(ValueError):
 class ConnLog:
     """This front's record of one connection (``pwrite`` at its end)."""
 
-    __slots__ = ("_end", "_fd", "cid", "path", "tx", "tx_base")
+    __slots__ = ("_end", "_fd", "cid", "path", "rx", "rx_base", "tx", "tx_base")
 
-    def __init__(self, path: Path, fd: int, cid: str, tx_base: int, end: int, tx: int) -> None:
+    def __init__(
+        self,
+        path: Path,
+        fd: int,
+        cid: str,
+        bases: tuple[int, int],
+        end: int,
+        counts: tuple[int, int],
+    ) -> None:
         self.path = path
         self.cid = cid
         self._fd = fd
-        self.tx_base = tx_base  # bytes of this connection's answers before the records
+        # Bytes of this connection's answers and requests before the records.
+        self.tx_base, self.rx_base = bases
         self._end = end
-        self.tx = tx  # bytes the records say were written after tx_base
+        self.tx, self.rx = counts  # bytes the records say were written, and read, since
 
     @classmethod
     def create(cls, directory: Path, cid: str) -> ConnLog:
         path = directory / cid
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        os.pwrite(fd, _HEADER.pack(MAGIC, 0, 0), 0)
-        return cls(path, fd, cid, 0, _HEADER.size, 0)
+        os.pwrite(fd, _HEADER.pack(MAGIC, 0, 0, 0), 0)
+        return cls(path, fd, cid, (0, 0), _HEADER.size, (0, 0))
 
     @classmethod
     def reopen(cls, directory: Path, cid: str) -> tuple[ConnLog, int, list[tuple[bytes, bytes]]]:
-        """A predecessor's record, to go on writing: it, its tx_base and records."""
+        """A predecessor's record, to go on writing: it (its ``tx_base`` and
+        ``rx_base`` are the predecessor's), its tx_base and records."""
         path = directory / cid
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         try:
             data = os.pread(fd, os.fstat(fd).st_size, 0)
             tx_base, records, end = parse(data)
+            (rx_base,) = _RX_BASE.unpack_from(data, _RX_BASE_AT)
         except BaseException:
             os.close(fd)
             raise
         tx = sum(len(tx_bytes(k, p)) for k, p in records if k in _TX)
+        rx = sum(len(p) for k, p in records if k == R)
         if end < len(data):
             os.ftruncate(fd, end)  # a torn last record: never written, as far as anyone knows
-        return cls(path, fd, cid, tx_base, end, tx), tx_base, records
+        return cls(path, fd, cid, (tx_base, rx_base), end, (tx, rx)), tx_base, records
 
     def _append(self, kind: bytes, *parts: bytes) -> None:
         size = sum(map(len, parts))
@@ -106,6 +133,7 @@ class ConnLog:
 
     def received(self, data: bytes) -> None:
         self._append(R, data)
+        self.rx += len(data)
 
     def opened(self, meta: dict[str, Any], head: bytes) -> None:
         doc = json.dumps(meta, separators=(",", ":")).encode()
@@ -128,8 +156,9 @@ class ConnLog:
         base, which says nothing is missing (true: the kernel had it all)."""
         os.ftruncate(self._fd, _HEADER.size)
         self.tx_base += self.tx
-        self.tx = 0
-        os.pwrite(self._fd, _HEADER.pack(MAGIC, 0, self.tx_base), 0)
+        self.rx_base += self.rx
+        self.tx = self.rx = 0
+        os.pwrite(self._fd, _HEADER.pack(MAGIC, 0, self.tx_base, self.rx_base), 0)
         self._end = _HEADER.size
 
     @property
@@ -148,7 +177,7 @@ def parse(data: bytes) -> tuple[int, list[tuple[bytes, bytes]], int]:
     torn last record, one its writer died in, is left out)."""
     if len(data) < _HEADER.size:
         raise LogError(f"{len(data)} bytes: no header")
-    magic, _, tx_base = _HEADER.unpack_from(data, 0)
+    magic, _, tx_base, _ = _HEADER.unpack_from(data, 0)
     if magic != MAGIC:
         raise LogError(f"not a connection record: {magic!r}")
     records: list[tuple[bytes, bytes]] = []
@@ -187,16 +216,29 @@ class Stream:
 @dataclass(frozen=True, slots=True)
 class Plan:
     rx: bytes  # every byte read since the record's start: replayed, not read again
+    skip: int  # of those, still in the socket's receive queue: taken from it unread
     done: int  # exchanges whose answer was written whole: skipped
     tail: bytes  # what the kernel never took: written first
     stream: Stream | None  # the answer after ``done``, if it is a stream under way
     refused: bool  # a refusal went out: close after the tail
 
 
-def plan(tx_base: int, records: list[tuple[bytes, bytes]], kernel: int) -> Plan:
+def plan(
+    tx_base: int,
+    records: list[tuple[bytes, bytes]],
+    kernel: int,
+    *,
+    rx_base: int = 0,
+    read: int | None = None,
+) -> Plan:
     """How the next front finishes a connection, from its record and
-    ``kernel``, the bytes the socket took from any front (``kernel_count``)."""
+    ``kernel``, the bytes the socket took from any front (``kernel_count``),
+    and ``read``, the bytes any front took from it (``kernel_read``; None:
+    not known, nothing is skipped)."""
     rx = b"".join(p for k, p in records if k == R)
+    skip = 0 if read is None else rx_base + len(rx) - read
+    if skip < 0:
+        raise LogError(f"{-skip} bytes were read from the socket and never written down")
     tx = b"".join(tx_bytes(k, p) for k, p in records)
     if kernel < tx_base:
         raise LogError(f"the socket took {kernel} bytes, fewer than the {tx_base} before")
@@ -214,7 +256,7 @@ def plan(tx_base: int, records: list[tuple[bytes, bytes]], kernel: int) -> Plan:
             ids.frombytes(payload[_COUNT.size : _COUNT.size + 4 * n])
             stream = Stream(stream.meta, (*stream.token_ids, *ids), True)
     refused = any(k == X for k, _ in records)
-    return Plan(rx, done, tail, stream, refused)
+    return Plan(rx, skip, done, tail, stream, refused)
 
 
 def kernel_count(sock: socket.socket) -> int:
@@ -227,3 +269,17 @@ def kernel_count(sock: socket.socket) -> int:
     queued = array.array("i", [0])
     fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, queued)
     return int(acked) + queued[0]
+
+
+def kernel_read(sock: socket.socket) -> int:
+    """Bytes readers took from this TCP socket since it opened: every byte
+    it received, less those still in its receive queue (and the FIN)."""
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    if len(info) < _BYTES_RECEIVED + 8:
+        raise LogError("this kernel's TCP_INFO has no bytes_received (Linux 4.1 or later)")
+    (received,) = struct.unpack_from("<Q", info, _BYTES_RECEIVED)
+    if info[0] in _FIN_STATES:
+        received -= 1
+    unread = array.array("i", [0])
+    fcntl.ioctl(sock.fileno(), termios.FIONREAD, unread)
+    return int(received) - unread[0]

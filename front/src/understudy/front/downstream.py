@@ -46,7 +46,7 @@ from typing import Any, cast
 
 import httptools
 
-from understudy.front import connlog
+from understudy.front import connlog, kept
 from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.front")
@@ -362,6 +362,18 @@ class ClientConnection(asyncio.Protocol):
         if self._drained is not None and not self._drained.done():
             self._drained.set_result(None)
 
+    def write_down(self, data: bytes) -> None:
+        """Bytes read, written down before the kernel lets go of them
+        (``kept``) and before they are parsed: a next front parses them again."""
+        if self.log is None:
+            return
+        try:
+            self.log.received(data)
+        except OSError as exc:  # a full volume: served from now on, but not kept
+            log_event(log, "connlog_failed", logging.ERROR, id=self.log.cid, error=str(exc))
+            self._server.on_closed(self.log)
+            self.log = None
+
     def eof_received(self) -> bool:
         return False  # the client is gone: close (connection_lost follows)
 
@@ -459,8 +471,6 @@ class ClientConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._refusal is not None or self._closed:
             return  # refused or closing: the rest of what it sends is not read
-        if self.log is not None and not self._replaying:
-            self.log.received(data)  # before it is parsed: a next front parses it again
         try:
             while True:
                 try:
@@ -662,6 +672,13 @@ class ClientConnection(asyncio.Protocol):
         """Finish what a front that died left on this connection (its record's
         ``plan``): the bytes the kernel never took, then its requests parsed
         again, the ended ones skipped and a stream under way resumed."""
+        t = cast(kept.KeptTransport, self._transport)
+        try:
+            t.discard(plan.skip)  # written down, but still the kernel's: read here once
+        except OSError as exc:
+            log_event(log, "adopt_connection_failed", logging.ERROR, error=str(exc))
+            t.abort()
+            return
         if plan.tail:
             self._send(plan.tail)
         if plan.refused:
@@ -674,6 +691,8 @@ class ClientConnection(asyncio.Protocol):
                 self.data_received(plan.rx)
         finally:
             self._replaying = False
+        if not self._paused_reading:
+            t.resume_reading()  # what the client sent since, after what it sent before
         if self._active is None and not self._queue:
             self._next()
 
@@ -755,6 +774,9 @@ class Server:
             proto.claim()
             if self.keep is not None:
                 proto.log = self.keep(conn)
+            if proto.log is not None:
+                self._connect_kept(loop, proto, conn).resume_reading()
+                continue
             task = loop.create_task(self._connect(loop, proto, conn))
             self._connecting.add(task)
             task.add_done_callback(self._connecting.discard)
@@ -770,15 +792,24 @@ class Server:
             conn.close()
             proto.connection_lost(exc if isinstance(exc, OSError) else None)
 
-    async def adopt(self, conn: socket.socket, record: connlog.ConnLog, plan: connlog.Plan) -> None:
+    def _connect_kept(
+        self, loop: asyncio.AbstractEventLoop, proto: ClientConnection, conn: socket.socket
+    ) -> kept.KeptTransport:
+        """A kept connection's transport (``kept``), not reading yet: made
+        here, at once, so that the connection is in ``live`` from its accept."""
+        with contextlib.suppress(OSError):  # the client left already: its first read says so
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        transport = kept.KeptTransport(loop, conn, proto, proto.write_down)
+        proto.connection_made(transport)
+        return transport
+
+    def adopt(self, conn: socket.socket, record: connlog.ConnLog, plan: connlog.Plan) -> None:
         """A connection a front that died had accepted: finish its ``plan``."""
-        loop = asyncio.get_running_loop()
         proto = ClientConnection(self.handler, self.limits, self)
         proto.claim()
         proto.log = record
-        await self._connect(loop, proto, conn)
-        if not proto.closed:
-            proto.adopt(plan)
+        self._connect_kept(asyncio.get_running_loop(), proto, conn)
+        proto.adopt(plan)
 
     def live(self) -> list[tuple[str, int]]:
         """The kept connections open now: (their record's id, their descriptor)."""

@@ -198,7 +198,10 @@ class Front:
                 record, tx_base, records = connlog.ConnLog.reopen(self._conns, cid)
             except FileNotFoundError:  # accepted, nothing read yet
                 record, tx_base, records = connlog.ConnLog.create(self._conns, cid), 0, []
-            plan = connlog.plan(tx_base, records, connlog.kernel_count(sock))
+            plan = connlog.plan(
+                tx_base, records, connlog.kernel_count(sock),
+                rx_base=record.rx_base, read=connlog.kernel_read(sock),
+            )  # fmt: skip
         except (OSError, connlog.LogError) as exc:
             # Nothing to finish it from: its client sees the close.
             log_event(log, "adopt_connection_failed", logging.ERROR, id=cid, error=str(exc))
@@ -209,9 +212,9 @@ class Front:
         self.metrics.adopted.inc()
         log_event(
             log, "adopted", id=cid, done=plan.done, tail=len(plan.tail), replay=len(plan.rx),
-            stream_tokens=len(plan.stream.token_ids) if plan.stream else None,
+            skip=plan.skip, stream_tokens=len(plan.stream.token_ids) if plan.stream else None,
         )  # fmt: skip
-        await self._server.adopt(sock, record, plan)
+        self._server.adopt(sock, record, plan)
 
     def _took_over(self, before: Predecessor) -> None:
         """Count what the previous front lost, and say it."""

@@ -234,15 +234,8 @@ class Holder:
         return self._sock is not None
 
     def connect(self, timeout: float = 1.0) -> bool:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        sock.settimeout(timeout)
-        try:
-            sock.connect(str(self.path))
-        except OSError:
-            sock.close()
-            return False
-        self._sock = sock
-        return True
+        self._sock = _dial(self.path, timeout)
+        return self._sock is not None
 
     def adopt(self, timeout: float = ADOPT_S) -> list[tuple[str, uds.OwnedFd]]:
         """Every connection the keeper holds, each as a new descriptor here
@@ -357,17 +350,29 @@ class Holder:
             )
 
     async def _reconnect(self) -> None:
-        for n in itertools.count():  # the keeper restarts in place: it comes back
-            if await asyncio.to_thread(self.connect, 1.0):
-                break
-            # Often while a restart takes (what is accepted meanwhile is not
-            # kept), then seldom: a pod whose lock server keeps nothing.
-            await asyncio.sleep(_RECONNECT_S if n < _RECONNECT_TRIES else _RECONNECT_MAX_S)
-        self.watch()
-        live = list(self.live())
-        for cid, fd in live:
-            self.hold(cid, fd)
-        log_event(self._log, "conns_keeper_back", held_again=len(live))
+        # Until a keeper took every hold: one that dies while it is sent them
+        # (the lock server restarting twice within milliseconds) ends its
+        # socket here, in this very task (``_send`` → ``_lost``), where
+        # ``keep_trying`` cannot start another.
+        while self._sock is None:
+            for n in itertools.count():  # the keeper restarts in place: it comes back
+                # Dialled in a thread, but taken here, in the loop: a hold sent
+                # meanwhile sees no socket and is left to ``live`` below, never
+                # half-sent to a socket this task has not watched yet.
+                sock = await asyncio.to_thread(_dial, self.path, 1.0)
+                if sock is not None:
+                    break
+                # Often while a restart takes (what is accepted meanwhile is
+                # held once it is back), then seldom: a pod whose lock server
+                # keeps nothing.
+                await asyncio.sleep(_RECONNECT_S if n < _RECONNECT_TRIES else _RECONNECT_MAX_S)
+            self._sock = sock
+            self.watch()
+            live = list(self.live())
+            for cid, fd in live:
+                self.hold(cid, fd)
+            if self._sock is not None:
+                log_event(self._log, "conns_keeper_back", held_again=len(live))
 
     def _discard_pending(self) -> None:
         for _, fd in self._pending:
@@ -385,6 +390,17 @@ class Holder:
                 asyncio.get_running_loop().remove_reader(self._sock.fileno())
             self._sock.close()
             self._sock = None
+
+
+def _dial(path: Path, timeout: float) -> socket.socket | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(str(path))
+    except OSError:
+        sock.close()
+        return None
+    return sock
 
 
 def _recv(sock: socket.socket) -> tuple[bytes, uds.OwnedFd | None]:
