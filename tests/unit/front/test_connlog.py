@@ -308,3 +308,35 @@ def test_bytes_written_down_but_still_in_the_socket_are_answered_once(tmp_path: 
     client.close()
     assert got.count(b"/one") == 1 and got.count(b"/two") == 1
     assert got.index(b"/one") < got.index(b"/two")
+
+
+def test_a_volume_that_refuses_what_was_read_leaves_it_served_but_not_kept(
+    tmp_path: Path,
+) -> None:
+    """The volume refuses the record of a request (ENOSPC, from ``/dev/full``
+    under the record's descriptor): the request is answered all the same,
+    and the connection is no longer kept (its keeper copy dropped at once)."""
+    dropped: list[str] = []
+
+    def keep(conn: socket.socket) -> ConnLog:
+        record = ConnLog.create(tmp_path, "c-13")
+        full = os.open("/dev/full", os.O_WRONLY)
+        os.dup2(full, record._fd)  # every write from now on: ENOSPC
+        os.close(full)
+        return record
+
+    async def run() -> bytes:
+        srv = downstream.Server(lambda ex: ex.answer(200, [], ex.target), downstream.Limits())
+        srv.keep = keep
+        srv.on_closed = lambda record: dropped.append(record.cid)
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            srv.serve_on(listener, 16)
+            reader, writer = await asyncio.open_connection(*listener.getsockname()[:2])
+            writer.write(b"GET /one HTTP/1.1\r\n\r\n")
+            got = await asyncio.wait_for(reader.readuntil(b"/one"), 5)
+            assert dropped == ["c-13"]  # at the failed write, not at the close
+            writer.close()
+            srv.close()
+        return got
+
+    assert asyncio.run(run()).startswith(b"HTTP/1.1 200 OK")

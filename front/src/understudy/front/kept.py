@@ -81,7 +81,7 @@ class KeptTransport(asyncio.Transport):
             if not self._protocol.eof_received():
                 self.close()
             return
-        data = bytes(_SCRATCH[:n])
+        data = bytes(memoryview(_SCRATCH)[:n])  # one copy, of what came
         self._write_down(data)
         try:
             self.discard(n)
