@@ -56,8 +56,6 @@ DIR = "conns"
 MAGIC = b"USC2"
 _HEADER = struct.Struct("<4sIQQ")  # magic, reserved, tx_base, rx_base
 _REC = struct.Struct("<cI")  # kind, payload length
-_RX_BASE = struct.Struct("<Q")
-_RX_BASE_AT = _HEADER.size - _RX_BASE.size
 _META = struct.Struct("<H")
 _COUNT = struct.Struct("<I")
 MAX_RECORD = 64 << 20
@@ -116,7 +114,7 @@ class ConnLog:
         try:
             data = os.pread(fd, os.fstat(fd).st_size, 0)
             tx_base, records, end = parse(data)
-            (rx_base,) = _RX_BASE.unpack_from(data, _RX_BASE_AT)
+            rx_base: int = _HEADER.unpack_from(data, 0)[3]  # parse checked the header
         except BaseException:
             os.close(fd)
             raise
