@@ -21,9 +21,10 @@ from understudy.engine_shim.adapters.llama_model import (
     LlamaModel,
     Prompt,
     Row,
+    _in_parts,
     _in_products,
     apply_rope,
-    invariant_rows,
+    parts_keep_bits,
     products_keep_rows,
     rms_norm,
     rope_tables,
@@ -224,7 +225,7 @@ def test_decode_products_keep_a_rows_bits_in_any_step(shape: tuple[int, int]) ->
 def test_a_batched_prefill_is_each_prompt_run_alone_bit_for_bit(
     model: LlamaModel, tok: ChatTokenizer
 ) -> None:
-    """Prompts of 1 to 3 chunks, shorter and longer than `batch_rows`, three of
+    """Prompts of 1 to 3 chunks, of 1 to 16 rows each, three of
     them continued from a chunk boundary of a cache filled before: every
     logit and every key and value written is what `prefill_chunks` gives each
     prompt alone."""
@@ -232,7 +233,7 @@ def test_a_batched_prefill_is_each_prompt_run_alone_bit_for_bit(
     text = " ".join(f"word{i}" for i in range(60))
     ids = tok.encode(text)
     lengths, starts = [1, 3, 7, 15, 16, 20, 40, 41], [0, 0, 0, 0, 0, 16, 16, 32]
-    assert model.batch_rows(chunk) > 1  # some of these run alone, others together
+    assert model.batch_parts(chunk)  # else this is prompts one after another
     prompts = [Prompt(ids[i : i + n], slot, s) for slot, (i, n, s) in enumerate(
         zip(range(0, 80, 10), lengths, starts, strict=True))]  # fmt: skip
     alone, batched = (KVCache(model.config, len(prompts), 64) for _ in range(2))
@@ -259,19 +260,23 @@ def test_a_batched_prefill_is_each_prompt_run_alone_bit_for_bit(
 
 
 @pytest.mark.parametrize("shape", [(256, 256), (64, 256), (1536, 576), (576, 1536)])
-def test_from_invariant_rows_on_a_products_rows_keep_their_bits(shape: tuple[int, int]) -> None:
-    """What the probe promises, checked on other numbers: from its row count
-    up to ``most``, a product's rows are the same bits alone and amid others.
-    (One row never is here: OpenBLAS's vector kernel sums in another order.)"""
+def test_where_parts_keep_their_bits_a_chunk_is_the_same_bits_at_any_place(
+    shape: tuple[int, int],
+) -> None:
+    """What the probe promises, checked on other numbers and places: a part of
+    any size up to the chunk, anywhere among others, is the same bits as
+    alone. (Stacked into one product, rows here differ from their bits alone:
+    the module docstring.)"""
     w = rng.standard_normal(shape, dtype=np.float32)
-    most = 24
-    need = invariant_rows([w], most)
-    assert 1 < need <= most
-    for m in range(need, most + 1):
+    chunk = 24
+    assert parts_keep_bits([w], chunk)
+    for m in range(1, chunk + 1):
         x = rng.standard_normal((m, shape[1]), dtype=np.float32)
-        around = rng.standard_normal((37, shape[1]), dtype=np.float32)
-        inside = np.concatenate([around[:11], x, around[11:]]) @ w.T
-        assert np.array_equal(inside[11 : 11 + m], x @ w.T)
+        before, after = (rng.standard_normal((n, shape[1]), dtype=np.float32) for n in (m, 3))
+        rows = np.concatenate([before, x, after])
+        parts = [(0, m), (m, 2 * m), (2 * m, 2 * m + 3)]
+        alone = x @ w.T
+        assert np.array_equal(_in_parts(rows, w, parts)[m : 2 * m], alone), m
 
 
 def test_the_model_reads_the_callers_memory_and_never_copies(

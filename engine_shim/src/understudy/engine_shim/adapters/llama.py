@@ -487,7 +487,7 @@ class LlamaEngine:
         assert self.model is not None
         ids = [i % self.config.vocab_size for i in range(WARMUP_LEN + 1)]
         cache = self._new_cache(2, len(ids))
-        # Two prompts in one batch: its probe (LlamaModel.batch_rows) runs here,
+        # Two prompts in one batch: its probe (LlamaModel.batch_parts) runs here,
         # not in a failover's first prefill. (prefill_chunks and prefill are
         # the same _extend: one path warms all three.)
         prompts = [Prompt(ids[:-1], 0, 0), Prompt(ids[:8], 1, 0)]

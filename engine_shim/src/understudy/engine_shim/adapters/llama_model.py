@@ -14,8 +14,8 @@ Two paths fill the cache and give logits:
 
 * `prefill` runs a whole prompt as one batch of rows (matrix products), for
   speed; `prefill_chunks` runs it in chunks at fixed positions, and
-  `prefill_batch` several prompts' chunks at once: their rows share each
-  weight's product, each prompt attends over its own slot. Attention is
+  `prefill_batch` several prompts' chunks in one pass over the layers, each
+  chunk in its own products, each prompt attending over its own slot. Attention is
   blocked: a block of ``QUERY_BLOCK`` query positions meets only the keys up
   to its own end (the causal half is never computed), as one product per KV
   head for all the query heads that share it. Its result depends only on the
@@ -40,12 +40,18 @@ Two paths fill the cache and give logits:
   ms row by row, 66 ms in products of 4 rows; a step of one row, 41 ms and
   53 ms: the price of a row's bits not depending on its neighbours.)
 
-A product's rows are the same bits alone and inside a bigger product once
-they are many enough to leave OpenBLAS's small-matrix kernels (measured
-here: from 3 to 7 rows, by the weight's shape), so `prefill_batch` shares a
-product only among chunks of at least `LlamaModel.batch_rows` rows, probed
-on the model's own weights (`invariant_rows`); a shorter chunk runs alone,
-as `prefill_chunks` runs it.
+A row's bits inside a bigger product are not those it has alone, nor at
+another place, for any number of rows: with OpenBLAS 0.3.31's Haswell
+kernels (an AMD EPYC here) a row of 8 differed whenever other rows came
+before or after it, in 26 of 27 arrangements (2026-12-02); other cores moved
+the bound between 3 and 24 rows. So `prefill_batch` never stacks chunks of
+different prompts in one product: `_extend` gives each chunk its own
+product with each weight, of the shape the chunk has when it runs alone (the
+chunk grid fixes it), and only shares the pass over the layers (a layer's
+weights are read from memory for the first chunk and from the cache for the
+others). What that leaves to the BLAS, that a product's bits do not go by
+where its rows lie in memory, a probe checks at start-up
+(`parts_keep_bits`); where it fails the prompts run one after another.
 
 Together: the logits at every generated position are a function of the
 prompt and the ids before that position, bit for bit on one machine with one
@@ -61,6 +67,7 @@ stream prefills the prompt and feeds the ids already generated through
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -84,7 +91,7 @@ __all__ = [
     "Prompt",
     "Row",
     "apply_rope",
-    "invariant_rows",
+    "parts_keep_bits",
     "products_keep_rows",
     "rms_norm",
     "rope_tables",
@@ -251,11 +258,6 @@ def _rowwise(x: F32, weight: F32) -> F32:
     return out
 
 
-def _matmul(x: F32, weight: F32) -> F32:
-    out: F32 = x @ weight.T
-    return out
-
-
 def _blocks(weight: F32, block_bytes: int) -> range:
     """The first row of each block of ``block_bytes`` of ``weight``'s rows."""
     return range(0, weight.shape[0], max(1, block_bytes // (weight.shape[1] * weight.itemsize)))
@@ -306,32 +308,38 @@ def products_keep_rows(weights: Sequence[F32]) -> bool:
     return True
 
 
-def invariant_rows(weights: Sequence[F32], most: int) -> int:
-    """The fewest rows from which a product ``x @ w.T`` of up to ``most`` rows,
-    for each ``w`` of ``weights``, gives each row the same bits as the same
-    row inside a bigger product (``most + 1`` when even ``most`` rows do
-    not). BLAS libraries pick kernels by shape: OpenBLAS 0.3.31 gives
-    products under a size (rows x the weight's) its small-matrix kernels, and
-    one row its vector kernel, each summing in another order. Checked with
-    the arrays themselves (the kernels go by shape, strides and alignment):
-    every row count up to ``most``, stacked in one product at varied
-    offsets, against each alone. Every count, since the kernels' bounds move
-    with the weight's shape (a 64 x 256 weight: up to 17 rows; SmolLM2's
-    smallest, 192 x 576: up to 6). SmolLM2's four shapes, up to 64 rows:
-    0.34 s, once, at start-up."""
+def _in_parts(x: F32, weight: F32, parts: Sequence[tuple[int, int]]) -> F32:
+    """x (rows, in) @ weight.T as one product per part ``x[a:b]`` of ``parts``:
+    a part's product has the shape it has when the part runs alone, whichever
+    parts share the call (module docstring). One after another, so the weight
+    is read from memory for the first part and from the cache for the rest."""
+    out = np.empty((x.shape[0], weight.shape[0]), dtype=np.float32)
+    wt = weight.T
+    for a, b in parts:
+        np.matmul(x[a:b], wt, out=out[a:b])
+    return out
+
+
+def parts_keep_bits(weights: Sequence[F32], chunk: int) -> bool:
+    """Whether `_in_parts` gives a part of up to ``chunk`` rows the same bits at
+    any row of a bigger array as alone, for each of ``weights`` (then
+    `LlamaModel.prefill_batch` runs several prompts' chunks in one pass over
+    the layers; otherwise one prompt after another). The shapes are the same
+    by construction; what this checks is that the kernels do not go by where
+    the rows lie in memory: parts of 1 to 8 rows (the small-matrix kernels'
+    sizes) and of ``chunk`` - 1 and ``chunk``, at odd offsets; tens of
+    milliseconds, once per ``chunk``."""
     rng = np.random.default_rng(0)
-    counts = range(most, 0, -1)
-    need = 1
+    sizes = sorted({*range(1, min(chunk, 8) + 1), max(1, chunk - 1), chunk})
     for w in weights:
-        blocks = [rng.standard_normal((m, w.shape[1]), dtype=np.float32) for m in counts]
-        together = np.concatenate(blocks) @ w.T
-        offset = 0
-        for block in blocks:
-            m = block.shape[0]
-            if not np.array_equal(together[offset : offset + m], block @ w.T):
-                need = max(need, m + 1)
-            offset += m
-    return need
+        x = rng.standard_normal((2 * chunk + 1, w.shape[1]), dtype=np.float32)
+        for m in sizes:
+            offset = 1 + m % chunk  # never 0: never where the array alone starts
+            parts = [(0, offset), (offset, offset + m)]
+            alone = x[offset : offset + m].copy() @ w.T
+            if not np.array_equal(_in_parts(x[: offset + m], w, parts)[offset:], alone):
+                return False
+    return True
 
 
 def _softmax(scores: F32) -> F32:
@@ -499,7 +507,7 @@ class LlamaModel:
         self._cos, self._sin = rope_tables(c.head_dim, c.rope_theta, c.max_position_embeddings)
         # A query block's diagonal square: position i attends to keys 0..i.
         self._causal = np.triu(np.full((QUERY_BLOCK,) * 2, -np.inf, dtype=np.float32), k=1)
-        self._batch_rows: dict[int, int] = {}  # batch_rows' probes, by chunk
+        self._batch_parts: dict[int, bool] = {}  # batch_parts' probes, by chunk
         self.decode_products: Final = products_keep_rows([*self._distinct_matrices(), self._head])
         """Whether a decode runs in products of rows (else row by row)."""
         self._decode_product: Final = _in_products if self.decode_products else _rowwise
@@ -569,38 +577,37 @@ class LlamaModel:
     ) -> list[F32]:
         """`prefill_chunks` of every prompt, each one's logits after its last
         token, the same bits as each run alone: round by round, every prompt's
-        next chunk, those of at least `batch_rows` rows through the same
-        products (``progress``: after each round)."""
+        next chunk in one pass over the layers, each chunk its own product
+        with each weight (`_in_parts`; one prompt after another where
+        `batch_parts` is false). ``progress``: after each round."""
         for p in prompts:
             if p.start % chunk or not 0 <= p.start < len(p.tokens):
                 raise ValueError(f"start {p.start} is not a chunk boundary before {len(p.tokens)}")
-        shared = self.batch_rows(chunk) if len(prompts) > 1 else 1  # one: no product shared
+        if len(prompts) > 1 and not self.batch_parts(chunk):
+            return [self.prefill_batch([p], cache, chunk, progress)[0] for p in prompts]
         begins = [p.start for p in prompts]
         last: list[F32 | None] = [None] * len(prompts)
         while todo := [i for i, p in enumerate(prompts) if begins[i] < len(p.tokens)]:
             parts = [(i, prompts[i].tokens[begins[i] : begins[i] + chunk]) for i in todo]
-            together = [(i, ids) for i, ids in parts if len(ids) >= shared]
-            alone = [[(i, ids)] for i, ids in parts if len(ids) < shared]
-            for run in [together, *alone] if together else alone:
-                x = self._extend([(ids, prompts[i].slot, begins[i]) for i, ids in run], cache)
-                offset = 0
-                for i, ids in run:
-                    offset += len(ids)
-                    last[i] = x[offset - 1 : offset]
+            x = self._extend([(ids, prompts[i].slot, begins[i]) for i, ids in parts], cache)
+            offset = 0
             for i, ids in parts:
+                offset += len(ids)
+                last[i] = x[offset - 1 : offset]
                 begins[i] += len(ids)
             if progress is not None:
                 progress()
         head = self._head.T
         return [(rms_norm(x, self._norm, self._eps) @ head)[0] for x in last if x is not None]
 
-    def batch_rows(self, chunk: int) -> int:
-        """The fewest rows of a chunk that `prefill_batch` runs in a product
-        shared with other prompts' chunks: `invariant_rows` of this model's
-        matrices (one of each shape), probed once per process and ``chunk``."""
-        if chunk not in self._batch_rows:
-            self._batch_rows[chunk] = invariant_rows(self._distinct_matrices(), chunk)
-        return self._batch_rows[chunk]
+    def batch_parts(self, chunk: int) -> bool:
+        """Whether `prefill_batch` runs prompts' chunks of up to ``chunk`` rows in
+        one pass over the layers (else one prompt after another):
+        `parts_keep_bits` of this model's matrices (one of each shape),
+        probed once per process and ``chunk``."""
+        if chunk not in self._batch_parts:
+            self._batch_parts[chunk] = parts_keep_bits(self._distinct_matrices(), chunk)
+        return self._batch_parts[chunk]
 
     def _distinct_matrices(self) -> list[F32]:
         """One of each shape and strides of a layer's matrices (a probe's arrays)."""
@@ -611,8 +618,9 @@ class LlamaModel:
     def _extend(self, parts: Sequence[tuple[Sequence[int], int, int]], cache: KVCache) -> F32:
         """For each part ``(tokens, slot, start)``, positions ``start``.. of ``slot``
         from ``tokens``, attending to the cache before them; the hidden states
-        after the last layer (before the norm), the parts' rows in order. The
-        parts share every weight's product; attention is each part's own."""
+        after the last layer (before the norm), the parts' rows in order. Each
+        part has its own product with each weight (`_in_parts`), in one pass
+        over the layers; attention is each part's own."""
         c = self.config
         ids = self._check_tokens([t for tokens, _, _ in parts for t in tokens])
         spans: list[tuple[int, int, int, int]] = []  # rows from, rows to, slot, start
@@ -627,13 +635,14 @@ class LlamaModel:
         n, kvh, d = ids.size, c.num_kv_heads, c.head_dim
         positions = np.concatenate([np.arange(s, s + b - a) for a, b, _, s in spans])
         cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]
+        product = functools.partial(_in_parts, parts=[(a, b) for a, b, _, _ in spans])
         x = self._embed[ids]
         for li, layer in enumerate(self._layers):
             h = rms_norm(x, layer.attn_norm, self._eps)
-            q = apply_rope((h @ layer.wq.T).reshape(n, c.num_heads, d), cos, sin)
+            q = apply_rope(product(h, layer.wq).reshape(n, c.num_heads, d), cos, sin)
             q *= self._scale  # once per query, not once per score
-            k = apply_rope((h @ layer.wk.T).reshape(n, kvh, d), cos, sin)
-            v = (h @ layer.wv.T).reshape(n, kvh, d)
+            k = apply_rope(product(h, layer.wk).reshape(n, kvh, d), cos, sin)
+            v = product(h, layer.wv).reshape(n, kvh, d)
             context = np.empty_like(q)
             for a, b, slot, start in spans:
                 end = start + b - a
@@ -641,8 +650,8 @@ class LlamaModel:
                 cache.v[li, slot, :, start:end] = v[a:b].transpose(1, 0, 2)
                 keys, values = cache.k[li, slot, :, :end], cache.v[li, slot, :, :end]
                 context[a:b] = self._attend(q[a:b], keys, values, start)
-            x += context.reshape(n, c.num_heads * d) @ layer.wo.T
-            x += self._mlp(x, layer, _matmul)
+            x += product(context.reshape(n, c.num_heads * d), layer.wo)
+            x += self._mlp(x, layer, product)
         return x
 
     def _attend(self, q: F32, keys: F32, values: F32, start: int) -> F32:
