@@ -49,9 +49,12 @@ different prompts in one product: `_extend` gives each chunk its own
 product with each weight, of the shape the chunk has when it runs alone (the
 chunk grid fixes it), and only shares the pass over the layers (a layer's
 weights are read from memory for the first chunk and from the cache for the
-others). What that leaves to the BLAS, that a product's bits do not go by
-where its rows lie in memory, a probe checks at start-up
-(`parts_keep_bits`); where it fails the prompts run one after another.
+others; 8 chunks of 64 rows through SmolLM2's MLP matrices, one core, took
+13.8-28 ms as 8 products against 13.1-17.9 ms as one, inside this VM's
+noise but likely up to a fifth more). What that leaves to the BLAS, that
+a product's bits do not go by where its rows lie in memory, a probe checks
+at start-up (`parts_keep_bits`); where it fails the prompts run one after
+another.
 
 Together: the logits at every generated position are a function of the
 prompt and the ids before that position, bit for bit on one machine with one
