@@ -770,11 +770,14 @@ class Server:
             except OSError as exc:  # out of descriptors, say: the rest wait in the queue
                 log_event(log, "accept_failed", logging.ERROR, error=str(exc))
                 return
+            # Kept first (``keep`` gives the keeper its copy): the time from
+            # the accept to the copy is the one window in which this
+            # process's death loses the connection, so nothing comes before.
+            record = self.keep(conn) if self.keep is not None else None
             proto = ClientConnection(self.handler, self.limits, self)
             proto.claim()
-            if self.keep is not None:
-                proto.log = self.keep(conn)
-            if proto.log is not None:
+            proto.log = record
+            if record is not None:
                 self._connect_kept(loop, proto, conn).resume_reading()
                 continue
             task = loop.create_task(self._connect(loop, proto, conn))
