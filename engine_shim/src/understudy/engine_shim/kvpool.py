@@ -32,8 +32,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from understudy.engine_shim import failpoints, kvlog
+from understudy.engine_shim import kvlog
 from understudy.engine_shim.kvlog import HEADER_SIZE, RECORD_SIZE, PoolSpec
+from understudy.wire import failpoints
 from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.engine_shim.kvpool")

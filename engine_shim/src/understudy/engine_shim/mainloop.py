@@ -23,7 +23,7 @@ from typing import Any, Final, assert_never
 
 import prometheus_client as prom
 
-from understudy.engine_shim import crash, failpoints, fsm
+from understudy.engine_shim import crash, fsm
 from understudy.engine_shim.adapters.base import Engine
 from understudy.engine_shim.config import EngineConfig
 from understudy.engine_shim.early_status import EarlyStatus
@@ -33,7 +33,7 @@ from understudy.engine_shim.probes import Probe, Verdict, verdict
 from understudy.engine_shim.weights import Weights
 from understudy.gms.client import GmsError
 from understudy.lockserver import client as lock_client
-from understudy.wire import heap, respawn
+from understudy.wire import failpoints, heap, respawn
 from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.engine_shim")

@@ -30,7 +30,6 @@ from typing import Any
 
 from aiohttp import web
 
-from understudy.engine_shim import failpoints
 from understudy.engine_shim.generation import (
     Generator,
     IncrementalText,
@@ -39,6 +38,7 @@ from understudy.engine_shim.generation import (
     Step,
     finish_of,
 )
+from understudy.wire import failpoints
 from understudy.wire.serving import (
     FIELD,
     ContinuationError,

@@ -32,7 +32,7 @@ from understudy.front.forwarder import Forwarder
 from understudy.front.ledger import LEDGER, Ledger, Predecessor
 from understudy.front.metrics import FrontMetrics
 from understudy.front.router import Router
-from understudy.wire import connhold, handover, uds
+from understudy.wire import connhold, failpoints, handover, uds
 from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.front")
@@ -185,6 +185,7 @@ class Front:
         self._cid_next += 1
         cid = f"{self._cid_prefix}-{self._cid_next}"
         self._holder.hold(cid, conn.fileno())
+        failpoints.hit("front.accept.record")
         try:
             return connlog.ConnLog.create(self._conns, cid)
         except OSError as exc:  # a full volume: served, but not kept

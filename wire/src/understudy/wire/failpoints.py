@@ -38,11 +38,11 @@ unknown point or action is an error at import, so a typo cannot quietly test
 nothing.
 
 Every point is listed in :data:`POINTS` with where it sits and what a test
-proves with it; ``tests/unit/engine_shim/test_failpoints.py`` fails for a listed
-point that no test arms or no code hits, and for a hit of an unlisted name.
-This module lives in the engine shim because every point is on an engine's
-path (its main loop, its KV pool, its adapters). It imports nothing of ours,
-so a point elsewhere means moving the module, not copying it.
+proves with it; ``tests/unit/wire/test_failpoints.py`` fails for a listed point that no
+test arms or no code hits, and for a hit of an unlisted name. This module
+lives in ``wire`` (it imports nothing of ours) because its points are on
+more than one component's path: an engine's (its main loop, its KV pool,
+its adapters) and the front's.
 """
 
 from __future__ import annotations
@@ -73,6 +73,10 @@ POINTS: Final[Mapping[str, str]] = {
     "kv.block.corrupt": "the KV pool, as the next engine adopts it: a sealed block's bytes "
     "are changed under its seal (memory corrupted between two holders), and the engine "
     "finds the checksum wrong and recomputes the block instead of serving it (return)",
+    "front.accept.record": "the front, at a connection's accept, after its copy went to "
+    "the lock server and before its record exists: a front killed there leaves the "
+    "connection held with no record, and the next front answers it from its first byte "
+    "(kill)",
     "engine.poison": "the OpenAI surface, as an engine starts a request: armed "
     "return(MARKER), the engine SIGKILLs itself on every request whose prompt holds "
     "MARKER, as a request that crashes whichever engine serves it would (a poison "

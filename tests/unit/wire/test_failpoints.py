@@ -11,18 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from understudy.engine_shim import failpoints
+from understudy.wire import failpoints
 
 ROOT = Path(__file__).resolve().parents[3]
 HIT = re.compile(r"""failpoints\.(?:hit|value)\(\s*["']([\w.-]+)["']\s*\)""")
 
 
 def _run(spec: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    code = (
-        "from understudy.engine_shim import failpoints\n"
-        "failpoints.hit('engine.init')\n"
-        "print('after')"
-    )
+    code = "from understudy.wire import failpoints\nfailpoints.hit('engine.init')\nprint('after')"
     return subprocess.run(
         [sys.executable, "-c", code],
         env={"UNDERSTUDY_FAILPOINTS": spec, "PATH": "/usr/bin:/bin"},
@@ -107,7 +103,7 @@ def test_every_listed_point_is_hit_by_the_code_and_armed_by_a_test() -> None:
 
 def _run_code(spec: str, code: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", "from understudy.engine_shim import failpoints\n" + code],
+        [sys.executable, "-c", "from understudy.wire import failpoints\n" + code],
         env={"UNDERSTUDY_FAILPOINTS": spec, "PATH": "/usr/bin:/bin"},
         capture_output=True,
         text=True,
