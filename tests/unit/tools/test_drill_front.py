@@ -36,6 +36,10 @@ def test_any_failure_fails_even_one_the_next_front_reported_lost():
     lost or not (a connection not kept is a failure too)."""
     reported = _judge([_round(10, 2, idle=1)], [failed(10.1), ok(10.2, 10.3)], 0)
     assert not reported["passed"] and reported["rounds"][0]["failed"] == 1
+    # each failure says when, against its kill, and where (the client's side)
+    where = Sample(9.8, 10.1, False, error="ConnectionResetError", kind="k", detail="sending")
+    told = _judge([_round(10, 0)], [where], 0)["rounds"][0]["failures"]
+    assert told == ["ConnectionResetError sending: -0.200..+0.100 s"]
     refused = _judge([_round(10, 1)], [failed(10.1, "ConnectionRefusedError"), ok(10.2, 10.3)], 0)
     assert not refused["passed"] and refused["refused"] == 1
     gone = _judge([_round(10, 0, back=False)], [ok(1, 2)], 0)

@@ -221,6 +221,7 @@ class Front:
         log_event(
             log, "adopted", id=cid, done=plan.done, tail=len(plan.tail), replay=len(plan.rx),
             skip=plan.skip, stream_tokens=len(plan.stream.token_ids) if plan.stream else None,
+            peer=_peer(sock),
         )  # fmt: skip
         self._server.adopt(sock, record, plan)
 
@@ -315,3 +316,12 @@ async def run(cfg: FrontConfig, started: float | None = None) -> None:
     await downstream.until_stopped()
     log_event(log, "draining", inflight=front.forwarder.inflight, held=front.router.held)
     await front.drain()
+
+
+def _peer(sock: socket.socket) -> str:
+    """The client's address (a drill's failure names its port), or why not."""
+    try:
+        host, port = sock.getpeername()[:2]
+    except OSError as exc:  # the client is gone already
+        return exc.strerror or type(exc).__name__
+    return f"{host}:{port}"

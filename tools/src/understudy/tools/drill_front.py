@@ -141,6 +141,11 @@ def _judge(rounds: list[dict[str, Any]], samples: list[Sample], split_brain: int
         r["failed"] = len(failed)
         r["refused"] = sum(1 for s in failed if s.error == "ConnectionRefusedError")
         r["errors"] = sorted({s.error for s in failed})
+        # when each failure began and ended against the kill, and where
+        r["failures"] = [
+            f"{s.error} {s.detail}: {s.start - r['t_kill']:+.3f}..{s.end - r['t_kill']:+.3f} s"
+            for s in failed
+        ]
         r["gap_s"] = None if first_ok is None else first_ok - r["t_kill"]
     before_first = [s for s in samples if not s.ok and (not kills or s.end < kills[0])]
     wrong = {k: n for k, n in _answers(samples).items() if n > 1}
@@ -188,6 +193,7 @@ def render(result: dict[str, Any]) -> str:
             f"{r['refused']:>7}  {gap:>6}  "
             f"{start:>14}  {', '.join(r['errors']) or '-'}"
         )
+        lines.extend(f"      {f}" for f in r.get("failures", ()))
     lines.append(
         f"{result['requests']} requests, {result['failed']} failed, the dead fronts' "
         f"connections not kept: {result['reported_in_flight']:g} busy and "

@@ -160,16 +160,25 @@ class Client(threading.Thread):
 
     def _once(self, kind: Kind) -> Sample:
         t0 = time.monotonic()
+        step, port = "connecting", 0
         try:
             conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+            conn.connect()
+            port = conn.sock.getsockname()[1]
+            step = "sending"
             conn.request(
                 "POST", kind.path, json.dumps(kind.body), {"Content-Type": "application/json"}
             )
+            step = "waiting for the answer"
             resp = conn.getresponse()
+            step = "reading the answer"
             data, arrivals = _read(resp, kind.streaming)
             conn.close()
         except (OSError, http.client.HTTPException) as exc:
-            return Sample(t0, time.monotonic(), False, error=type(exc).__name__, kind=kind.name)
+            return Sample(
+                t0, time.monotonic(), False, error=type(exc).__name__, kind=kind.name,
+                detail=f"{step}, port {port}",
+            )  # fmt: skip
         t1 = time.monotonic()
         if resp.status != 200:
             return Sample(t0, t1, False, error=f"HTTP {resp.status}", kind=kind.name)

@@ -26,8 +26,9 @@ class KindLike(Protocol):
 @dataclass(slots=True)
 class Sample:
     """One request: started and ended (monotonic seconds), answered right or
-    not, the digest of its answer or its error, its kind's name, and for a
-    stream when each of its tokens arrived (until the tally has read them)."""
+    not, the digest of its answer or its error, its kind's name, for a
+    stream when each of its tokens arrived (until the tally has read them),
+    and for a failure where it failed."""
 
     start: float
     end: float
@@ -36,6 +37,9 @@ class Sample:
     error: str = ""
     kind: str = ""
     tokens: tuple[float, ...] = ()
+    # A failure's where: the step it failed in and the client's port (to
+    # find the connection in the front's log: ``adopted ... peer=``).
+    detail: str = ""
 
 
 # The per-request series a report draws: every request near a kill (the part
