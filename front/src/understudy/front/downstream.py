@@ -337,9 +337,13 @@ class ClientConnection(asyncio.Protocol):
         self._set_busy(True)
         self._arm_timer()
 
-    def claim(self) -> None:
-        """Count this connection as busy from now: it was just accepted."""
-        self._set_busy(True)
+    def claim(self, counted: bool = False) -> None:
+        """Count this connection as busy from now: it was just accepted
+        (``counted``: its server counted it already, at the accept)."""
+        if counted:
+            self._busy = True
+        else:
+            self._set_busy(True)
 
     def _set_busy(self, busy: bool) -> None:
         idle = not busy and not self._closed
@@ -770,12 +774,15 @@ class Server:
             except OSError as exc:  # out of descriptors, say: the rest wait in the queue
                 log_event(log, "accept_failed", logging.ERROR, error=str(exc))
                 return
-            # Kept first (``keep`` gives the keeper its copy): the time from
-            # the accept to the copy is the one window in which this
-            # process's death loses the connection, so nothing comes before.
+            # Counted (a store into the ledger's page), then kept (``keep``
+            # gives the keeper its copy): the time from the accept to the
+            # copy is the one window in which this process's death loses the
+            # connection, so nothing else comes before it, and a death in it
+            # is counted lost.
+            self.count_busy(1)
             record = self.keep(conn) if self.keep is not None else None
             proto = ClientConnection(self.handler, self.limits, self)
-            proto.claim()
+            proto.claim(counted=True)
             proto.log = record
             if record is not None:
                 self._connect_kept(loop, proto, conn).resume_reading()
