@@ -337,13 +337,10 @@ class ClientConnection(asyncio.Protocol):
         self._set_busy(True)
         self._arm_timer()
 
-    def claim(self, counted: bool = False) -> None:
-        """Count this connection as busy from now: it was just accepted
-        (``counted``: its server counted it already, at the accept)."""
-        if counted:
-            self._busy = True
-        else:
-            self._set_busy(True)
+    def claim(self) -> None:
+        """Busy from now: it was just accepted or adopted, and its server
+        counted it then (``Server.count_busy``), before it made this object."""
+        self._busy = True
 
     def _set_busy(self, busy: bool) -> None:
         idle = not busy and not self._closed
@@ -782,7 +779,7 @@ class Server:
             self.count_busy(1)
             record = self.keep(conn) if self.keep is not None else None
             proto = ClientConnection(self.handler, self.limits, self)
-            proto.claim(counted=True)
+            proto.claim()
             proto.log = record
             if record is not None:
                 self._connect_kept(loop, proto, conn).resume_reading()
@@ -815,6 +812,7 @@ class Server:
 
     def adopt(self, conn: socket.socket, record: connlog.ConnLog, plan: connlog.Plan) -> None:
         """A connection a front that died had accepted: finish its ``plan``."""
+        self.count_busy(1)
         proto = ClientConnection(self.handler, self.limits, self)
         proto.claim()
         proto.log = record
