@@ -69,12 +69,12 @@ def test_the_same_prefix_again_loads_past_vllms_own_hit_and_never_the_last_id() 
     # vLLM's own prefix cache already holds 16 positions (one of its blocks).
     found, claim = planner.matched("b", IDS, 16)
     assert claim is not None and claim.slot == 0
-    assert claim.start == 48  # at most 49 reused; inside the prompt, whole 16s
-    assert found == 48 - 16
+    assert claim.start == 49  # all but the last id: no chunk grid for vLLM
+    assert found == 49 - 16
     planner.allocated("b", found)
-    plan = planner.step([("b", 48, 2, [3, 4], IDS)])
-    assert [(m.start, m.end) for m in plan.loads] == [(16, 48)]
-    assert [(m.start, m.end) for m in plan.saves] == [(48, 50)]
+    plan = planner.step([("b", 49, 1, [3, 4], IDS)])
+    assert [(m.start, m.end) for m in plan.loads] == [(16, 49)]
+    assert [(m.start, m.end) for m in plan.saves] == [(49, 50)]
     # The load happens once: the next step only saves.
     plan = planner.step([("b", 50, 1, [3, 4], [*IDS, 1])])
     assert plan.loads == [] and [(m.start, m.end) for m in plan.saves] == [(50, 51)]
@@ -83,12 +83,12 @@ def test_the_same_prefix_again_loads_past_vllms_own_hit_and_never_the_last_id() 
 def test_vllm_taking_fewer_positions_than_offered_loads_only_those() -> None:
     planner = served()
     found, _ = planner.matched("b", IDS, 0)
-    assert found == 48
+    assert found == 49
     planner.allocated("b", 32)  # vLLM trimmed the load to its own block boundary
     plan = planner.step([("b", 32, 18, [2, 3], IDS)])
     assert [(m.start, m.end) for m in plan.loads] == [(0, 32)]
-    # The pool still holds 0..47: the save starts past them, whatever vLLM recomputed.
-    assert [(m.start, m.end) for m in plan.saves] == [(48, 50)]
+    # The pool still holds 0..48: the save starts past them, whatever vLLM recomputed.
+    assert [(m.start, m.end) for m in plan.saves] == [(49, 50)]
 
 
 def test_a_request_asked_again_after_preemption_gets_what_the_pool_holds_of_it() -> None:
@@ -135,7 +135,9 @@ def test_the_next_engine_adopts_what_the_dead_one_saved(epoch: int) -> None:
     resumed = [*IDS, 7, 8]
     nxt = Planner(pool(memory, epoch), SPEC.max_len)
     found, claim = nxt.matched("a-continued", resumed, 0)
-    assert claim is not None and claim.start == 48 and found == 48
+    # Every sealed position, the streamed ones past a chunk's boundary too:
+    # vLLM computes only what a decode step would.
+    assert claim is not None and claim.start == 50 and found == 50
 
 
 def test_a_match_shorter_than_a_chunk_leaves_its_slot_to_the_stream_it_belongs_to() -> None:

@@ -86,8 +86,13 @@ class Planner:
             free = self._free()
             if not free or len(tokens) > self.max_len:
                 return 0, None
-            chunk = self.pool.spec.block_tokens  # vLLM's prefill keeps no fixed chunks
-            claim = self.pool.claim(tokens, free, prompt=len(tokens), chunk=chunk)
+            # prompt=0: every sealed position is reused, none moved back to a
+            # chunk grid. vLLM's prefill keeps no fixed chunks (the grid is the
+            # numpy engine's, for its bits), so moving back would only have vLLM
+            # recompute up to a block of positions as a prefill: 8 of a
+            # continuation's 24 at a kill, where one position is what a decode
+            # step computes.
+            claim = self.pool.claim(tokens, free, prompt=0, chunk=self.pool.spec.block_tokens)
             held = _Held(claim.slot, claim.start)
             self._held[req_id] = held
         held.given = computed
