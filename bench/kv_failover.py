@@ -198,8 +198,10 @@ def stream(
             if kill_after is not None and len(parts) == kill_after and killed_at is None:
                 active = pod.active()
                 assert active is not None, pod.states()
-                os.kill(active["pid"], signal.SIGKILL)
+                # The time before the kill: the lock server may log the death
+                # (its death word) before this process runs again after it.
                 killed_at, killed_pid = time.monotonic(), active["pid"]
+                os.kill(killed_pid, signal.SIGKILL)
     finally:
         conn.close()
     return "".join(parts), times, t0, killed_at, killed_pid

@@ -8,7 +8,9 @@ shim uses), so the reconnect/resume path is exercised for real.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import socket
 import struct
@@ -541,4 +543,65 @@ def test_failover_counters_survive_the_lock_servers_kill9(tmp_path):
             == m["understudy_lock_handover_seconds_sum"]
         )
     finally:
+        pod.close()
+
+
+# A holder as an engine holds the lock, its death word armed beside its
+# heartbeat (as the engine shim's main loop does) or not, and its lock
+# connection open in a forked child too: its death then never closes that
+# connection, so only the word can tell the lock server it died.
+HOLDER = """
+import json, os, sys, time
+from pathlib import Path
+from understudy.lockserver import client
+from understudy.wire import deathword
+from understudy.wire.serving import heartbeat_path
+sock, engine_id, arm = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "arm"
+if arm:
+    deathword.arm(deathword.word_path(heartbeat_path(sock.parent, engine_id)))
+held = client.acquire(str(sock), engine_id, 10)
+child = os.fork()
+if child == 0:
+    time.sleep(3600)
+    os._exit(0)
+print(json.dumps({"event": "granted", "epoch": held.epoch, "child": child}), flush=True)
+time.sleep(3600)
+"""
+
+
+@pytest.mark.parametrize(
+    ("armed", "at_death"),
+    [(True, True), (False, True), (True, False)],
+    ids=["word", "no-word", "word-but-gpu-pod"],
+)
+def test_a_dead_holder_whose_connection_lives_on_is_released_by_its_death_word(
+    tmp_path, armed, at_death
+):
+    pod = Pod(tmp_path, extra=("--grant-at-death",) if at_death else ())
+    pod.start_server()
+    a = Proc([sys.executable, "-c", HOLDER, str(pod.sock), "a", "arm" if armed else "bare"])
+    pod.procs.append(a)
+    first = a.json_line(15)
+    child = first["child"]
+    try:
+        b = pod.acquire("b")
+        pod.wait_waiting("b")
+        a.kill9()
+        if armed and at_death:
+            assert granted(b, timeout=5) > first["epoch"]
+            log = pod.log.read_text()
+            assert "event=holder_died engine_id=a " in log and "signal=death_word" in log
+            assert "reason=process_died was_holder=True" in log
+        else:
+            # Without a word, or in a pod whose devices are free only once
+            # the process is gone, a connection that outlives its holder
+            # keeps the lock: what the word is for, and where it must not be.
+            assert b.no_line(1.5)
+            assert pod.status().holder == "a"
+            os.kill(child, signal.SIGKILL)
+            assert granted(b, timeout=5) > first["epoch"]
+            assert "holder_died" not in pod.log.read_text()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
         pod.close()

@@ -33,7 +33,7 @@ from understudy.engine_shim.probes import Probe, Verdict, verdict
 from understudy.engine_shim.weights import Weights
 from understudy.gms.client import GmsError
 from understudy.lockserver import client as lock_client
-from understudy.wire import failpoints, heap, respawn
+from understudy.wire import deathword, failpoints, heap, respawn
 from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.engine_shim")
@@ -368,6 +368,14 @@ class Shim:
             sock=self.early.handover() if self.early is not None else None,
         )
         self.host.start_heartbeat(cfg.heartbeat, lambda: self.s.epoch)
+        # The word the kernel marks at this process's death, before its memory
+        # is torn down: the lock server sees a killed Active at once, not at
+        # its connection's close (wire.deathword). Best effort: without it
+        # the close still releases the lock.
+        try:
+            deathword.arm(deathword.word_path(cfg.heartbeat))
+        except OSError as exc:
+            log_event(log, "death_word_off", logging.WARNING, reason=exc)
         # SIGTERM drains an Active engine and ends any other at once. A handler
         # of our own also means the signal is delivered when the engine runs
         # as a container's PID 1, where the kernel drops signals that have

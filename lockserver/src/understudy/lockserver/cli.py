@@ -56,6 +56,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             token=_read_token(args.token_file),
             metrics_port=args.metrics_port,
             serving=(args.serving_host, args.serving_port) if args.serving_port else None,
+            grant_at_death=args.grant_at_death,
         )
     except ValueError as exc:
         print(f"understudy lockserver: {exc}", file=sys.stderr)
@@ -165,6 +166,14 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "front restarts instead of being refused",
     )
     serve.add_argument("--serving-host", default="0.0.0.0", help="address of --serving-port")
+    serve.add_argument(
+        "--grant-at-death",
+        action="store_true",
+        help="hand the lock on the moment the holder's process dies (the death word its "
+        "engine arms beside its heartbeat), not when its connection closes after Linux "
+        "has torn its memory down; only for engines on host memory: a GPU's memory is "
+        "free only once the process is gone",
+    )
     serve.set_defaults(func=cmd_serve)
 
     lock = sub.add_parser("lock", help="talk to a lock server")

@@ -25,6 +25,11 @@ class ServerConfig:
     # With ``serving``: how long the client connections of a front that died
     # are kept open for the next one (connhold), then closed.
     conns_hold_s: float = 30.0
+    # Hand the lock on at the holder's death word (wire.deathword), before
+    # Linux has torn the dead process's memory down and closed its
+    # connection. Only where the next engine needs none of that memory freed
+    # first (host memory); a GPU's memory goes only with the process.
+    grant_at_death: bool = False
 
     def __post_init__(self) -> None:
         if self.reconnect_window_s < 0:

@@ -17,6 +17,7 @@ import itertools
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
@@ -41,7 +42,7 @@ from understudy.lockserver.messages import (
     client_codec,
     server_codec,
 )
-from understudy.wire import connhold, handover
+from understudy.wire import connhold, deathword, handover
 from understudy.wire.heartbeat import read_beat
 from understudy.wire.obs import log_event, start_metrics_server
 from understudy.wire.serving import SERVE_DIR, Beat, heartbeat_path
@@ -153,6 +154,10 @@ class LockServer:
         self._collector = TallyCollector(self)
         self._state_file = statefile.StateFile(config.state_file)
         self._listener: socket.socket | None = None  # the pod's serving socket, kept
+        # The holder's death word's watch, by connection (wire.deathword): set
+        # to stop it; and the connections it closed, for their log line.
+        self._death_watch: dict[int, threading.Event] = {}
+        self._died: set[int] = set()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -423,6 +428,7 @@ class LockServer:
             ),
         )
         self._released_at = None
+        self._watch_death(action.conn, action.engine_id)
         WAIT.observe(action.waited_s)
         log_event(
             log,
@@ -433,6 +439,45 @@ class LockServer:
             waited_ms=round(action.waited_s * 1000, 3),
             conn=action.conn,
         )
+
+    def _watch_death(self, conn: int, engine_id: str) -> None:
+        """Close the holder's connection the moment the kernel marks its
+        process dead (its death word), not when Linux closes the connection
+        after tearing the process's memory down: the next engine's grant
+        waits on that close. Only with ``grant_at_death`` (a pod whose next
+        engine needs none of the dead one's memory freed first). A holder
+        over TCP is in another pod: its word is not ours to see."""
+        entry = self._writers.get(conn)
+        if not self.config.grant_at_death or entry is None or entry[1]:
+            return
+        loop, stop = self._loop, threading.Event()
+        assert loop is not None
+        path = deathword.word_path(heartbeat_path(self.config.socket_path.parent, engine_id))
+
+        def died() -> None:  # on the watch's thread
+            loop.call_soon_threadsafe(self._holder_died, conn, engine_id)
+
+        if deathword.watch(path, died, stop) is not None:
+            self._death_watch[conn] = stop
+
+    def _holder_died(self, conn: int, engine_id: str) -> None:
+        entry = self._writers.get(conn)
+        if entry is None:
+            return  # its connection closed first
+        log_event(log, "holder_died", engine_id=engine_id, conn=conn, signal="death_word")
+        self._died.add(conn)
+        entry[0].transport.abort()  # the connection's loop sees EOF: Disconnected
+
+    def _unwatch(self, conn: int) -> str | None:
+        """Stop watching a closed connection's death word; why it closed if
+        the word closed it."""
+        stop = self._death_watch.pop(conn, None)
+        if stop is not None:
+            stop.set()
+        if conn in self._died:
+            self._died.discard(conn)
+            return "process_died"
+        return None
 
     def _window_opened(self, action: fsm.WindowOpened) -> None:
         log_event(
@@ -602,6 +647,7 @@ class LockServer:
         except (ConnectionError, TimeoutError) as exc:
             reason = type(exc).__name__
         finally:
+            reason = self._unwatch(conn) or reason
             self._writers.pop(conn, None)
             self._watchers.discard(conn)
             WATCHERS.set(len(self._watchers))

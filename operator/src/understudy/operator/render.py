@@ -209,6 +209,10 @@ def lockserver_container(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]
             # starts: a front's death refuses no connection (docs/pod.md).
             "--serving-port",
             str(inst.spec.serving_port),
+            # Host memory: the next engine needs nothing of the dead one's
+            # freed, so the lock goes at its death, not ~0.1 s later at its
+            # connection's close. A GPU is free only once the process is gone.
+            *(["--grant-at-death"] if inst.spec.gms.backend is api.GmsBackend.HOST else []),
         ],
         "ports": [
             {
