@@ -146,3 +146,16 @@ def test_arming_replaces_a_dead_engines_word_and_cleans_up_on_close(word: Path) 
     assert deathword.read(word) == armed.thread.native_id | deathword.FUTEX_WAITERS
     armed.close()
     assert not word.exists()
+
+
+def test_every_watcher_is_woken_not_only_the_one_the_kernel_wakes(word: Path) -> None:
+    """The kernel wakes one waiter of a dead owner's word; the lock server and
+    the front both wait on it. With a poll of 30 s, a watcher left asleep
+    would miss the 5 s below."""
+    with _spawn(word) as (pid, _):
+        woken = [threading.Event() for _ in range(3)]
+        for event in woken:
+            assert deathword.watch(word, event.set, threading.Event(), poll_s=30) is not None
+        time.sleep(0.3)  # all three asleep in the kernel
+        os.kill(pid, signal.SIGKILL)
+        assert all(event.wait(5) for event in woken)

@@ -47,6 +47,8 @@ FUTEX_WAITERS: Final = 0x80000000
 FUTEX_OWNER_DIED: Final = 0x40000000
 FUTEX_TID_MASK: Final = 0x3FFFFFFF
 _FUTEX_WAIT: Final = 0  # shared (no FUTEX_PRIVATE_FLAG): the word is in a shared file
+_FUTEX_WAKE: Final = 1
+_WAKE_ALL: Final = 2**31 - 1
 _WAIT_AGAIN: Final = (errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR)
 _MAP_FAILED: Final = ctypes.c_void_p(-1).value
 WORD_BYTES: Final = 64  # the file: the word, then zeros (one cache line)
@@ -220,6 +222,12 @@ def watch(
             while not stop.is_set():
                 value = word.value
                 if value & FUTEX_OWNER_DIED:
+                    # The kernel wakes one waiter; the lock server and the
+                    # front both wait: the first wakes the rest.
+                    sys.call(
+                        ctypes.c_long(sys.futex), ctypes.c_void_p(at), ctypes.c_int(_FUTEX_WAKE),
+                        ctypes.c_int(_WAKE_ALL),
+                    )  # fmt: skip
                     on_death()
                     return
                 # Returns at the wake-up, at once if the word changed since
