@@ -36,6 +36,52 @@ def test_memfd_create_export_map_unmap_remap_same_address() -> None:
     backend.close()
 
 
+def _mapped_at(address: int) -> str:
+    """The name of what /proc/self/maps shows at ``address`` ("" if anonymous)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if lo <= address < hi:
+            return fields[5] if len(fields) > 5 else ""
+    raise AssertionError(f"nothing mapped at {address:#x}")
+
+
+def test_a_parked_host_mapping_stays_through_sleep_and_only_for_the_same_memory() -> None:
+    """Sleep keeps a host RO mapping (GMS's shared memory: page tables, no
+    memory); wake keeps it only if GMS hands the same memfd back, and maps
+    the one it hands otherwise (a restarted GMS that loaded afresh)."""
+    backend = MemfdBackend(device=0)
+    mapper = HostMapper()
+    backend.create(0, 2 * MiB)
+    backend.create(1, 2 * MiB)
+    for alloc, text in ((0, b"first"), (1, b"other")):
+        fd = backend.export(alloc, writable=True)
+        os.pwrite(fd, text, 0)
+        os.close(fd)
+    address = mapper.reserve(2 * MiB, backend.granularity)
+    buf = (ctypes.c_char * 16).from_address(address)
+    try:
+        fd = backend.export(0, writable=False)
+        mapper.map(fd, address, 2 * MiB, writable=False)
+        os.close(fd)
+        mapper.park(address, 2 * MiB)
+        assert _mapped_at(address).startswith("/memfd:") and bytes(buf[:5]) == b"first"
+        fd = backend.export(0, writable=False)  # wake, the same memory
+        mapper.map(fd, address, 2 * MiB, writable=False)
+        os.close(fd)
+        assert bytes(buf[:5]) == b"first"
+        mapper.park(address, 2 * MiB)
+        fd = backend.export(1, writable=False)  # wake, other memory at the address
+        mapper.map(fd, address, 2 * MiB, writable=False)
+        os.close(fd)
+        assert bytes(buf[:5]) == b"other"
+        mapper.unmap(address, 2 * MiB)  # a real unmap still gives it all back
+        assert _mapped_at(address) == ""
+    finally:
+        mapper.free(address, 2 * MiB)
+        backend.close()
+
+
 def test_read_only_export_cannot_be_mapped_writable() -> None:
     backend = MemfdBackend(device=0)
     mapper = HostMapper()

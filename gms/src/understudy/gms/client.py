@@ -563,8 +563,9 @@ class GmsClient:
     # --- sleep and wake ----------------------------------------------------
 
     def unmap(self) -> None:
-        """Sleep: drop every mapping and the session; keep the address
-        reservations, the allocation records and the layout hash."""
+        """Sleep: drop the session and every mapping the backend does not keep
+        asleep (``mapper.park``: a GPU's, not host memory's); keep the
+        address reservations, the allocation records and the layout hash."""
         with self._lock:
             if self.granted_mode is Granted.RW:
                 raise GmsError("commit before unmap: an uncommitted layout cannot be remapped")
@@ -573,7 +574,7 @@ class GmsClient:
             self._drop_session()
             for a in self._allocs:
                 assert self._mapper is not None
-                self._mapper.unmap(a.address, a.size)
+                self._mapper.park(a.address, a.size)
             self.granted_mode = None
 
     def remap(self, timeout: float, epoch: int | None = None) -> None:

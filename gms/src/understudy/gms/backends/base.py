@@ -68,5 +68,11 @@ class ClientMapper(Protocol):
     def unmap(self, address: int, size: int) -> None:
         """Drop the mapping and its reference to the memory; keep the reservation."""
 
+    def park(self, address: int, size: int) -> None:
+        """Sleep: what a sleeping engine does with the RO mapping at
+        ``address``: unmap it, or keep it where keeping it holds nothing that
+        a sleeping engine must give back; ``map`` of the same memory at the
+        same address then finds it in place."""
+
     def free(self, address: int, size: int) -> None:
         """Give the (unmapped) reservation back."""

@@ -310,6 +310,11 @@ class CudaVmmMapper:
             (result,) = drv.cuMemRelease(handle)
             _check(drv, result, "cuMemRelease")
 
+    def park(self, address: int, size: int) -> None:
+        # A GPU's memory is what a sleeping engine gives back (sleep mode):
+        # a mapping held asleep would keep it from the Active.
+        self.unmap(address, size)
+
     def free(self, address: int, size: int) -> None:
         (result,) = self._drv.cuMemAddressFree(address, size)
         _check(self._drv, result, "cuMemAddressFree")
