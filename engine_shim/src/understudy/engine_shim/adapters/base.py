@@ -7,8 +7,9 @@ machine; an engine only moves weights and serves:
   weights, describe them in metadata (the shim commits);
 - ``attach(sessions)``: build the model over the mapped weights — the same
   call for the writer and for readers that imported them;
-- ``sleep()``: drop working memory (KV cache); the shim then unmaps the weights;
-- ``wake()``: the shim has remapped the weights at the same addresses;
+- ``sleep()``: drop working memory (KV cache); the shim then puts the weights
+  to sleep (GMS: a GPU's mapping dropped, host memory's kept read-only);
+- ``wake()``: the shim has the weights mapped again at the same addresses;
   allocate working memory again and get ready to serve;
 - ``routes()``: the serving endpoint's handlers (bound only when Active);
 - ``health()``: whether the serving side works.

@@ -7,7 +7,7 @@ views of that memory (never a copy), for the writer and for readers alike.
 ``attach`` also runs the model once (a warm-up); ``wake`` allocates the KV
 cache — engine-owned numpy arrays, never GMS memory, so the process's death
 frees them — and starts the batching worker; ``sleep`` stops the worker and drops the cache before
-the shim unmaps the weights.
+the shim puts the weights to sleep.
 
 The engine is a ``generation.Generator``, served by ``openai_api``.
 `Batcher` runs continuous batching on one worker thread: every iteration

