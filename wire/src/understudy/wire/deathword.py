@@ -164,10 +164,9 @@ def arm(path: Path, timeout_s: float = 5.0) -> Armed:
 
     thread = threading.Thread(target=hold, name="understudy-death-word", daemon=True)
     thread.start()
-    if not ready.wait(timeout_s):
-        raise OSError(errno.ETIMEDOUT, "the death word's thread did not start")
-    if failed:
-        raise failed[0]
+    if not ready.wait(timeout_s) or failed:
+        tmp.unlink(missing_ok=True)  # never armed: no file left behind
+        raise failed[0] if failed else OSError(errno.ETIMEDOUT, "the word's thread did not start")
     os.replace(tmp, path)  # armed before it is visible: a watcher never sees a bare file
     return Armed(path, thread)
 
