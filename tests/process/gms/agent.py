@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import sys
 import threading
 import time
@@ -24,6 +25,8 @@ import numpy as np
 from understudy.gms.client import GmsClient
 from understudy.gms.kvclient import KvSession
 from understudy.gms.messages import Mode
+from understudy.wire import deathword
+from understudy.wire.serving import heartbeat_path
 
 _out = threading.Lock()
 MULT = np.uint64(0x9E3779B97F4A7C15)
@@ -228,6 +231,22 @@ class Agent:
         assert self.kv is not None
         self.kv.close()
         return {}
+
+    # --- as an engine dies ---------------------------------------------------------
+
+    def op_arm_death_word(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """The word the engine shim arms beside its heartbeat (wire.deathword)."""
+        deathword.arm(deathword.word_path(heartbeat_path(Path(cmd["run_dir"]), cmd["name"])))
+        return {}
+
+    def op_fork_holder(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """A child that holds every connection of this process open, asleep: this
+        process's death then closes none of them (as a teardown still under way)."""
+        child = os.fork()
+        if child == 0:
+            time.sleep(3600)
+            os._exit(0)
+        return {"child": child}
 
 
 def main() -> None:

@@ -5,6 +5,9 @@ the CUDA driver double (UNVERIFIED on a GPU)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import urllib.request
 from pathlib import Path
 
@@ -191,3 +194,50 @@ def test_the_cuda_backend_hands_the_pool_on(
     got = acquire(second, gms, 2, "e2", timeout=20)
     assert got["ok"] and not got["created"] and got["previous_epoch"] == 1, got
     assert second.ok("kv_verify", seed=3)["equal"]
+
+
+@pytest.mark.parametrize(
+    ("armed", "backend"),
+    [(True, "host"), (False, "host"), (True, "cuda")],
+    ids=["word", "no-word", "word-but-gpu"],
+)
+def test_a_dead_holder_whose_connection_lives_on_gives_the_pool_at_its_death_word(
+    gms: Gms, lock_state: Path, armed: bool, backend: str, request: pytest.FixtureRequest
+) -> None:
+    """The holder's KV connection is kept open by a forked child, so its death
+    never closes it: only its death word can tell GMS the pool is free. GMS
+    reads it for host memory; a GPU's (here the CUDA driver double's) is free
+    only once the process is gone, so there it waits for the close."""
+    if backend == "cuda":
+        request.getfixturevalue("cuda_double")
+    gms.server(0, "--backend", backend, "--lock-state", str(lock_state))
+    lock_record(lock_state, "e1", 1)
+    first = gms.agent("first")
+    if armed:
+        first.ok("arm_death_word", run_dir=str(lock_state.parent), name="e1")
+    assert acquire(first, gms, 1, "e1")["ok"]
+    first.ok("kv_fill", seed=9)
+    child = first.ok("fork_holder")["child"]
+    try:
+        lock_record(lock_state, "e2", 2)
+        second = gms.agent("second")
+        second.send(
+            op="kv_acquire", path=str(gms.path()), epoch=2, size=3 * MiB, name="e2", timeout=20
+        )
+        assert second.no_line(0.5)  # epoch 1 maps the pool
+        first.kill9()
+        if armed and backend == "host":
+            got = second.json_line(5)
+            assert got["ok"] and got["previous_epoch"] == 1, got
+            log = (gms.tmp / "server0.log").read_text()
+            assert "event=kv_holder_died" in log and "client=e1" in log
+        else:
+            assert second.no_line(1.5)  # the connection lives on: so does the hold
+            os.kill(child, signal.SIGKILL)
+            got = second.json_line(10)
+            assert got["ok"] and got["previous_epoch"] == 1, got
+            assert "kv_holder_died" not in (gms.tmp / "server0.log").read_text()
+        assert second.ok("kv_verify", seed=9)["equal"]  # as the dead holder left it
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)

@@ -369,9 +369,9 @@ class Shim:
         )
         self.host.start_heartbeat(cfg.heartbeat, lambda: self.s.epoch)
         # The word the kernel marks at this process's death, before its memory
-        # is torn down: the lock server sees a killed Active at once, not at
-        # its connection's close (wire.deathword). Best effort: without it
-        # the close still releases the lock.
+        # is torn down: the lock server, GMS (for the KV pool) and the front
+        # see a killed Active at once, not at its connections' close
+        # (wire.deathword). Best effort: without it the closes still do.
         try:
             deathword.arm(deathword.word_path(cfg.heartbeat))
         except OSError as exc:
