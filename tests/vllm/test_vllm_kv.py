@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from understudy.engine_shim import memadvise
 from understudy.engine_shim.adapters import vllm_kv
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -25,11 +26,11 @@ def _rss() -> int:
 
 
 def test_pages_are_the_whole_pages_inside() -> None:
-    page = vllm_kv.PAGE
-    assert vllm_kv.pages(0, 3 * page) == (0, 3 * page)
-    assert vllm_kv.pages(1, 3 * page) == (page, 2 * page)  # both ends partial
-    assert vllm_kv.pages(page - 64, page) == (page, 0)  # no whole page inside
-    assert vllm_kv.pages(2 * page, page - 1) == (2 * page, 0)
+    page = memadvise.PAGE
+    assert memadvise.pages(0, 3 * page) == (0, 3 * page)
+    assert memadvise.pages(1, 3 * page) == (page, 2 * page)  # both ends partial
+    assert memadvise.pages(page - 64, page) == (page, 0)  # no whole page inside
+    assert memadvise.pages(2 * page, page - 1) == (2 * page, 0)
 
 
 def test_released_views_read_zeros_and_the_memory_goes_back() -> None:
@@ -44,9 +45,9 @@ def test_released_views_read_zeros_and_the_memory_goes_back() -> None:
 
     before = _rss()
     released = vllm_kv.release(worker)
-    assert released >= 256 * MiB - 2 * vllm_kv.PAGE
+    assert released >= 256 * MiB - 2 * memadvise.PAGE
     assert before - _rss() > 200 * MiB
-    assert int(buf.count_nonzero()) <= 2 * vllm_kv.PAGE  # at most the partial end pages
+    assert int(buf.count_nonzero()) <= 2 * memadvise.PAGE  # at most the partial end pages
     views[1].fill_(2.0)  # still a valid tensor: the pages come back on first touch
     assert float(views[1][-1]) == 2.0
 
@@ -84,3 +85,60 @@ def test_collapse_skips_what_it_is_told_to() -> None:
     assert vllm_kv._minus(0, 100, [(10, 20), (50, 10)]) == [(0, 10), (30, 50), (60, 100)]
     assert vllm_kv._minus(0, 100, [(0, 100)]) == []
     assert vllm_kv._minus(0, 100, [(200, 10)]) == [(0, 100)]
+
+
+def test_block_spans_are_each_layers_runs_of_blocks() -> None:
+    import torch
+
+    caches = [torch.zeros(10, 3, 16, 128) for _ in range(2)]  # [blocks, heads, size, 2 * dim]
+    per = 3 * 16 * 128 * 4
+    spans = vllm_kv.block_spans(caches, [7, 2, 1, 3, 2])
+    assert spans == [
+        (c.data_ptr() + lo * per, n * per) for c in caches for lo, n in ((1, 3), (7, 1))
+    ]
+    assert vllm_kv.block_spans(caches, []) == []
+
+
+def test_the_next_free_blocks_are_the_ones_a_new_request_gets(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the wake backs ahead of a continuation (adapters/vllm.py,
+    attach_kv_pool) is read from vLLM's internals: the blocks it names must
+    be the ones vLLM then gives, on a fresh queue and on one that finished
+    requests have reordered."""
+    from vllm import SamplingParams
+    from vllm.distributed.parallel_state import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+    )
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from understudy.engine_shim.adapters.vllm import VLLM_ENV_DEFAULTS
+
+    for key, value in VLLM_ENV_DEFAULTS.items():  # the engine core in this process
+        monkeypatch.setenv(key, value)
+    args = EngineArgs(
+        model=str(model_dir), dtype="float32", max_model_len=512, seed=0, enforce_eager=True
+    )
+    engine = LLMEngine.from_engine_args(args)
+    try:
+        scheduler = engine.engine_core.engine_core.scheduler
+        manager = scheduler.kv_cache_manager
+        size = int(engine.vllm_config.cache_config.block_size)
+        for n, first in ((40, 1), (3 * size + 5, 2), (20, 3)):
+            want = vllm_kv.next_free_blocks(engine, -(-n // size))
+            assert len(want) == -(-n // size)
+            rid = f"r{first}"
+            prompt = {"prompt_token_ids": [first] + [7 + i % 90 for i in range(n - 1)]}
+            engine.add_request(rid, prompt, SamplingParams(max_tokens=3, temperature=0))
+            engine.step()
+            (inner,) = (r for r in scheduler.requests if r.startswith(rid))  # vLLM adds a suffix
+            assert list(manager.get_block_ids(inner)[0][: len(want)]) == want
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert vllm_kv.next_free_blocks(object(), 3) == []  # not vLLM's engine: nothing
+    finally:
+        engine.engine_core.shutdown()
+        destroy_model_parallel()
+        destroy_distributed_environment()

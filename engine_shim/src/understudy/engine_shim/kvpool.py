@@ -210,6 +210,23 @@ class KvPool:
             )
         return Claim(slot, start, start // b, corrupt)
 
+    def sealed_spans(self) -> list[tuple[int, int]]:
+        """Where the sealed positions' bytes lie, (address, bytes), in the
+        order a claim's checksums read them (keys then values, layer by
+        layer; in each, every slot's heads): what a failover's first requests
+        read first (``memadvise.warm``)."""
+        b, row = self.spec.block_tokens, self.spec.head_dim * self.spec.itemsize
+        extent: dict[int, int] = {}
+        for (slot, block), sealed in self.index.sealed.items():
+            extent[slot] = max(extent.get(slot, 0), block * b + sealed.count)
+        return [
+            (int(arr[layer, slot, head].ctypes.data), n * row)
+            for arr in (self.k, self.v)
+            for layer in range(self.spec.layers)
+            for slot, n in sorted(extent.items())
+            for head in range(self.spec.kv_heads)
+        ]
+
     def _verified(self, slot: int, blocks: int, positions: int) -> int:
         """How many of the ``positions`` that ``slot``'s first ``blocks`` sealed
         blocks cover hold the bytes their seals say: up to the first block that

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import web
 
-from understudy.engine_shim import kvlog, openai_api
+from understudy.engine_shim import kvlog, memadvise, openai_api
 from understudy.engine_shim.adapters import models, tiny_llama, vllm_kv, vllm_kvconn, vllm_loader
 from understudy.engine_shim.adapters.base import AdapterError, Engine, KvPoolRequest, UsesKvPool
 from understudy.engine_shim.adapters.model_cache import cache_dir
@@ -598,9 +598,24 @@ class VllmEngine:
 
     def attach_kv_pool(self, memory: memoryview, epoch: int) -> None:
         """Adopt the pool the shim mapped (before ``wake``): read its seal log and
-        hand it to vLLM's KV connector."""
+        hand it to vLLM's KV connector. While the engine wakes, the kernel
+        maps what the pool sealed and backs the cache blocks vLLM will hand
+        out next with as many blocks (``memadvise.warm``): a continuation's
+        claim reads the one and its load writes the other."""
         assert self.kv_spec is not None
-        self._kv_link.attach(KvPool(memory, self.kv_spec, epoch, adopt=self.kv_adopt))
+        pool = KvPool(memory, self.kv_spec, epoch, adopt=self.kv_adopt)
+        link = self._kv_link
+        if not link.attach(pool) or link.copier is None or link.caches is None:
+            return
+        size = link.copier.block_size
+        wanted = sum(-(-(n + 1) // size) for n in pool.index.held().values())
+        blocks = vllm_kv.next_free_blocks(self._engine, wanted)
+        memadvise.warm(
+            [
+                (pool.sealed_spans(), memadvise.MADV_POPULATE_READ),
+                (vllm_kv.block_spans(link.caches, blocks), memadvise.MADV_POPULATE_WRITE),
+            ]
+        )
 
     def close(self) -> None:
         self._kv_link.detach()

@@ -29,45 +29,19 @@ in-process).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import mmap
-import os
 from collections.abc import Iterable, Sequence
-from typing import Any, Final
+from typing import Any
 
-MADV_DONTNEED: Final = 4
-MADV_HUGEPAGE: Final = 14
-MADV_POPULATE_WRITE: Final = 23  # Linux >= 5.14
-MADV_COLLAPSE: Final = 25  # Linux >= 6.1
-PAGE: Final = mmap.PAGESIZE
-HUGE: Final = 2 << 20  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_madvise = _libc.madvise
-_madvise.restype = ctypes.c_int
-_madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-
-
-def pages(address: int, nbytes: int, page: int = PAGE) -> tuple[int, int]:
-    """The whole pages inside ``[address, address + nbytes)``: (start, length).
-    Only those are released: a page the cache shares with another allocation
-    at either end is left alone."""
-    start = -(-address // page) * page
-    end = (address + nbytes) // page * page
-    return start, max(0, end - start)
-
-
-def _advise(start: int, length: int, advice: int) -> None:
-    if length and _madvise(start, length, advice) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"madvise({advice}) of {length} bytes: {os.strerror(err)}")
-
-
-def _try_advise(start: int, length: int, advice: int) -> bool:
-    """Best effort: an advice the kernel cannot follow (too old, a region it
-    cannot collapse now) costs nothing but its benefit."""
-    return bool(length) and _madvise(start, length, advice) == 0
+from understudy.engine_shim.memadvise import (
+    HUGE,
+    MADV_COLLAPSE,
+    MADV_DONTNEED,
+    MADV_HUGEPAGE,
+    MADV_POPULATE_WRITE,
+    advise,
+    pages,
+    try_advise,
+)
 
 
 def storages(tensors: Iterable[Any]) -> list[tuple[int, int]]:
@@ -96,7 +70,7 @@ def release(worker: Any) -> int:
     total = 0
     for address, nbytes in storages(_kv_tensors(worker)):
         start, length = pages(address, nbytes)
-        _advise(start, length, MADV_DONTNEED)
+        advise(start, length, MADV_DONTNEED)
         total += length
     return total
 
@@ -106,9 +80,46 @@ def populate(worker: Any) -> int:
     total = 0
     for address, nbytes in storages(_kv_tensors(worker)):
         start, length = pages(address, nbytes)
-        _advise(start, length, MADV_POPULATE_WRITE)
+        advise(start, length, MADV_POPULATE_WRITE)
         total += length
     return total
+
+
+def next_free_blocks(engine: Any, n: int) -> list[int]:
+    """The ids of the ``n`` blocks that ``engine``'s (an in-process
+    ``LLMEngine``) scheduler hands out next: the head of its free-block
+    queue, from which a new request's blocks come in order. Read from
+    vLLM's internals, so best effort: [] where they are not as in vLLM 0.32."""
+    try:
+        pool = engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+        queue = pool.free_block_queue
+        block, tail = queue.fake_free_list_head.next_free_block, queue.fake_free_list_tail
+    except AttributeError:
+        return []
+    out: list[int] = []
+    while block is not None and block is not tail and len(out) < n:
+        out.append(int(block.block_id))
+        block = getattr(block, "next_free_block", None)
+    return out
+
+
+def block_spans(caches: Sequence[Any], block_ids: Iterable[int]) -> list[tuple[int, int]]:
+    """The memory of ``block_ids`` in every layer's cache (tensors whose first
+    dimension is the block), (address, bytes): layer by layer, each run of
+    consecutive ids as one span."""
+    ids = sorted(set(block_ids))
+    runs: list[tuple[int, int]] = []  # [first, last + 1)
+    for b in ids:
+        if runs and runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], b + 1)
+        else:
+            runs.append((b, b + 1))
+    out = []
+    for cache in caches:
+        per = int(cache.stride(0)) * int(cache.element_size())
+        base = int(cache.data_ptr())
+        out += [(base + lo * per, (hi - lo) * per) for lo, hi in runs]
+    return out
 
 
 def huge(worker: Any) -> int:
@@ -117,7 +128,7 @@ def huge(worker: Any) -> int:
     total = 0
     for address, nbytes in storages(_kv_tensors(worker)):
         start, length = pages(address, nbytes, HUGE)
-        if _try_advise(start, length, MADV_HUGEPAGE):
+        if try_advise(start, length, MADV_HUGEPAGE):
             total += length
     return total
 
@@ -162,14 +173,14 @@ def collapse(exclude: Sequence[tuple[int, int]] = ()) -> int:
     for lo, hi in regions:
         for a, b in _minus(lo, hi, exclude):
             start, length = pages(a, b - a, HUGE)
-            if not _try_advise(start, length, MADV_HUGEPAGE):
+            if not try_advise(start, length, MADV_HUGEPAGE):
                 continue
             # One huge page at a time: where the kernel has no free huge page
             # for one, the others still collapse.
             total += sum(
                 HUGE
                 for at in range(start, start + length, HUGE)
-                if _try_advise(at, HUGE, MADV_COLLAPSE)
+                if try_advise(at, HUGE, MADV_COLLAPSE)
             )
     return total
 
