@@ -134,7 +134,10 @@ class Pod:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if os.environ.get("KEEP"):  # the pod's logs, for a closer look
+            print(f"kept: {self.dir}", flush=True)
+        else:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def get_json(port: int, path: str) -> Any:
