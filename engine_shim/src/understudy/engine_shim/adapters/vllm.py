@@ -39,6 +39,7 @@ import itertools
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -339,6 +340,7 @@ class VllmEngine:
         self.kv_spec: kvlog.PoolSpec | None = None  # known once the config is built (prepare)
         # What this engine shares with vLLM's KV connector (both its sides)
         self._kv_link = vllm_kvconn.Link()
+        self._warming: threading.Thread | None = None  # memadvise.warm, since the last wake
         self.model_id: str = models.served_name(model)
         self.gpu = backend == "cuda"
         self.builtin = models.is_builtin(model)
@@ -531,6 +533,10 @@ class VllmEngine:
         if self._engine is None or self._asleep:
             return
         t0 = time.monotonic()
+        if self._warming is not None:
+            # Its cache pages must not come back after the release below.
+            self._warming.join()
+            self._warming = None
         if self.gpu:
             self._engine.sleep(level=1)  # UNVERIFIED: vLLM discards the KV cache
         else:
@@ -610,7 +616,7 @@ class VllmEngine:
         size = link.copier.block_size
         wanted = sum(-(-(n + 1) // size) for n in pool.index.held().values())
         blocks = vllm_kv.next_free_blocks(self._engine, wanted)
-        memadvise.warm(
+        self._warming = memadvise.warm(
             [
                 (pool.sealed_spans(), memadvise.MADV_POPULATE_READ),
                 (vllm_kv.block_spans(link.caches, blocks), memadvise.MADV_POPULATE_WRITE),
