@@ -232,22 +232,28 @@ class Engine:
         # ... and its CPU time too, unless it still works (starved of its loop)
         self.works_while_silent = False
         self.received: list[dict[str, Any]] = []
+        self.headers: list[Headers] = []  # of each request received, in order
         self.idle = 0  # kept-alive connections the fast path may take
         self._answers: list[tuple[Answer, asyncio.Task[None]]] = []
         self.upstream = _Pool(self)
 
-    def take(self, doc: dict[str, Any], reused: bool) -> Answer:
+    def take(self, doc: dict[str, Any], reused: bool, headers: Headers = ()) -> Answer:
         answer = Answer(reused)
         if not self.alive:
             answer.cut()
             return answer
         self.received.append(doc)
+        self.headers.append(list(headers))
         task = asyncio.create_task(self.behave(self, answer, doc))
         self._answers.append((answer, task))
         return answer
 
-    def die(self) -> None:
-        """Its process ends: every answer in progress is cut."""
+    def die(self, word: bool = False) -> None:
+        """Its process ends: every answer in progress is cut; with its death
+        ``word`` seen first, as the real router's watch does, the pool
+        counts them (``upstream.Upstream.broke_together``)."""
+        if word:
+            self.upstream.broke_together = sum(not a.complete for a, _ in self._answers)
         self.alive = self.listening = False
         for answer, task in self._answers:
             task.cancel()
@@ -264,18 +270,19 @@ class _Pool:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self.broke_together = 0  # no death word here: the real pool's, unset
 
     def send_idle(self, method: bytes, target: bytes, headers: Headers, body: bytes) -> Any:
         if not self.engine.idle:
             return None
         self.engine.idle -= 1
-        return self.engine.take(json.loads(body), reused=True)
+        return self.engine.take(json.loads(body), reused=True, headers=headers)
 
     async def send(self, method: bytes, target: bytes, headers: Headers, body: bytes) -> Any:
         await asyncio.sleep(0)
         if not self.engine.listening:
             raise upstream.Unreachable(f"{self.engine.name} does not listen")
-        return self.engine.take(json.loads(body), reused=False)
+        return self.engine.take(json.loads(body), reused=False, headers=headers)
 
     async def request(self, method: bytes, target: bytes, headers: Headers, body: bytes) -> Any:
         r = await self.send(method, target, headers, body)

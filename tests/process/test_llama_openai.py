@@ -124,3 +124,31 @@ async def test_a_malformed_continuation_is_a_400_that_names_the_field(client) ->
     error = (await resp.json())["error"]
     assert error["param"] == "understudy"
     assert "'understudy.resume.started' must be a boolean" in error["message"]
+
+
+async def test_requests_a_death_broke_together_start_once_all_are_in(
+    client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the front resends after a death says how many it resends
+    (COHORT_HEADER): the idle engine starts them in one step as soon as that
+    many are in, not after a quiet time (stretched to 5 s here, which they
+    must not wait); a header that is no count is no hint, never an error."""
+    import asyncio
+    import time
+
+    from understudy.engine_shim import step_thread
+    from understudy.wire.serving import COHORT_HEADER
+
+    monkeypatch.setattr(step_thread, "ADMIT_QUIET_S", 5.0)
+    monkeypatch.setattr(step_thread, "ADMIT_MAX_S", 30.0)
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+    t0 = time.monotonic()
+    answers = await asyncio.gather(
+        *(client.post("/v1/completions", json=body, headers={COHORT_HEADER: "2"}) for _ in "ab")
+    )
+    assert [r.status for r in answers] == [200, 200]
+    assert time.monotonic() - t0 < 4.0
+    monkeypatch.setattr(step_thread, "ADMIT_QUIET_S", 0.02)
+    for bad in ("many", "-1", "1" * 40):
+        resp = await client.post("/v1/completions", json=body, headers={COHORT_HEADER: bad})
+        assert resp.status == 200, await resp.text()

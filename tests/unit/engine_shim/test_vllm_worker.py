@@ -133,6 +133,36 @@ def test_requests_arriving_together_at_an_idle_engine_enter_vllm_in_one_step(
     assert not fatal
 
 
+def test_announced_requests_start_as_soon_as_all_are_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A death's resent requests say how many they are (expect): the idle
+    engine starts them once that many wait, without waiting for a quiet time
+    (stretched to 5 s here, which the wait must not take); fewer than
+    announced, and the quiet time ends the wait as before."""
+    from understudy.engine_shim import step_thread
+
+    monkeypatch.setattr(step_thread, "ADMIT_QUIET_S", 5.0)
+    monkeypatch.setattr(step_thread, "ADMIT_MAX_S", 30.0)
+    engine = FakeEngine()
+    w, fatal = _worker(engine)
+    t0 = time.monotonic()
+    reqs = [_request(rid, 3) for rid in "abc"]
+    for req, _ in reqs:
+        w.expect(3)
+        w.submit(req)
+    for _, got in reqs:
+        assert _drain(got)[-1] == Step(12, "length")
+    assert time.monotonic() - t0 < 4.0
+    assert engine.added == {"a": 0, "b": 0, "c": 0}
+
+    monkeypatch.setattr(step_thread, "ADMIT_QUIET_S", 0.3)
+    d, got_d = _request("d", 1)
+    w.expect(2)  # the other never comes (its client left)
+    w.submit(d)
+    assert _drain(got_d) == [Step(10, "length")]
+    w.stop("done")
+    assert not fatal
+
+
 def test_a_refused_request_fails_alone() -> None:
     engine = FakeEngine(refuse={"bad"})
     w, fatal = _worker(engine)

@@ -32,6 +32,7 @@ from understudy.front.config import FrontConfig
 from understudy.front.forwarder import Forwarder
 from understudy.front.metrics import FrontMetrics
 from understudy.front.router import Router as PodRouter
+from understudy.wire.serving import COHORT_HEADER
 
 pytestmark = [pytest.mark.looptime, pytest.mark.timeout(10)]
 
@@ -151,6 +152,34 @@ async def test_a_route_that_never_takes_the_request_ends_at_the_hold() -> None:
 
 
 # --------------------------------------------------------------- migrate --
+
+
+async def test_the_requests_a_death_broke_are_resent_saying_how_many() -> None:
+    """Its death word seen, the engine's requests broke together: each goes
+    to the next engine with their count (COHORT_HEADER), so that it starts
+    them in one step once all are in; a death seen only by its connections'
+    close says nothing."""
+    pod = Pod(a=streams(20, 0.1), b=streams(20, 0.1))
+    pod.router.set(A)
+    clients = [pod.send({"prompt": "hi", "stream": True}) for _ in range(3)]
+    pod.at(0.55, pod.a.die, True)
+    pod.at(0.6, pod.router.set, B, 2)
+    for client in clients:
+        await pod.answered(client)
+        assert client.status == 200
+    cohort = (COHORT_HEADER.encode(), b"3")
+    assert [cohort in h for h in pod.b.headers] == [True] * 3
+    assert not any(cohort[0] == k for h in pod.a.headers for k, _ in h)
+    await pod.close()
+
+    pod = Pod(b=after(0.1))
+    pod.router.set(A)
+    client = pod.send({"prompt": "hi", "max_tokens": 4})
+    pod.at(0.5, pod.a.die)
+    pod.at(0.6, pod.router.set, B, 2)
+    await pod.answered(client)
+    assert not any(k == COHORT_HEADER.encode() for k, _ in pod.b.headers[0])
+    await pod.close()
 
 
 async def test_a_request_whose_engine_dies_is_replayed_on_the_next() -> None:

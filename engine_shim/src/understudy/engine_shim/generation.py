@@ -117,6 +117,11 @@ class Generator(Protocol):
         """Text of generated ids (special tokens skipped)."""
         ...
 
+    def expect(self, n: int) -> None:
+        """``n`` requests are coming together (``step_thread.StepThread.expect``):
+        a hint, said before the first of them is generated."""
+        ...
+
     def generate(
         self, prompt: Sequence[int], params: SamplingParams, resume: Sequence[int] = ()
     ) -> AsyncIterator[Step]:

@@ -40,6 +40,7 @@ from understudy.engine_shim.generation import (
 )
 from understudy.wire import failpoints
 from understudy.wire.serving import (
+    COHORT_HEADER,
     FIELD,
     ContinuationError,
     parse_continuation,
@@ -242,6 +243,15 @@ def parse(gen: Generator, body: Any, chat: bool) -> Request:
     )
 
 
+def _cohort(value: str | None, most: int) -> int:
+    """How many requests the front says come together with this one
+    (``COHORT_HEADER``); 0 where it says nothing usable (a hint, never an
+    error), at most the requests this engine takes at once."""
+    if value is None or not value.isdigit() or len(value) > 6:
+        return 0
+    return min(int(value), most)
+
+
 def _poison(gen: Generator, req: Request) -> None:
     """Failpoint ``engine.poison``: a request whose prompt holds the armed
     marker kills the engine that starts it (its continuation, the next one)."""
@@ -347,6 +357,9 @@ class OpenAIServer:
         self.pending += 1
         try:
             _poison(self.gen, req)
+            cohort = _cohort(request.headers.get(COHORT_HEADER), self.max_pending)
+            if cohort:
+                self.gen.expect(cohort)
             # An earlier engine died after streaming the generation's last token
             # but before its end: the end (usage, [DONE]) is all that is owed.
             over = finish_of(req.resume, req.params, self.gen.eos_ids) if req.resume else None

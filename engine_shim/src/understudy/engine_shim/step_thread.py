@@ -29,7 +29,8 @@ from understudy.engine_shim.generation import NotServing, Step
 # other seven one step later, 0.1-1 s on loaded cores; the llama engine
 # prefilled a new request alone, 0.2 s, while the continuations waited). A
 # lone request on an idle engine pays ADMIT_QUIET_S; a busy engine never
-# waits.
+# waits. Requests the front resends after a death say how many of them that
+# death broke (`expect`): the wait ends as soon as that many are in.
 ADMIT_QUIET_S: Final = 0.02
 ADMIT_MAX_S: Final = 0.1
 
@@ -60,6 +61,8 @@ class StepThread(abc.ABC, Generic[R]):
     def __init__(self, name: str) -> None:
         self._cond = threading.Condition()
         self._waiting: collections.deque[R] = collections.deque()
+        self._expected = 0  # requests announced to come together (expect) ...
+        self._expected_until = 0.0  # ... until this monotonic time
         self._stopping = False
         self.failure: BaseException | None = None
         self.busy_since: float | None = None  # monotonic start of the current step
@@ -83,16 +86,36 @@ class StepThread(abc.ABC, Generic[R]):
             self._waiting.append(req)
             self._cond.notify()
 
+    def expect(self, n: int) -> None:
+        """``n`` requests are coming together (a death's resent requests,
+        ``wire.serving.COHORT_HEADER``): an idle engine starts them as soon as
+        that many wait, not after ADMIT_QUIET_S of quiet. Said before the
+        request is submitted (whose submit wakes the thread); it lapses with
+        the gathering it was for, or after ADMIT_MAX_S."""
+        with self._cond:
+            now = time.monotonic()
+            if now > self._expected_until:
+                self._expected = 0
+            self._expected = max(self._expected, n)
+            self._expected_until = now + ADMIT_MAX_S
+
     def _gather(self) -> None:
         """Under the lock, with nothing in the engine: let the requests arriving
-        together come in, so that one step takes them all (ADMIT_QUIET_S)."""
+        together come in, so that one step takes them all (ADMIT_QUIET_S), or
+        as soon as all those announced are in (`expect`)."""
         end = time.monotonic() + ADMIT_MAX_S
         seen = len(self._waiting)
-        while not self._stopping and (left := end - time.monotonic()) > 0:
-            self._cond.wait(min(ADMIT_QUIET_S, left))
-            if len(self._waiting) == seen:
-                return
-            seen = len(self._waiting)
+        try:
+            while not self._stopping and (left := end - time.monotonic()) > 0:
+                announced = self._expected if time.monotonic() <= self._expected_until else 0
+                if 0 < announced <= len(self._waiting):
+                    return
+                self._cond.wait(min(ADMIT_QUIET_S, left))
+                if len(self._waiting) == seen:
+                    return
+                seen = len(self._waiting)
+        finally:
+            self._expected = 0
 
     @abc.abstractmethod
     def cancel(self, req: R) -> None:

@@ -264,10 +264,16 @@ class Forwarder:
         try:
             r = await self._head(req, route, up, sent)
             if isinstance(r, fsm.Outcome):
-                return r, None
-            return await self._answer(req, route, up, r, ex)
+                outcome, answer = r, None
+            else:
+                outcome, answer = await self._answer(req, route, up, r, ex)
         finally:
             self.at_engine -= 1
+        if outcome is fsm.Outcome.BROKEN:
+            # Resent with the others its engine's death broke (COHORT_HEADER):
+            # the next engine starts them together as soon as all are in.
+            req.cohort = up.broke_together
+        return outcome, answer
 
     async def _answer(
         self,

@@ -27,6 +27,7 @@ from understudy.wire.obs import log_event
 from understudy.wire.serving import (
     BEAT_EVENT,
     BEAT_INTERVAL_S,
+    COHORT_HEADER,
     FIELD,
     RELAY_HEADER,
     RELAY_TOKENS,
@@ -67,6 +68,7 @@ class Request:
     started: bool = False
     token_ids: list[int] = field(default_factory=list)
     rejection: str = ""  # the answer the next engine gave the stream's continuation
+    cohort: int = 0  # the requests its engine's death broke with it (COHORT_HEADER)
     # A gateway's request (``wire.serving.RELAY_HEADER``): its stream keeps
     # the token comments and is heartbeaten while it is open (``beats``).
     relay_tokens: bool = False
@@ -131,9 +133,13 @@ def _path(target: bytes) -> str:
 
 
 def headers_for(req: Request, route: fsm.Route) -> list[tuple[bytes, bytes]]:
-    """What an engine sees of the client's headers, and the epoch it must hold
-    to serve (an engine under another epoch refuses)."""
-    return [*req.headers, (EPOCH_HEADER, b"%d" % route.epoch)]
+    """What an engine sees of the client's headers, the epoch it must hold
+    to serve (an engine under another epoch refuses), and for a request
+    resent after its engine's death, how many that death broke together."""
+    out = [*req.headers, (EPOCH_HEADER, b"%d" % route.epoch)]
+    if req.cohort:
+        out.append((COHORT_HEADER.encode(), b"%d" % req.cohort))
+    return out
 
 
 def not_active(r: upstream.Response) -> bool:

@@ -125,7 +125,10 @@ class PodEngines:
 
 
 def _died(engine_id: str, up: upstream.Upstream) -> None:
+    if up.closed:
+        return  # judged dead already, or dropped: nothing of it left to break
     log_event(log, "engine_died", engine=engine_id, busy=up.busy, signal="death_word")
+    up.broke_together = up.busy
     up.abort()
 
 

@@ -337,6 +337,9 @@ class Upstream:
         self._idle: list[_Conn] = []
         self._open: set[_Conn] = set()
         self.closed = False
+        # How many requests were on it when its peer was seen dead (abort at
+        # a death word): each is resent with that count (COHORT_HEADER).
+        self.broke_together = 0
 
     def given_up(self) -> bool:
         return self.closed

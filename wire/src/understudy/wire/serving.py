@@ -46,6 +46,11 @@ SERVE_DIR = "serve"
 FIELD = "understudy"
 TOKENS_PREFIX = b": tokens="
 RELAY_HEADER = b"X-Understudy-Relay"
+# On a request the front resends after its engine died: how many requests
+# that death broke, all of them resent together, so that the next engine can
+# start them in one step as soon as that many have come (a hint: it also
+# starts when they stop coming).
+COHORT_HEADER = "X-Understudy-Cohort"
 RELAY_TOKENS = b"tokens"
 BEAT_COMMENT = b": beat"
 BEAT_EVENT = BEAT_COMMENT + b"\n\n"

@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 from aiohttp import web
 
-from understudy.engine_shim import kvlog, memadvise, openai_api
+from understudy.engine_shim import kvlog, openai_api
 from understudy.engine_shim.adapters import models, tiny_llama
 from understudy.engine_shim.adapters.base import AdapterError, Engine, KvPoolRequest, UsesKvPool
 from understudy.engine_shim.adapters.llama_backend import Cache, Forward
@@ -520,10 +520,10 @@ class LlamaEngine:
 
     def attach_kv_pool(self, memory: memoryview, epoch: int) -> None:
         """Adopt the pool the shim mapped (before ``wake``): read its seal log,
-        and have the kernel map what it sealed while the engine wakes."""
+        and check what it sealed while the engine wakes (``KvPool.warm``)."""
         assert self.kv_spec is not None
         self.kv_pool = KvPool(memory, self.kv_spec, epoch, adopt=self.kv_adopt)
-        memadvise.warm([(self.kv_pool.sealed_spans(), memadvise.MADV_POPULATE_READ)])
+        self.kv_pool.warm()
 
     def close(self) -> None:
         self.sleep()
@@ -589,6 +589,11 @@ class LlamaEngine:
         batcher = self._batcher
         if batcher is not None:
             batcher.cancel(request)
+
+    def expect(self, n: int) -> None:
+        batcher = self._batcher
+        if batcher is not None:
+            batcher.expect(n)
 
     def generate(
         self, prompt: Sequence[int], params: SamplingParams, resume: Sequence[int] = ()
