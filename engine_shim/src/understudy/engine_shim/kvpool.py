@@ -10,9 +10,8 @@ On attach, the pool is **adopted**: the log is read up to its last complete
 record and replayed into an index of sealed blocks (blocks written under
 epochs newer than ours are ignored). A request then ``claim``s a slot: the
 free slot whose sealed blocks hold the longest prefix of its tokens (by hash
-chain), each of those blocks checked against its checksum before it is used
-(checked ahead, from the adoption on, by ``warm``); a block that fails is
-recomputed with everything after it. Before the first
+chain), each of those blocks checked against its checksum before it is used;
+a block that fails is recomputed with everything after it. Before the first
 byte of a slot changes, the blocks about to be overwritten are retired in the
 log. After every step, the blocks the step wrote into are ``seal``ed (a
 sequence's last block as far as it is filled, sealed again as it grows).
@@ -25,11 +24,10 @@ between them, so a test can kill the engine in the middle of one; the
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -44,10 +42,6 @@ log = logging.getLogger("understudy.engine_shim.kvpool")
 __all__ = ["Claim", "KvPool"]
 
 _HALF = RECORD_SIZE // 2
-# `KvPool.warm` proves the adopted blocks ahead only up to this many bytes of
-# them: a claim waits for the proof, and past this it would wait for more
-# than its own slot's checks cost it (~0.1 s here).
-PROVE_MAX_BYTES: Final = 512 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,11 +119,6 @@ class KvPool:
         word = kvlog.word_dtype(spec.head_dim * spec.itemsize)
         self._words = (self.k.view(word), self.v.view(word))
         self._chains: dict[int, list[bytes]] = {s: [] for s in range(spec.slots)}
-        # Sealed blocks whose checksums `prove` found sound, with the seal it
-        # checked; and set once no proof is under way (claims wait for it).
-        self._proven: dict[tuple[int, int], kvlog.Sealed] = {}
-        self._proof_done = threading.Event()
-        self._proof_done.set()
         if self.index.sealed and failpoints.hit("kv.block.corrupt"):
             self._corrupt_one()
         log_event(
@@ -221,84 +210,31 @@ class KvPool:
             )
         return Claim(slot, start, start // b, corrupt)
 
-    def warm(self, then: Callable[[], int] | None = None) -> threading.Thread:
-        """On a thread of its own, started here: `prove` the adopted blocks
-        (at most ``PROVE_MAX_BYTES`` of them), then ``then`` (an engine's own
-        preparation, e.g. its cache's pages backed); logs ``kv_warmed``.
-
-        Why: at a failover the new Active's first requests reuse the dead
-        engine's blocks at once, and each claim checked every block it
-        reused before its first step: 184 MB read for 4,000 positions of
-        SmolLM2, 25-54 ms, most of it page faults on the freshly mapped pool.
-        Proved from the wake on, on the other core, while the engine wakes
-        and the continuations come in, a claim finds its blocks checked (or
-        waits for the rest of the proof, never longer than checking them
-        itself would take)."""
-        b, row = self.spec.block_tokens, 2 * self.spec.layers * self.spec.kv_heads
-        row *= self.spec.head_dim * self.spec.itemsize
-        sealed_bytes = sum(s.count for s in self.index.sealed.values()) * row
-        prove = 0 < sealed_bytes <= PROVE_MAX_BYTES and b > 0
-        if prove:
-            self._proof_done.clear()
-
-        def run() -> None:
-            t0 = time.monotonic()
-            proven = -1
-            try:
-                if prove:
-                    proven = self.prove()
-            finally:
-                self._proof_done.set()
-            proved_s = time.monotonic() - t0
-            after = then() if then is not None else 0
-            log_event(
-                log,
-                "kv_warmed",
-                proven=proven if prove else None,
-                mib=sealed_bytes >> 20,
-                proved_s=round(proved_s, 4),
-                then_mib=after >> 20 if then is not None else None,
-                seconds=round(time.monotonic() - t0, 4),
-            )
-
-        thread = threading.Thread(target=run, name="kv-warm", daemon=True)
-        thread.start()
-        return thread
-
-    def prove(self) -> int:
-        """Check the checksum of every sealed block now, ahead of the claims
-        that will reuse them; the blocks found sound. A block found unsound
-        is left to its claim, which finds it again and says so
-        (``kv_corrupt_block``). Safe beside this engine's own work: a block
-        retired and sealed again meanwhile has another seal than the one
-        proven, so its claim checks it."""
-        by_slot: dict[int, list[tuple[int, kvlog.Sealed]]] = {}
-        for (slot, block), sealed in list(self.index.sealed.items()):  # a snapshot
-            by_slot.setdefault(slot, []).append((block, sealed))
-        sound = 0
-        for slot, seals in sorted(by_slot.items()):
-            sums = self.checksums(slot, [(block, s.count) for block, s in seals])
-            for (block, sealed), found in zip(seals, sums, strict=True):
-                if found == sealed.checksum:
-                    self._proven[(slot, block)] = sealed
-                    sound += 1
-        return sound
+    def sealed_spans(self) -> list[tuple[int, int]]:
+        """Where the sealed positions' bytes lie, (address, bytes), in the
+        order a claim's checksums read them (keys then values, layer by
+        layer; in each, every slot's heads): what a failover's first requests
+        read first (``memadvise.warm``)."""
+        b, row = self.spec.block_tokens, self.spec.head_dim * self.spec.itemsize
+        extent: dict[int, int] = {}
+        for (slot, block), sealed in self.index.sealed.items():
+            extent[slot] = max(extent.get(slot, 0), block * b + sealed.count)
+        return [
+            (int(arr[layer, slot, head].ctypes.data), n * row)
+            for arr in (self.k, self.v)
+            for layer in range(self.spec.layers)
+            for slot, n in sorted(extent.items())
+            for head in range(self.spec.kv_heads)
+        ]
 
     def _verified(self, slot: int, blocks: int, positions: int) -> int:
         """How many of the ``positions`` that ``slot``'s first ``blocks`` sealed
         blocks cover hold the bytes their seals say: up to the first block that
-        does not. Blocks `prove` found sound under the same seal are not
-        read again; a proof under way is waited for."""
-        self._proof_done.wait()
+        does not."""
         seals = [self.index.sealed[(slot, block)] for block in range(blocks)]
-        todo = [
-            (block, s.count)
-            for block, s in enumerate(seals)
-            if self._proven.get((slot, block)) is not s
-        ]
-        found = dict(zip((block for block, _ in todo), self.checksums(slot, todo), strict=True))
-        for block, sealed in enumerate(seals):
-            if block in found and found[block] != sealed.checksum:
+        sums = self.checksums(slot, [(block, s.count) for block, s in enumerate(seals)])
+        for block, (sealed, found) in enumerate(zip(seals, sums, strict=True)):
+            if found != sealed.checksum:
                 log_event(
                     log,
                     "kv_corrupt_block",

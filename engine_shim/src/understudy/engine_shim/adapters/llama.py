@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 from aiohttp import web
 
-from understudy.engine_shim import kvlog, openai_api
+from understudy.engine_shim import kvlog, memadvise, openai_api
 from understudy.engine_shim.adapters import models, tiny_llama
 from understudy.engine_shim.adapters.base import AdapterError, Engine, KvPoolRequest, UsesKvPool
 from understudy.engine_shim.adapters.llama_backend import Cache, Forward
@@ -520,10 +520,10 @@ class LlamaEngine:
 
     def attach_kv_pool(self, memory: memoryview, epoch: int) -> None:
         """Adopt the pool the shim mapped (before ``wake``): read its seal log,
-        and check what it sealed while the engine wakes (``KvPool.warm``)."""
+        and have the kernel map what it sealed while the engine wakes."""
         assert self.kv_spec is not None
         self.kv_pool = KvPool(memory, self.kv_spec, epoch, adopt=self.kv_adopt)
-        self.kv_pool.warm()
+        memadvise.warm([(self.kv_pool.sealed_spans(), memadvise.MADV_POPULATE_READ)])
 
     def close(self) -> None:
         self.sleep()

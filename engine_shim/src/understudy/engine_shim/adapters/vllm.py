@@ -340,7 +340,7 @@ class VllmEngine:
         self.kv_spec: kvlog.PoolSpec | None = None  # known once the config is built (prepare)
         # What this engine shares with vLLM's KV connector (both its sides)
         self._kv_link = vllm_kvconn.Link()
-        self._warming: threading.Thread | None = None  # KvPool.warm's, since the last wake
+        self._warming: threading.Thread | None = None  # memadvise.warm, since the last wake
         self.model_id: str = models.served_name(model)
         self.gpu = backend == "cuda"
         self.builtin = models.is_builtin(model)
@@ -604,10 +604,10 @@ class VllmEngine:
 
     def attach_kv_pool(self, memory: memoryview, epoch: int) -> None:
         """Adopt the pool the shim mapped (before ``wake``): read its seal log and
-        hand it to vLLM's KV connector. While the engine wakes, a thread
-        checks what the pool sealed, then has the kernel back the cache
-        blocks vLLM will hand out next with as many blocks (``KvPool.warm``):
-        a continuation's claim checks the one and its load writes the other."""
+        hand it to vLLM's KV connector. While the engine wakes, the kernel
+        maps what the pool sealed and backs the cache blocks vLLM will hand
+        out next with as many blocks (``memadvise.warm``): a continuation's
+        claim reads the one and its load writes the other."""
         assert self.kv_spec is not None
         pool = KvPool(memory, self.kv_spec, epoch, adopt=self.kv_adopt)
         link = self._kv_link
@@ -616,8 +616,12 @@ class VllmEngine:
         size = link.copier.block_size
         wanted = sum(-(-(n + 1) // size) for n in pool.index.held().values())
         blocks = vllm_kv.next_free_blocks(self._engine, wanted)
-        spans = vllm_kv.block_spans(link.caches, blocks)
-        self._warming = pool.warm(lambda: memadvise.populate(spans, memadvise.MADV_POPULATE_WRITE))
+        self._warming = memadvise.warm(
+            [
+                (pool.sealed_spans(), memadvise.MADV_POPULATE_READ),
+                (vllm_kv.block_spans(link.caches, blocks), memadvise.MADV_POPULATE_WRITE),
+            ]
+        )
 
     def close(self) -> None:
         self._kv_link.detach()
