@@ -89,7 +89,7 @@ def test_the_sealed_spans_are_the_sealed_positions_in_the_checksums_order() -> N
         "m", layers=2, kv_heads=2, head_dim=8, dtype="float32", slots=3, max_len=64
     )
     pool = KvPool(memoryview(bytearray(spec.pool_bytes)), spec, 1)
-    assert pool.sealed_spans() == []  # nothing sealed: nothing to warm
+    assert list(pool.sealed_spans()) == []  # nothing sealed: nothing to warm
     tokens = list(range(40))
     pool.claim(tokens, free=[2], prompt=40, chunk=16)
     pool.seal(2, tokens, 0, 40)  # blocks 0, 1 whole, block 2 with 8 positions
@@ -100,7 +100,7 @@ def test_the_sealed_spans_are_the_sealed_positions_in_the_checksums_order() -> N
         for layer in range(2)
         for head in range(2)
     ]
-    assert pool.sealed_spans() == want
+    assert list(pool.sealed_spans()) == want
     # Their bytes are every sealed byte: mark them, and the checksums of the
     # slot are those of the marked memory alone.
     before = pool.checksums(2, [(0, 16), (1, 16), (2, 8)])

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -210,22 +210,26 @@ class KvPool:
             )
         return Claim(slot, start, start // b, corrupt)
 
-    def sealed_spans(self) -> list[tuple[int, int]]:
+    def sealed_spans(self) -> Iterator[tuple[int, int]]:
         """Where the sealed positions' bytes lie, (address, bytes), in the
         order a claim's checksums read them (keys then values, layer by
         layer; in each, every slot's heads): what a failover's first requests
-        read first (``memadvise.warm``)."""
+        read first (``memadvise.warm``). The sealed extents are read now;
+        the spans are made as they are taken, by the warming thread, off
+        the wake (a span each per layer, slot and head: tens of thousands
+        for a large batch)."""
         b, row = self.spec.block_tokens, self.spec.head_dim * self.spec.itemsize
         extent: dict[int, int] = {}
         for (slot, block), sealed in self.index.sealed.items():
             extent[slot] = max(extent.get(slot, 0), block * b + sealed.count)
-        return [
-            (int(arr[layer, slot, head].ctypes.data), n * row)
-            for arr in (self.k, self.v)
+        slots = sorted(extent.items())
+        return (
+            (base + layer * s0 + slot * s1 + head * s2, n * row)
+            for base, (s0, s1, s2, *_) in ((a.ctypes.data, a.strides) for a in (self.k, self.v))
             for layer in range(self.spec.layers)
-            for slot, n in sorted(extent.items())
+            for slot, n in slots
             for head in range(self.spec.kv_heads)
-        ]
+        )
 
     def _verified(self, slot: int, blocks: int, positions: int) -> int:
         """How many of the ``positions`` that ``slot``'s first ``blocks`` sealed

@@ -80,7 +80,7 @@ def populate(spans: Iterable[tuple[int, int]], advice: int = MADV_POPULATE_READ)
     return done
 
 
-Spans = Sequence[tuple[int, int]]  # (address, bytes)
+Spans = Iterable[tuple[int, int]]  # (address, bytes)
 
 
 def warm(work: Sequence[tuple[Spans, int]]) -> threading.Thread:
