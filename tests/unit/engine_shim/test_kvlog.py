@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from understudy.engine_shim import kvlog
+from understudy.engine_shim.kvadopt import adopt
 from understudy.engine_shim.kvlog import (
     RECORD_SIZE,
     Index,
@@ -50,7 +51,19 @@ def apply(log: bytearray, writes: list[kvlog.Write]) -> None:
 
 
 def reread(sp: PoolSpec, log: bytearray, epoch: int | None = None) -> Index:
-    return Index.replay(sp, read_log(log, sp.log_capacity).records, epoch)
+    """The reference reading (`read_log`, `Index.replay`), and the engine's
+    own at adoption (`kvadopt.adopt`) checked to agree with it."""
+    read = read_log(log, sp.log_capacity)
+    index = Index.replay(sp, read.records, epoch)
+    fast = adopt(log, sp, 2**64 - 1 if epoch is None else epoch)
+    assert fast.index.sealed == index.sealed and fast.index.ignored == index.ignored
+    assert (fast.records, fast.next_gen, fast.torn, fast.dropped) == (
+        len(read.records),
+        read.next_gen,
+        read.torn,
+        read.dropped,
+    )
+    return index
 
 
 def chains_of(index: Index) -> dict[tuple[int, int], tuple[bytes, int]]:

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from understudy.engine_shim import kvlog
+from understudy.engine_shim import kvadopt, kvlog
 from understudy.engine_shim.kvlog import HEADER_SIZE, RECORD_SIZE, PoolSpec
 from understudy.wire import failpoints
 from understudy.wire.obs import log_event
@@ -133,17 +133,17 @@ class KvPool:
                 f"{kvlog.VERSION}",
             )
         if adopt and header == (spec.digest(), cap):
-            read = kvlog.read_log(self._log, cap)
+            read = kvadopt.adopt(self._log, spec, epoch)
         else:  # a fresh pool, a header never written, another version, or adoption off
             self._log[:] = bytes(len(self._log))
             memory[:HEADER_SIZE] = bytes(HEADER_SIZE)
             raw = kvlog.encode_header(spec)
             memory[: len(raw)] = raw
-            read = kvlog.LogRead((), 1, 0, 0)
-        self.index = kvlog.Index.replay(spec, read.records, epoch)
+            read = kvadopt.Adopted(kvlog.Index(spec), 0, 1, 0, 0)
+        self.index = read.index
         self.writer = kvlog.Writer(self.index, epoch, read.next_gen)
         st = self.stats
-        st.records, st.torn, st.dropped = len(read.records), read.torn, read.dropped
+        st.records, st.torn, st.dropped = read.records, read.torn, read.dropped
         st.sealed_at_adoption = len(self.index.sealed)
         for sealed in self.index.sealed.values():
             st.by_epoch[sealed.epoch] = st.by_epoch.get(sealed.epoch, 0) + 1
