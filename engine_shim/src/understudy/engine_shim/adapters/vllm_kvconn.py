@@ -46,13 +46,12 @@ venv), so this module imports anywhere.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
 import time
 import uuid
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -159,20 +158,6 @@ class _Copier:
             else:
                 out.append((theirs[first : first + 1, :, off : off + length], pool.unsqueeze(0)))
         return out
-
-    @contextlib.contextmanager
-    def threads(self, n: int | None) -> Iterator[None]:
-        """torch's threads for the copies inside: ``n`` (None: as they are)."""
-        import torch
-
-        before = torch.get_num_threads()
-        if n is not None and n != before:
-            torch.set_num_threads(n)
-        try:
-            yield
-        finally:
-            if torch.get_num_threads() != before:
-                torch.set_num_threads(before)
 
     def load(self, m: Move) -> None:
         self._copy(m, into_pool=False)
@@ -352,18 +337,11 @@ class Link:
                     planner.pool.seal(m.slot, m.tokens, m.start, m.end)
             self.cut = frozenset()
             return
-        # While claims' checksums are read on their thread, the copy keeps to
-        # one core: on two, torch's second thread and the checksums' took
-        # turns on one (4,000 positions of SmolLM2, claim to proven: 83 ms
-        # with two threads, 68 with one; docs/performance.md).
-        with copier.threads(1 if plan.loads and planner.proving() else None):
-            for m in plan.loads:
-                t0 = time.monotonic()
-                copier.load(m)
-                seconds = round(time.monotonic() - t0, 4)
-                log_event(
-                    log, "kv_loaded", req=m.req_id, positions=m.end - m.start, seconds=seconds
-                )
+        for m in plan.loads:
+            t0 = time.monotonic()
+            copier.load(m)
+            seconds = round(time.monotonic() - t0, 4)
+            log_event(log, "kv_loaded", req=m.req_id, positions=m.end - m.start, seconds=seconds)
         # Every request of the step: one saved with no load (vLLM's own cache
         # held its positions) may have a claim to settle too (its pool is cut).
         step = list(dict.fromkeys(m.req_id for m in (*plan.loads, *plan.saves)))

@@ -174,9 +174,6 @@ class Planner:
         held.saved = trusted
         return trusted
 
-    def proving(self) -> bool:
-        return bool(self._unsettled)
-
     def close(self) -> None:
         """Wait for every proof still reading the pool (before it is unmapped)."""
         for claim in self._unsettled:
