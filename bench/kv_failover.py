@@ -228,7 +228,7 @@ def reused(log: str) -> int | None:
 
 # The pod's log lines' time (``obs``'s asctime: local wall clock, to the ms).
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?event=(\w+)(.*)$", re.M)
-PHASES = ("detect", "grant", "wake", "claim", "copy", "proof", "first_step")
+PHASES = ("detect", "grant", "wake", "claim", "copy", "first_step")
 
 
 def _events(text: str, after: float) -> list[tuple[float, str, str]]:
@@ -245,11 +245,9 @@ def phases(pod: Pod, log: str, kill_wall: float, next_wall: float) -> dict[str, 
     the lock server (the holder's disconnection: the dead engine's teardown
     and its socket's EOF), the lock granted, the next engine Active (weights
     and pool mapped), the continuation resent by the front and claimed
-    (``kv_reused``: matched, checksums verified; for ``vllm`` matched only),
-    for ``vllm`` the adopted blocks copied into its cache (``kv_loaded``) and
-    the wait for the claim's checksums, read on a thread meanwhile
-    (``kv_proven``), and the first step after it to the client. A part whose
-    line is missing is left out."""
+    (``kv_reused``: matched, checksums verified), for ``vllm`` the adopted
+    blocks copied into its cache (``kv_loaded``), and the first step after
+    it to the client. A part whose line is missing is left out."""
     lock = "".join(pod.log(p.stem) for p in (pod.dir / "logs").glob("lock*.log"))
     ev = _events(lock, kill_wall)
     # The grant is fed by the holder's disconnection and logged before it.
@@ -260,10 +258,9 @@ def phases(pod: Pod, log: str, kill_wall: float, next_wall: float) -> dict[str, 
     woke = next((t for t, e, f in mine if e == "transition" and "to_state=Active" in f), None)
     claimed = next((t for t, e, _ in mine if e == "kv_reused"), None)
     copied = next((t for t, e, _ in mine if e == "kv_loaded"), None)  # vllm's only
-    proven = next((t for t, e, _ in mine if e == "kv_proven"), None)  # vllm's only
     marks = [
         ("detect", released), ("grant", granted), ("wake", woke), ("claim", claimed),
-        ("copy", copied), ("proof", proven),
+        ("copy", copied),
     ]  # fmt: skip
     out: dict[str, float] = {}
     last = kill_wall

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from understudy.engine_shim import kvlog
-from understudy.engine_shim.adapters.vllm_kvplan import Move, Planner, Settled
+from understudy.engine_shim.adapters.vllm_kvplan import Move, Planner
 from understudy.engine_shim.kvpool import KvPool
 
 SPEC = kvlog.PoolSpec(
@@ -156,62 +156,6 @@ def test_a_match_shorter_than_a_chunk_leaves_its_slot_to_the_stream_it_belongs_t
     assert (back.slot, back.start) == (0, 50)  # all it sealed, past the prompt: no chunk grid
     # With the stream's slot the only one free, the new request takes it.
     assert p.claim(IDS[:20], [0], prompt=20, chunk=64).slot == 0
-
-
-def test_a_claims_checksums_are_read_on_a_thread_and_a_clean_one_settles_as_claimed() -> None:
-    planner = served()
-    found, claim = planner.matched("b", [*IDS, 9], 0)
-    assert claim is not None and claim.proof is not None  # under way while vLLM loads
-    assert found == 50
-    planner.allocated("b", found)
-    plan = planner.step([("b", 50, 1, [3, 4], [*IDS, 9])])
-    assert planner.settle(["b"]) == []
-    assert [(m.start, m.end) for m in plan.saves] == [(50, 51)]
-    assert planner.pool.stats.corrupt_blocks == 0
-
-
-@pytest.mark.parametrize("given", [0, 32], ids=["loaded-all", "vllm-held-a-prefix"])
-def test_a_block_that_fails_its_checksum_after_the_load_cuts_the_pool_back_to_it(
-    given: int,
-) -> None:
-    """The claim offered vLLM every sealed position before its checksums were
-    read; block 1 then fails. The pool retires it and what follows, as a
-    claim that verified first would have, and the request saves again from
-    its first position (whatever vLLM computes again or held itself)."""
-    planner = served()
-    planner.pool.k[1, 0, 0, 20] += 1.0  # block 1 (positions 16..31), a layer and head of it
-    ids = [*IDS, 9]
-    found, claim = planner.matched("b", ids, given)
-    assert claim is not None and claim.start == 50 and found == 50 - given
-    planner.allocated("b", found)
-    planner.step([("b", 50, 1, [3, 4], ids)])
-    assert planner.settle(["b"]) == [Settled("b", 16)]
-    assert planner.settle(["b"]) == []  # once
-    pool = planner.pool
-    assert sorted(b for (slot, b) in pool.index.sealed if slot == 0) == [0]
-    assert pool.stats.corrupt_blocks == 1 and pool.stats.reused_blocks == 1
-    # vLLM computes the request again from where it recomputes (here 0); the
-    # pool saves from its last good position on, and seals them in order.
-    write_and_seal(pool, planner.step([("b", 0, 51, [3, 4], ids)]).saves[0])
-    assert sorted(b for (slot, b) in pool.index.sealed if slot == 0) == [0, 1, 2, 3]
-    # The next claim of these ids finds them all, its checksums clean.
-    planner.finished("b")
-    _, again = planner.matched("c", [*ids, 1], 0)
-    assert again is not None and again.start == 51
-    assert planner.settle(["c"]) == []
-
-
-def test_a_claim_never_run_is_settled_when_it_finishes_and_closing_waits_for_proofs() -> None:
-    planner = served()
-    planner.pool.k[0, 0, 0, 3] += 1.0  # block 0
-    _, claim = planner.matched("b", [*IDS, 9], 0)
-    assert claim is not None and claim.proof is not None
-    planner.finished("b")  # aborted before its first step: the slot is free, and cut
-    assert not any(slot == 0 for slot, _ in planner.pool.index.sealed)
-    _, other = planner.matched("c", [*IDS, 9], 0)
-    assert other is not None and other.start == 0
-    planner.close()  # no proof left reading the pool
-    assert planner.settle(["c"]) == []
 
 
 ODD_ROWS = replace(SPEC, dtype="float16", head_dim=3, layers=3, kv_heads=2)  # 6-byte rows

@@ -19,21 +19,13 @@ sequence's last block as far as it is filled, sealed again as it grows).
 Writes to the log go in two halves, with the ``kv.seal.torn`` failpoint
 between them, so a test can kill the engine in the middle of one; the
 ``kv.block.corrupt`` failpoint changes an adopted block's bytes under its seal.
-
-A claim can also leave its checksums to a thread of their own
-(``claim(..., defer=True)``: a `Proof`), so that an engine that copies the
-claimed positions into a cache of its own (vLLM) reads them for the copy and
-for the proof at once; it then ``settle``s the claim before anything is
-computed from them, and a block that failed is retired with everything
-after it, as a claim that verified first would have done.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,39 +39,9 @@ from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.engine_shim.kvpool")
 
-__all__ = ["Claim", "KvPool", "Proof"]
+__all__ = ["Claim", "KvPool"]
 
 _HALF = RECORD_SIZE // 2
-
-
-class Proof:
-    """A deferred claim's checksums, read on a thread of their own: the first
-    block whose bytes are not what its seal says (None: every one is). The
-    thread only reads the arena; the claim's log writes and the index stay
-    with the engine's thread, which joins it in `KvPool.settle`."""
-
-    def __init__(self, check: Callable[[], int | None]) -> None:
-        self._bad: int | None = None
-        self._error: BaseException | None = None
-        self.seconds = 0.0  # the checksums' own time, on their thread
-        self._thread = threading.Thread(target=self._run, args=(check,), name="kv-proof")
-        self._thread.daemon = True
-        self._thread.start()
-
-    def _run(self, check: Callable[[], int | None]) -> None:
-        t0 = time.monotonic()
-        try:
-            self._bad = check()
-        except BaseException as exc:  # handed to whoever waits (`first_bad`)
-            self._error = exc
-        self.seconds = time.monotonic() - t0
-
-    def first_bad(self) -> int | None:
-        """Wait for the checksums; the first block that failed (None: none)."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._bad
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +50,6 @@ class Claim:
     start: int  # positions 0..start-1 of the slot already hold the request's KV
     reused: int  # whole blocks reused (start // block_tokens)
     corrupt: int  # sealed blocks found with a wrong checksum (recomputed)
-    proof: Proof | None = None  # the checksums still under way (``defer``): `KvPool.settle`
 
 
 @dataclass(slots=True)
@@ -184,15 +145,7 @@ class KvPool:
 
     # --- a request takes a slot -------------------------------------------------
 
-    def claim(
-        self,
-        tokens: Sequence[int],
-        free: Sequence[int],
-        prompt: int,
-        chunk: int,
-        *,
-        defer: bool = False,
-    ) -> Claim:
+    def claim(self, tokens: Sequence[int], free: Sequence[int], prompt: int, chunk: int) -> Claim:
         """The free slot to run ``tokens`` in, and the position its computing starts at.
 
         The slot whose sealed blocks hold the longest prefix of ``tokens``
@@ -210,10 +163,6 @@ class KvPool:
         retire its KV, and the drill's requests share their prompts. A slot
         that holds just this request's prompt, its own from the dead engine,
         loses nothing.)
-
-        ``defer``: the start is the match's, its checksums read on a thread
-        (``Claim.proof``) while the caller loads it; `settle` before computing
-        anything from those positions.
         """
         if not free:
             raise ValueError("no free slot")
@@ -236,11 +185,8 @@ class KvPool:
                 m.slot,
             ),
         )
-        slot, trusted, corrupt, proof = best.slot, 0, 0, None
-        if start_at(best.positions) and defer:
-            trusted = best.positions
-            proof = self._prove(slot, -(-start_at(trusted) // b))
-        elif start_at(best.positions):  # (a match it cannot use is retired unread)
+        slot, trusted, corrupt = best.slot, 0, 0
+        if start_at(best.positions):  # (a match it cannot use is retired unread)
             trusted = self._verified(slot, best.blocks, best.positions)
             corrupt = int(trusted < best.positions)
         start = start_at(trusted)
@@ -261,48 +207,8 @@ class KvPool:
                 of=len(tokens),
                 corrupt=corrupt or None,
                 seconds=round(time.monotonic() - t0, 4),  # the match, its checksums verified
-                deferred=int(proof is not None) or None,  # (or not yet: ``settle``)
             )
-        return Claim(slot, start, start // b, corrupt, proof)
-
-    def _prove(self, slot: int, blocks: int) -> Proof:
-        """The checksums of ``slot``'s first ``blocks`` sealed blocks, on a thread."""
-        seals = [self.index.sealed[(slot, block)] for block in range(blocks)]
-        return Proof(lambda: self._first_bad(slot, seals))
-
-    def settle(self, claim: Claim) -> int:
-        """The positions of a deferred claim that its checksums bear out (waiting
-        for them): ``claim.start``, or, where a block failed, its first
-        position; that block and every one after it are then retired and no
-        longer reused, as a claim that verified first would have done."""
-        if claim.proof is None:
-            return claim.start
-        t0 = time.monotonic()
-        bad = claim.proof.first_bad()
-        b = self.spec.block_tokens
-        waited = round(time.monotonic() - t0, 4)
-        log_event(log, "kv_proven", slot=claim.slot, waited=waited, bad=bad)
-        if bad is None or bad * b >= claim.start:
-            return claim.start
-        sealed = self.index.sealed.get((claim.slot, bad))
-        log_event(
-            log,
-            "kv_corrupt_block",
-            logging.WARNING,
-            slot=claim.slot,
-            block=bad,
-            epoch=sealed.epoch if sealed is not None else None,
-            positions=bad * b,  # what is still reused
-            of=claim.start,
-        )
-        retire = self.writer.retire(claim.slot, bad)
-        self._write(retire)
-        del self._chains[claim.slot][bad:]
-        st = self.stats
-        st.corrupt_blocks += 1
-        st.reused_blocks -= claim.reused - bad
-        st.retired += len(retire)
-        return bad * b
+        return Claim(slot, start, start // b, corrupt)
 
     def sealed_spans(self) -> Iterator[tuple[int, int]]:
         """Where the sealed positions' bytes lie, (address, bytes), in the
@@ -330,22 +236,19 @@ class KvPool:
         blocks cover hold the bytes their seals say: up to the first block that
         does not."""
         seals = [self.index.sealed[(slot, block)] for block in range(blocks)]
-        bad = self._first_bad(slot, seals)
-        if bad is None:
-            return positions
-        log_event(
-            log, "kv_corrupt_block", logging.WARNING, slot=slot, block=bad, epoch=seals[bad].epoch
-        )
-        return bad * self.spec.block_tokens
-
-    def _first_bad(self, slot: int, seals: Sequence[kvlog.Sealed]) -> int | None:
-        """The first of ``slot``'s blocks 0.. whose bytes are not what its seal
-        (``seals[block]``) says; None if every one is. Reads the arena only."""
         sums = self.checksums(slot, [(block, s.count) for block, s in enumerate(seals)])
         for block, (sealed, found) in enumerate(zip(seals, sums, strict=True)):
             if found != sealed.checksum:
-                return block
-        return None
+                log_event(
+                    log,
+                    "kv_corrupt_block",
+                    logging.WARNING,
+                    slot=slot,
+                    block=block,
+                    epoch=sealed.epoch,
+                )
+                return block * self.spec.block_tokens
+        return positions
 
     # --- after a step ----------------------------------------------------------
 

@@ -17,18 +17,11 @@ then, on a standby, they do nothing.
   holds; vLLM then allocates blocks for them and counts them as computed.
   Each step's plan (loads, saves) goes to the worker as the step's metadata.
 - **Worker side**: before the forward pass, the loads copy pool positions
-  into the blocks vLLM allocated, while the claims' checksums are read on a
-  thread (``Planner.settle`` waits for them after the copy): a block that
-  failed is reported to vLLM as a load error
-  (``get_block_ids_with_load_errors``), which has vLLM drop the step's
-  output for that request and compute its positions from that block on
-  (``kv_load_failure_policy=recompute``). After the forward pass
-  (``wait_for_save``: every layer has written), the saves copy the positions
-  the step computed into the pool, and the pool seals them in its log
-  (``KvPool.seal``: hash chain, checksum, epoch); a request cut short this
-  step saves nothing until vLLM has computed it again. A failover's next
-  engine adopts the log, and a continuation's ``get_num_new_matched_tokens``
-  finds the dead engine's blocks.
+  into the blocks vLLM allocated; after it (``wait_for_save``: every layer has
+  written), the saves copy the positions the step computed into the pool, and
+  the pool seals them in its log (``KvPool.seal``: hash chain, checksum,
+  epoch). A failover's next engine adopts the log, and a continuation's
+  ``get_num_new_matched_tokens`` finds the dead engine's blocks.
 
 Copies are position-exact (never a whole vLLM block past what a move
 covers), so a sealed position's bytes never change under its seal. That
@@ -74,7 +67,6 @@ def transfer_config(link: Link) -> dict[str, Any]:
     return {
         "kv_connector": CONNECTOR,
         "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",  # a block that fails its checksum (`Link.run`)
         "kv_connector_module_path": __name__,
         "kv_connector_extra_config": {LINK: link.key},
     }
@@ -271,8 +263,6 @@ class Link:
     unreadable: str | None = None  # why vLLM's caches are not kept (their layout)
     copier: _Copier | None = None
     scheduling: Scheduling = field(default_factory=Scheduling)
-    invalid: set[int] = field(default_factory=set)  # vLLM blocks loaded and then found bad
-    cut: frozenset[str] = frozenset()  # requests whose saves this step are dropped
 
     @property
     def planner(self) -> Planner | None:
@@ -299,12 +289,8 @@ class Link:
         return True
 
     def detach(self) -> None:
-        """No pool (asleep, or closed): both sides do nothing until the next
-        attach (once every checksum still reading the pool is done)."""
-        if self.planner is not None:
-            self.planner.close()
+        """No pool (asleep, or closed): both sides do nothing until the next attach."""
         self.copier, self.scheduling = None, Scheduling()
-        self.invalid, self.cut = set(), frozenset()
 
     def register(self, kv_caches: dict[str, Any]) -> None:
         """vLLM's KV tensors, one per attention layer, in the model's layer order,
@@ -325,39 +311,22 @@ class Link:
 
     def run(self, plan: StepPlan | None, *, save: bool) -> None:
         """The worker side's copies of one step: its loads before the forward
-        pass (and its claims settled), its saves (each sealed in the pool's
-        log) after it."""
+        pass, its saves (each sealed in the pool's log) after it."""
         copier, planner = self.copier, self.planner
         if plan is None or copier is None or planner is None:
             return
-        if save:
-            for m in plan.saves:
-                if m.req_id not in self.cut:
-                    copier.save(m)
-                    planner.pool.seal(m.slot, m.tokens, m.start, m.end)
-            self.cut = frozenset()
+        if not save:
+            for m in plan.loads:
+                t0 = time.monotonic()
+                copier.load(m)
+                seconds = round(time.monotonic() - t0, 4)
+                log_event(
+                    log, "kv_loaded", req=m.req_id, positions=m.end - m.start, seconds=seconds
+                )
             return
-        for m in plan.loads:
-            t0 = time.monotonic()
-            copier.load(m)
-            seconds = round(time.monotonic() - t0, 4)
-            log_event(log, "kv_loaded", req=m.req_id, positions=m.end - m.start, seconds=seconds)
-        # Every request of the step: one saved with no load (vLLM's own cache
-        # held its positions) may have a claim to settle too (its pool is cut).
-        step = list(dict.fromkeys(m.req_id for m in (*plan.loads, *plan.saves)))
-        cut = {s.req_id: s.trusted for s in planner.settle(step)}
-        self.cut = frozenset(cut)
-        bs = copier.block_size
-        for m in plan.loads:
-            if m.req_id in cut:  # vLLM recomputes from the first bad block it loaded
-                first = max(cut[m.req_id], m.start) // bs
-                self.invalid.update(m.block_ids[first : -(-m.end // bs)])
-
-    def load_errors(self) -> set[int]:
-        """vLLM's blocks loaded this step from positions that failed their
-        checksums (then forgotten: vLLM asks once per step)."""
-        out, self.invalid = self.invalid, set()
-        return out
+        for m in plan.saves:
+            copier.save(m)
+            planner.pool.seal(m.slot, m.tokens, m.start, m.end)
 
 
 # The engines' links by key, for the connector sides vLLM builds from its config
@@ -396,9 +365,6 @@ class _Hooks:
 
     def wait_for_save(self) -> None:
         self.link.run(self._plan(), save=True)
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.link.load_errors()
 
     # --- scheduler side: the plan ----------------------------------------------------
 

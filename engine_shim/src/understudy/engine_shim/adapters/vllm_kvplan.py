@@ -9,18 +9,12 @@ runs in vLLM's scheduler (``vllm_kvconn``'s connector calls it) and decides,
 without touching memory:
 
 - **A new request claims a slot** (``KvPool.claim``: the free slot whose
-  sealed blocks hold the longest prefix of its ids; what lies past that
-  prefix is retired before anything writes there). The claim's start is
+  sealed blocks hold the longest verified prefix of its ids; what lies past
+  that prefix is retired before anything writes there). The claim's start is
   what the pool can give vLLM: ``matched`` answers vLLM's
   ``get_num_new_matched_tokens`` with the positions past vLLM's own prefix
   cache hit, and ``allocated`` turns vLLM's answer into a **load** (pool →
   the blocks vLLM allocated), run before the step's forward pass.
-- **Its checksums are read while the load copies** (the claim is deferred:
-  a thread reads them from the claim on). The worker ``settle``s every
-  request of the step before the forward pass; one whose proof failed
-  (``Settled``) is cut back to its last good block, in the pool and in the
-  plan, and the worker reports the vLLM blocks it loaded from there on as
-  load errors, which vLLM recomputes (``kv_load_failure_policy=recompute``).
 - **Every scheduled step of a request with a slot saves** the positions the
   pool does not hold yet, up to where the step leaves the request (pool ←
   vLLM's blocks, after the forward pass), and the worker seals them.
@@ -39,7 +33,7 @@ from dataclasses import dataclass, field
 
 from understudy.engine_shim.kvpool import Claim, KvPool
 
-__all__ = ["Move", "Planner", "Settled", "StepPlan"]
+__all__ = ["Move", "Planner", "StepPlan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,22 +57,12 @@ class StepPlan:
     saves: list[Move] = field(default_factory=list)  # after it, then sealed
 
 
-@dataclass(frozen=True, slots=True)
-class Settled:
-    """A request whose claimed positions failed their checksums: the pool
-    holds (and vLLM may keep) only ``trusted`` of them."""
-
-    req_id: str
-    trusted: int
-
-
 @dataclass(slots=True)
 class _Held:
     slot: int
     saved: int  # the pool holds positions 0..saved-1 of this request (or will, once saved)
     given: int = 0  # vLLM's own hit when it last asked (what a load starts from)
     load: int = 0  # positions to load at the next step
-    claim: Claim | None = None  # its checksums still to settle
 
 
 class Planner:
@@ -90,7 +74,6 @@ class Planner:
         self.max_len = max_len  # positions a slot holds
         self._held: dict[str, _Held] = {}
         self._pending: dict[str, int] = {}  # requests with a load at the next step
-        self._unsettled: list[Claim] = []  # every deferred claim not settled yet
 
     def matched(
         self, req_id: str, tokens: Sequence[int], computed: int
@@ -109,11 +92,8 @@ class Planner:
             # recompute up to a block of positions as a prefill: 8 of a
             # continuation's 24 at a kill, where one position is what a decode
             # step computes.
-            chunk = self.pool.spec.block_tokens
-            claim = self.pool.claim(tokens, free, prompt=0, chunk=chunk, defer=True)
-            held = _Held(claim.slot, claim.start, claim=claim if claim.proof else None)
-            if held.claim is not None:
-                self._unsettled.append(claim)
+            claim = self.pool.claim(tokens, free, prompt=0, chunk=self.pool.spec.block_tokens)
+            held = _Held(claim.slot, claim.start)
             self._held[req_id] = held
         held.given = computed
         # Never the last id: its logits are what vLLM must compute.
@@ -151,41 +131,9 @@ class Planner:
                 held.saved = end
         return plan
 
-    def settle(self, req_ids: Sequence[str]) -> list[Settled]:
-        """Wait for the checksums of these requests' claims, if still under
-        way; those cut short: the pool retired their blocks from the first
-        bad one (`KvPool.settle`), and what is saved next starts there."""
-        out = []
-        for req_id in req_ids:
-            held = self._held.get(req_id)
-            trusted = None if held is None else self._settle(held)
-            if trusted is not None:
-                out.append(Settled(req_id, trusted))
-        return out
-
-    def _settle(self, held: _Held) -> int | None:
-        claim, held.claim = held.claim, None
-        if claim is None:
-            return None
-        self._unsettled.remove(claim)
-        trusted = self.pool.settle(claim)
-        if trusted >= claim.start:
-            return None
-        held.saved = trusted
-        return trusted
-
-    def close(self) -> None:
-        """Wait for every proof still reading the pool (before it is unmapped)."""
-        for claim in self._unsettled:
-            if claim.proof is not None:
-                claim.proof.first_bad()
-        self._unsettled.clear()
-
     def finished(self, req_id: str) -> None:
-        held = self._held.pop(req_id, None)
+        self._held.pop(req_id, None)
         self._pending.pop(req_id, None)
-        if held is not None:
-            self._settle(held)  # one never run: its slot is free for the next claim
 
     def holds(self, req_id: str) -> int | None:
         held = self._held.get(req_id)
