@@ -101,12 +101,17 @@ def warm(work: Sequence[tuple[Spans, int]]) -> threading.Thread:
 
     def run() -> None:
         t0 = time.monotonic()
-        done = [populate(spans, advice) for spans, advice in work]
+        done, parts = [], []
+        for spans, advice in work:
+            t = time.monotonic()
+            done.append(populate(spans, advice))
+            parts.append(f"{time.monotonic() - t:.4f}")
         log_event(
             log,
             "kv_warmed",
             mib=",".join(str(n >> 20) for n in done),
             seconds=round(time.monotonic() - t0, 4),
+            parts=",".join(parts),
         )
 
     thread = threading.Thread(target=run, name="kv-warm", daemon=True)
