@@ -8,6 +8,8 @@ test_kvlog.py (its ``reread``)."""
 from __future__ import annotations
 
 import mmap
+import subprocess
+import sys
 import time
 from dataclasses import replace
 
@@ -107,3 +109,31 @@ def test_a_full_ring_of_a_busy_pod_is_adopted_as_it_was_written() -> None:
     print(f"adopted {nxt.stats.records} records in {time.perf_counter() - t0:.4f} s")
     assert nxt.index.sealed == first.index.sealed
     assert nxt.stats.records == spec.log_capacity and nxt.stats.torn == 0
+
+
+def test_a_new_engines_first_adoption_imports_nothing() -> None:
+    """Adoption runs once per engine process, on a failover's path: a module
+    imported on first use there is paid in full (``np.unique`` imported
+    numpy.ma, 50 ms, before the engine could go Active)."""
+    code = """
+import mmap, sys
+from understudy.engine_shim import kvlog
+from understudy.engine_shim.kvpool import KvPool
+spec = kvlog.PoolSpec(model="m", layers=1, kv_heads=1, head_dim=4, dtype="float32",
+                      slots=2, max_len=64)
+memory = mmap.mmap(-1, spec.pool_bytes)
+pool = KvPool(memoryview(memory), spec, 1)
+for slot in range(2):
+    tokens = list(range(slot, slot + 40))
+    pool.claim(tokens, [slot], 0, 16)
+    pool.seal(slot, tokens, 0, 40)
+pool.claim(list(range(40)), [0], 0, 16)  # a retire
+before = set(sys.modules)
+nxt = KvPool(memoryview(memory), spec, 2)
+assert nxt.index.sealed, "nothing adopted"
+print(sorted(set(sys.modules) - before))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]", out.stdout

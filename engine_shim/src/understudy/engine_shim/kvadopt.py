@@ -93,14 +93,18 @@ def _replay(spec: PoolSpec, recs: npt.NDArray[np.void], epoch: int) -> Index:
     index.ignored = int(np.count_nonzero(~live))
     at = np.arange(recs.size)
     seals, retires = at[live & seal], at[live & ~seal]
-    # The last seal of each block (``np.unique`` of the reversed run keeps
-    # each key's first, the latest) ...
-    key = slot.astype(np.int64) * spec.blocks_per_slot + block
-    _, first = np.unique(key[seals][::-1], return_index=True)
-    survivors = seals[::-1][first]
+    # The last seal of each block (the first of each key in the reversed run,
+    # by a stable sort; not ``np.unique``, whose first call imports numpy.ma:
+    # 50 ms, on a failover's path, in every new engine) ...
+    latest_first = seals[::-1]
+    key = (slot.astype(np.int64) * spec.blocks_per_slot + block)[latest_first]
+    order = np.argsort(key, kind="stable")
+    head = np.ones(order.size, dtype=bool)
+    head[1:] = key[order][1:] != key[order][:-1]
+    survivors = latest_first[order[head]]
     # ... unless a later retire of its slot, from its block or one before, removed it.
     gone = np.zeros(survivors.size, dtype=bool)
-    for slot_no in np.unique(slot[retires]):
+    for slot_no in sorted(set(slot[retires].tolist())):
         mine = retires[slot[retires] == slot_no]
         mine = mine[np.argsort(block[mine], kind="stable")]
         latest = np.maximum.accumulate(mine)  # the latest retire at each block or before
