@@ -21,20 +21,17 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from understudy.engine_shim.kvlog import RECORD_SIZE, Index, Kind, PoolSpec, Sealed
+from understudy.engine_shim.kvlog import (
+    RECORD_BODY_SIZE,
+    RECORD_DTYPE,
+    RECORD_SIZE,
+    Index,
+    Kind,
+    PoolSpec,
+    Sealed,
+)
 
 __all__ = ["Adopted", "adopt"]
-
-# kvlog's record (``_BODY`` then its CRC), as numpy reads it.
-_RECORD = np.dtype(
-    {
-        "names": ["gen", "kind", "slot", "block", "epoch", "chain", "checksum", "count", "crc"],
-        "formats": ["<u8", "u1", "<u2", "<u4", "<u8", "V16", "<u8", "<u2", "<u4"],
-        "offsets": [0, 8, 10, 12, 16, 24, 40, 48, 50],
-        "itemsize": RECORD_SIZE,
-    }
-)
-_BODY_BYTES = 50  # what the CRC covers
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,11 +54,12 @@ def adopt(raw: bytes | memoryview, spec: PoolSpec, epoch: int) -> Adopted:
         raise ValueError(f"a log of {cap} records needs {cap * RECORD_SIZE} bytes")
     data = bytes(raw[: cap * RECORD_SIZE])
     rows = np.frombuffer(data, dtype=np.uint8).reshape(cap, RECORD_SIZE)
-    recs = rows.view(_RECORD)[:, 0]
+    recs = rows.view(RECORD_DTYPE)[:, 0]
     used = np.flatnonzero(rows.any(axis=1))
     crc_ok = np.zeros(cap, dtype=bool)
     crc_ok[used] = [
-        zlib.crc32(data[i * RECORD_SIZE : i * RECORD_SIZE + _BODY_BYTES]) == int(recs["crc"][i])
+        zlib.crc32(data[i * RECORD_SIZE : i * RECORD_SIZE + RECORD_BODY_SIZE])
+        == int(recs["crc"][i])
         for i in used
     ]
     kinds = recs["kind"]

@@ -59,6 +59,8 @@ import numpy.typing as npt
 __all__ = [
     "BLOCK_TOKENS",
     "HEADER_SIZE",
+    "RECORD_BODY_SIZE",
+    "RECORD_DTYPE",
     "RECORD_SIZE",
     "ROOT",
     "Index",
@@ -97,9 +99,42 @@ VERSION: Final = 2
 CHAIN_BYTES: Final = 16
 ROOT: Final = bytes(CHAIN_BYTES)  # the parent of a sequence's first block
 
-# gen, kind, slot, block, epoch, chain, checksum, count; then the CRC of those bytes.
-_BODY: Final = struct.Struct("<QBxHIQ16sQH")
+# A record: these fields (struct's format, numpy's type; None: padding), then
+# the CRC of their bytes. Both readers take their layout from here: the codec
+# below, and adoption's arrays (`RECORD_DTYPE`, ``kvadopt``).
+_FIELDS: Final = (
+    ("gen", "Q", "<u8"),
+    ("kind", "B", "u1"),
+    (None, "x", None),
+    ("slot", "H", "<u2"),
+    ("block", "I", "<u4"),
+    ("epoch", "Q", "<u8"),
+    ("chain", f"{CHAIN_BYTES}s", f"V{CHAIN_BYTES}"),
+    ("checksum", "Q", "<u8"),
+    ("count", "H", "<u2"),
+)
+_BODY: Final = struct.Struct("<" + "".join(fmt for _, fmt, _ in _FIELDS))
 _CRC: Final = struct.Struct("<I")
+
+
+def _record_dtype() -> np.dtype[np.void]:
+    names, formats, offsets = [], [], []
+    for i, (name, _, numpy_type) in enumerate(_FIELDS):
+        if name is not None and numpy_type is not None:
+            names.append(name)
+            formats.append(numpy_type)
+            offsets.append(struct.calcsize("<" + "".join(fmt for _, fmt, _ in _FIELDS[:i])))
+    names.append("crc")
+    formats.append("<u4")
+    offsets.append(_BODY.size)
+    spec = {"names": names, "formats": formats, "offsets": offsets, "itemsize": RECORD_SIZE}
+    record: np.dtype[np.void] = np.dtype(spec)  # type: ignore[call-overload]
+    return record
+
+
+# A record as numpy reads it; its ``crc`` covers the first `RECORD_BODY_SIZE` bytes.
+RECORD_DTYPE: Final = _record_dtype()
+RECORD_BODY_SIZE: Final = _BODY.size
 _HEADER: Final = struct.Struct("<8sI32sQ")
 _DTYPES: Final = {"float32": 4, "float16": 2, "bfloat16": 2}
 _MAX_U64: Final = 2**64 - 1

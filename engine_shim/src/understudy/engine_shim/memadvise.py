@@ -96,7 +96,11 @@ def warm(work: Sequence[tuple[Spans, int]]) -> threading.Thread:
     microbenchmark, 2 cores). Filled in by the kernel from the wake on, on
     the other core, while the engine wakes and the continuation comes in,
     the reader finds them mapped. A reader that overtakes it takes the
-    faults itself, as without it: never wrong, only not faster.
+    faults itself: never wrong, but not always faster. A reader that writes
+    the pages the thread is backing waits for them (vLLM-CPU zeroes the
+    blocks it hands out before the step: in one 8-client drill round it
+    waited 280 ms for a backing of 45 MiB that took 209 ms;
+    docs/performance.md, 2026-12-02 evening).
     """
 
     def run() -> None:
