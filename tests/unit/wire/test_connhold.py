@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import tempfile
 from collections.abc import AsyncIterator
@@ -92,6 +93,34 @@ def test_a_held_connection_outlives_its_front_and_the_next_front_adopts_it() -> 
             second.close()
             a_peer.close()
             b_peer.close()
+
+    asyncio.run(run())
+
+
+def test_a_connection_held_under_two_ids_is_kept_once() -> None:
+    """A front's witness gives every connection of the dead front's table,
+    the held ones included, under ids of its own: the keeper compares the
+    sockets themselves (their inodes), and keeps each one once, under the
+    id it was held by first. A drop lets the socket be held again."""
+
+    async def run() -> None:
+        async with keeper() as k:
+            a, a_peer = socket.socketpair()
+            b, b_peer = socket.socketpair()
+            front = await _front(k)
+            await _adopt(front)
+            front.hold("c-1", a.fileno())
+            dup = os.dup(a.fileno())
+            front.hold("w1-7", dup)  # the same socket, another descriptor
+            front.hold("w1-8", b.fileno())  # one the front never held
+            await _settle(lambda: set(k.held) == {"c-1", "w1-8"})
+            front.drop("c-1")
+            front.hold("w1-7", a.fileno())
+            await _settle(lambda: set(k.held) == {"w1-7", "w1-8"})
+            front.close()
+            os.close(dup)
+            for s in (a, a_peer, b, b_peer):
+                s.close()
 
     asyncio.run(run())
 

@@ -13,7 +13,7 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -52,7 +52,9 @@ _GATEWAY_MODULES = (
 )
 
 
-def _prepare_if_spare(modules: Sequence[str] = _FRONT_MODULES) -> float | None:
+def _prepare_if_spare(
+    modules: Sequence[str] = _FRONT_MODULES, before_turn: Callable[[], object] = lambda: None
+) -> float | None:
     """A spare front (``understudy respawn --spare``) imports everything a front
     ever loads, then waits for its turn: the front it stands behind died. It
     binds nothing and connects to nothing before that (the serving socket is
@@ -61,7 +63,8 @@ def _prepare_if_spare(modules: Sequence[str] = _FRONT_MODULES) -> float | None:
     node, all of it time that queued connections wait. Returns the monotonic
     time of the turn (None: not a spare), where this front's start begins.
     A spare gateway does the same with its own ``modules``; its ports are
-    the respawner's (``--listen``)."""
+    the respawner's (``--listen``). ``before_turn`` runs in a spare once it
+    is prepared, before its turn (off the turn's path)."""
     from understudy.wire import respawn
 
     if not respawn.is_spare():
@@ -71,12 +74,27 @@ def _prepare_if_spare(modules: Sequence[str] = _FRONT_MODULES) -> float | None:
     for module in modules:
         with contextlib.suppress(ImportError):  # the command says what is missing
             importlib.import_module(module)
+    before_turn()
     respawn.wait_turn()
     return time.monotonic()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    turn = _prepare_if_spare()
+    run_dir = Path(args.run_dir)
+    witnessed = False
+
+    def witness() -> None:
+        # Before any thread: the witness shares this process's descriptor
+        # table, so that no accepted connection is ever in one process only.
+        nonlocal witnessed
+        from understudy.front import witness
+
+        witness.start(run_dir, args.port)
+        witnessed = True
+
+    turn = _prepare_if_spare(before_turn=witness)
+    if not witnessed:
+        witness()
     import asyncio
 
     import uvloop
@@ -86,7 +104,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from understudy.wire.obs import setup_logging
 
     setup_logging()
-    run_dir = Path(args.run_dir)
     cfg = FrontConfig(
         run_dir=run_dir,
         lock_socket=args.lock_socket or str(run_dir / "lock.sock"),

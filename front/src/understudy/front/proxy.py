@@ -175,15 +175,17 @@ class Front:
     def _keep(self, conn: socket.socket) -> connlog.ConnLog | None:
         """A connection just accepted: a copy to the keeper, then its record.
 
-        The copy first: until the keeper has one, this process holds the
-        connection's only descriptor, and its death resets the client. The
-        record is a file created (30-50 us here, up to a millisecond);
-        the copy is one ``sendmsg``. A front that dies between the two
+        The copy first: until the keeper has one, the connection is in this
+        process's descriptor table alone (shared with the front's witness,
+        which gives it to the keeper if this process dies first: ``witness``).
+        The record is a file created (30-50 us here, up to a millisecond);
+        the copy is one ``sendmsg``. A front that dies before the record
         leaves a held connection with no record, which the next one serves
         from its first byte (nothing was read)."""
         assert self._holder is not None
         self._cid_next += 1
         cid = f"{self._cid_prefix}-{self._cid_next}"
+        failpoints.hit("front.accept.copy")
         self._holder.hold(cid, conn.fileno())
         failpoints.hit("front.accept.record")
         try:

@@ -105,6 +105,11 @@ class Keeper:
         self.path = path
         self.hold_s = hold_s
         self.held: dict[str, uds.OwnedFd] = {}
+        # Each held socket's inode: a front's witness (``understudy.front.witness``)
+        # gives every connection of a dead front's table, held or not, under
+        # ids of its own; a connection is kept once.
+        self._by_inode: dict[int, str] = {}
+        self._inode: dict[str, int] = {}
         self._log = log
         self._fronts = 0  # connected
         self._previous: asyncio.Task[None] | None = None
@@ -174,14 +179,15 @@ class Keeper:
                 raise HoldError("hold without a descriptor")
             if len(self.held) >= MAX_HELD and msg["id"] not in self.held:
                 raise HoldError(f"more than {MAX_HELD} connections held")
-            old = self.held.pop(msg["id"], None)
-            if old is not None:
-                old.close()
+            inode = os.fstat(owned.fd).st_ino
+            if self._by_inode.get(inode, msg["id"]) != msg["id"]:
+                return  # held already, under its front's id
+            self._release(msg["id"])
             self.held[msg["id"]] = uds.OwnedFd(owned.detach())
+            self._by_inode[inode] = msg["id"]
+            self._inode[msg["id"]] = inode
         elif op == "drop":
-            gone = self.held.pop(msg["id"], None)
-            if gone is not None:
-                gone.close()
+            self._release(msg["id"])
         elif op == "adopt":
             for cid, owned_fd in list(self.held.items()):
                 await uds.sock_send_frame(conn, encode("held", id=cid), owned_fd.fd)
@@ -189,6 +195,12 @@ class Keeper:
             log_event(self._log, "conns_adopted", count=len(self.held))
         else:
             raise HoldError(f"{op} is the keeper's to send")
+
+    def _release(self, cid: str) -> None:
+        gone = self.held.pop(cid, None)
+        if gone is not None:
+            del self._by_inode[self._inode.pop(cid)]
+            gone.close()
 
     def _cancel_expiry(self) -> None:
         if self._expiry is not None:
@@ -206,6 +218,8 @@ class Keeper:
         for owned in self.held.values():
             owned.close()
         self.held.clear()
+        self._by_inode.clear()
+        self._inode.clear()
 
 
 # ------------------------------------------------------------- the front --

@@ -73,6 +73,10 @@ POINTS: Final[Mapping[str, str]] = {
     "kv.block.corrupt": "the KV pool, as the next engine adopts it: a sealed block's bytes "
     "are changed under its seal (memory corrupted between two holders), and the engine "
     "finds the checksum wrong and recomputes the block instead of serving it (return)",
+    "front.accept.copy": "the front, at a connection's accept, before its copy goes to "
+    "the lock server: the connection is in the front's descriptor table alone (shared "
+    "with its witness), and a front killed there leaves it to the witness, which gives "
+    "it to the lock server for the next front (kill)",
     "front.accept.record": "the front, at a connection's accept, after its copy went to "
     "the lock server and before its record exists: a front killed there leaves the "
     "connection held with no record, and the next front answers it from its first byte "
