@@ -81,19 +81,17 @@ def _prepare_if_spare(
 
 def cmd_serve(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
-    witnessed = False
 
     def witness() -> None:
         # Before any thread: the witness shares this process's descriptor
         # table, so that no accepted connection is ever in one process only.
-        nonlocal witnessed
         from understudy.front import witness
 
         witness.start(run_dir, args.port)
-        witnessed = True
 
+    # A spare makes it before its turn (off the turn's path); any other front now.
     turn = _prepare_if_spare(before_turn=witness)
-    if not witnessed:
+    if turn is None:
         witness()
     import asyncio
 

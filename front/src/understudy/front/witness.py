@@ -68,10 +68,11 @@ def start(run_dir: Path, port: int) -> int | None:
     Call it before any thread starts: the witness is a copy of this process
     in which only the calling thread goes on."""
     nr = _SYS_CLONE.get(platform.machine())
-    if nr is None or _threads() != 1:
+    threads = _threads()
+    if nr is None or threads != 1:
         log_event(
             log, "witness_unmade", logging.WARNING, machine=platform.machine(),
-            threads=_threads(),
+            threads=threads,
             consequence="a front killed between an accept and the keeper's copy resets "
             "that client",
         )  # fmt: skip
