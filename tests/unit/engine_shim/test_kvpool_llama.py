@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from understudy.engine_shim import kvlog
-from understudy.engine_shim.adapters.llama import LlamaEngine
+from understudy.engine_shim import chunks, kvlog
+from understudy.engine_shim.adapters.llama import PREFILL_CHUNK, LlamaEngine
 from understudy.engine_shim.generation import SamplingParams, Step
 from understudy.engine_shim.kvlog import RECORD_SIZE
 
@@ -77,7 +77,7 @@ def prompt_of(engine: LlamaEngine, n: int) -> list[int]:
     return words[:n]
 
 
-@pytest.mark.parametrize("n", [1, 15, 16, 17, 63, 64, 65, 100])
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 63, 64, 65, 100, 300])
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 async def test_the_next_engine_continues_exactly_from_the_adopted_cache(
     pod: Pod, n: int, params: SamplingParams
@@ -99,12 +99,12 @@ def reusable(n: int, k: int, filled: int) -> int:
     engine having filled and sealed ``n + filled`` positions (its last block in
     part): the whole blocks the continuation's ids cover, or everything if they
     cover the part too; never the last position; in the prompt, back to a
-    chunk boundary of 64."""
+    chunk start (`chunks`, from 64)."""
     total = n + k
     trusted = n + filled if total >= n + filled else min((n + filled) // 16, total // 16) * 16
     start = min(trusted, total - 1)
     if start < n:
-        start -= start % 64
+        start = chunks.start_before(start, PREFILL_CHUNK)
     return start // 16
 
 

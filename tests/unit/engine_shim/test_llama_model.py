@@ -390,3 +390,23 @@ def test_decode_in_weight_blocks_keeps_rows_independent_and_exact(
         assert np.array_equal(model.decode([row], cache)[0], together[i])
     full = model.forward([*prompts[1], 8], KVCache(model.config, 1, 64), 0)
     assert np.abs(together[1] - full[-1]).max() < 1e-4
+
+
+def test_a_prompt_continued_from_any_chunk_start_is_the_same_bits(
+    model: LlamaModel, tok: ChatTokenizer
+) -> None:
+    """On the grid from 4 (`chunks`: 0, 4, 8, 16, 32, 48): a prompt computed
+    from 0, and the same prompt continued from each later chunk start of a
+    cache that holds the positions before it, give the same logits and write
+    the same keys and values; a multiple of 4 that is no chunk start is
+    refused."""
+    ids = tok.encode(" ".join(f"word{i}" for i in range(40)))[:60]
+    whole = KVCache(model.config, 1, 64)
+    want = model.prefill_chunks(ids, whole, 0, 0, 4)
+    for start in (4, 8, 16, 32, 48):
+        cache = KVCache(model.config, 1, 64)
+        model.prefill_chunks(ids[:start], cache, 0, 0, 4)
+        assert np.array_equal(model.prefill_chunks(ids, cache, 0, start, 4), want), start
+        assert np.array_equal(cache.k, whole.k) and np.array_equal(cache.v, whole.v), start
+    with pytest.raises(ValueError, match="chunk boundary"):
+        model.prefill_chunks(ids, KVCache(model.config, 1, 64), 0, 24, 4)

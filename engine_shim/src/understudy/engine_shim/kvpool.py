@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from understudy.engine_shim import kvadopt, kvlog
+from understudy.engine_shim import chunks, kvadopt, kvlog
 from understudy.engine_shim.kvlog import HEADER_SIZE, RECORD_SIZE, PoolSpec
 from understudy.wire import failpoints
 from understudy.wire.obs import log_event
@@ -152,11 +152,12 @@ class KvPool:
         that a start can reuse, its checksums verified. The last token is
         always computed (its logits are what the request needs), even when a
         sealed block holds it. A start inside the first ``prompt`` tokens
-        moves back to a multiple of ``chunk``: the prompt is computed in
-        chunks at fixed boundaries, and only the same chunks give the same
-        bits. The blocks from the start's on are retired before anything is
-        written there, so among slots that give the same start the one that
-        loses least is taken: the fewest sealed positions that are not a
+        moves back to a chunk start of the grid whose first chunk is
+        ``chunk`` (`chunks`): the prompt is computed in chunks at fixed
+        boundaries, and only the same chunks give the same bits. The blocks
+        from the start's on are retired before anything is written there,
+        so among slots that give the same start the one that loses least is
+        taken: the fewest sealed positions that are not a
         prefix of ``tokens``. (After a failover every stream comes back at
         once; a new request with the prompt of a continuation, reusing less
         than a chunk of it, would otherwise take the continuation's slot and
@@ -173,7 +174,7 @@ class KvPool:
 
         def start_at(positions: int) -> int:
             start = min(positions, len(tokens) - 1)
-            return start - start % chunk if start < prompt else start
+            return chunks.start_before(start, chunk) if start < prompt else start
 
         held = self.index.held()
         best = min(

@@ -83,6 +83,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
+from understudy.engine_shim import chunks
 from understudy.engine_shim.adapters.packing import WeightsError
 
 __all__ = [
@@ -559,13 +560,14 @@ class LlamaModel:
         progress: Callable[[], None] | None = None,
     ) -> F32:
         """Run ``tokens[start:]`` into ``slot``, whose positions 0..start-1 already
-        hold the KV of ``tokens[:start]``, in chunks of ``chunk`` positions that
-        start at multiples of ``chunk``; the logits after the last token.
+        hold the KV of ``tokens[:start]``, in chunks on the grid whose first
+        chunk is ``chunk`` (`chunks`); the logits after the last token.
 
+        ``chunk`` is the grid's first chunk (`chunks`: later ones are wider).
         Chunk boundaries never depend on ``start`` or on the prompt's length, so
         a position's KV is the same bits whether a prompt was run from 0 or
-        continued from a block boundary of an inherited cache (the KV pool:
-        ``chunk`` is its block size). Only the last row goes through the head.
+        continued from a chunk boundary of an inherited cache (the KV pool).
+        Only the last row goes through the head.
         ``progress`` is called after every chunk (a long prompt is work under
         way, not a stuck engine).
         """
@@ -584,14 +586,16 @@ class LlamaModel:
         with each weight (`_in_parts`; one prompt after another where
         `batch_parts` is false). ``progress``: after each round."""
         for p in prompts:
-            if p.start % chunk or not 0 <= p.start < len(p.tokens):
+            if not 0 <= p.start < len(p.tokens) or chunks.start_before(p.start, chunk) != p.start:
                 raise ValueError(f"start {p.start} is not a chunk boundary before {len(p.tokens)}")
-        if len(prompts) > 1 and not self.batch_parts(chunk):
+        if len(prompts) > 1 and not self.batch_parts(chunks.WIDEST * chunk):
             return [self.prefill_batch([p], cache, chunk, progress)[0] for p in prompts]
         begins = [p.start for p in prompts]
         last: list[F32 | None] = [None] * len(prompts)
         while todo := [i for i, p in enumerate(prompts) if begins[i] < len(p.tokens)]:
-            parts = [(i, prompts[i].tokens[begins[i] : begins[i] + chunk]) for i in todo]
+            parts = [
+                (i, prompts[i].tokens[begins[i] : chunks.end_after(begins[i], chunk)]) for i in todo
+            ]
             x = self._extend([(ids, prompts[i].slot, begins[i]) for i, ids in parts], cache)
             offset = 0
             for i, ids in parts:

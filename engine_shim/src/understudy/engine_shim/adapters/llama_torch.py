@@ -12,7 +12,7 @@ cannot be the pool (docs/torch.md).
 Numerics follow `llama_model` step by step (float32; RMSNorm as 1/sqrt;
 SiLU as x / (1 + e^-x); the same RoPE tables; softmax as max-subtract, exp,
 divide), and so does the determinism argument: prompts run in chunks on a
-fixed grid (`prefill` too: chunks of ``PREFILL_CHUNK``), and `decode` does
+fixed grid (`chunks`; `prefill` too, from ``PREFILL_CHUNK``), and `decode` does
 every matrix product row by row and attention per row over the row's own
 sequence, so a row's bits never depend on which rows share its step. On the
 CPU torch runs on one thread (`TorchModel` sets it), as numpy runs on one
@@ -36,6 +36,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from understudy.engine_shim import chunks
 from understudy.engine_shim.adapters.llama_model import (
     LAYER_PARTS,
     LlamaConfig,
@@ -51,9 +52,9 @@ F32 = npt.NDArray[np.float32]
 Tensor = Any  # torch.Tensor: torch is not in the main venv, where mypy runs
 
 PREFILL_CHUNK: Final = 64
-"""Positions per chunk of a whole-prompt `prefill` (the llama engine's chunk):
-a prompt's scores are then (kv heads, 64 x group, keys), never the whole
-prompt squared."""
+"""The first chunk of a whole-prompt `prefill`'s grid (`chunks`; the llama
+engine's): a prompt's scores are then (kv heads, at most 256 x group, keys),
+never the whole prompt squared."""
 
 
 def host_tensors(views: Mapping[str, npt.NDArray[np.generic]]) -> dict[str, Tensor]:
@@ -214,14 +215,18 @@ class TorchModel:
         chunk: int,
         progress: Callable[[], None] | None = None,
     ) -> F32:
-        """`llama_model.LlamaModel.prefill_chunks`: ``tokens[start:]`` in chunks at
-        multiples of ``chunk``; the logits after the last token."""
-        if start % chunk or not 0 <= start < len(tokens):
+        """`llama_model.LlamaModel.prefill_chunks`: ``tokens[start:]`` in chunks on
+        the grid whose first chunk is ``chunk`` (`chunks`); the logits after
+        the last token."""
+        if not 0 <= start < len(tokens) or chunks.start_before(start, chunk) != start:
             raise ValueError(f"start {start} is not a chunk boundary before {len(tokens)}")
         x: Tensor | None = None
         with torch.no_grad():
-            for begin in range(start, len(tokens), chunk):
-                x = self._extend(tokens[begin : begin + chunk], cache, slot, begin)
+            begin = start
+            while begin < len(tokens):
+                end = chunks.end_after(begin, chunk)
+                x = self._extend(tokens[begin:end], cache, slot, begin)
+                begin = end
                 if progress is not None:
                     progress()
             assert x is not None
