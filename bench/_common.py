@@ -6,6 +6,7 @@ the same run, and write their results to ``bench/results/<name>.json``.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import platform
@@ -45,7 +46,47 @@ def machine() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "kernel": platform.release(),
         "load1": os.getloadavg()[0],
+        "openblas": openblas(),
     }
+
+
+def openblas() -> dict[str, str | None]:
+    """Which OpenBLAS kernels this process runs, and the variables that chose
+    them. A machine can force a core (``OPENBLAS_CORETYPE``, e.g. Haswell's
+    AVX2 kernels on an AVX-512 CPU, where old builds were wrong): numpy's
+    float32 GEMMs then run at half the speed they have on a node that does
+    not, so a result says which it measured."""
+    core = None
+    maps = Path("/proc/self/maps")
+    libs = {line.split()[-1] for line in maps.read_text().splitlines() if "openblas" in line}
+    for lib in sorted(libs):
+        try:
+            dll = ctypes.CDLL(lib)
+        except OSError:
+            continue
+        for name in ("scipy_openblas_get_corename64_", "openblas_get_corename"):
+            fn = getattr(dll, name, None)
+            if fn is not None:
+                fn.restype = ctypes.c_char_p
+                core = fn().decode()
+                break
+    return {
+        "core": core,
+        "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE"),
+        "OPENBLAS_L2_SIZE": os.environ.get("OPENBLAS_L2_SIZE"),
+        "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"),
+    }
+
+
+def warn_forced_openblas() -> None:
+    """Say so when this environment forces OpenBLAS's kernels (`openblas`)."""
+    if forced := os.environ.get("OPENBLAS_CORETYPE"):
+        print(
+            f"note: OPENBLAS_CORETYPE={forced} forces numpy's kernels; a node without it "
+            "runs its CPU's own. To measure those: env -u OPENBLAS_CORETYPE "
+            "-u OPENBLAS_L2_SIZE <this command>",
+            flush=True,
+        )
 
 
 def print_table(

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, machine, write_results
+from _common import RESULTS, machine, warn_forced_openblas, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("generate", "llama", "vllm")
@@ -147,6 +147,7 @@ def main() -> int:
     ap.add_argument("--modes", default="on", help="kv_failover's modes (on,noadopt: both)")
     ap.add_argument("--skip", default="", help=f"parts not to run, of {', '.join(PARTS)}")
     args = ap.parse_args()
+    warn_forced_openblas()
     skip = {s for s in args.skip.split(",") if s}
     if skip - set(PARTS):
         ap.error(f"--skip: unknown part(s) {', '.join(sorted(skip - set(PARTS)))}")
