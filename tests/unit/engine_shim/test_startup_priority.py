@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from understudy.engine_shim.mainloop import STARTUP_NICE, run_yielding
+from understudy.engine_shim.mainloop import STARTUP_DEFER_S, STARTUP_NICE, run_yielding
 
 
 def _priority() -> tuple[int, int]:
@@ -19,7 +19,7 @@ def _priority() -> tuple[int, int]:
 def test_the_work_runs_lower_and_the_caller_and_later_threads_do_not() -> None:
     before = _priority()
     seen: list[tuple[int, int]] = []
-    run_yielding(lambda: seen.append(_priority()), "start-up")
+    run_yielding(lambda: seen.append(_priority()), "start-up", defer_s=0)
     assert seen == [(os.SCHED_BATCH, max(before[1], STARTUP_NICE))]
     assert _priority() == before
     later: list[tuple[int, int]] = []  # a thread the caller starts after (the batcher)
@@ -34,7 +34,7 @@ def test_what_the_work_raises_reaches_the_caller() -> None:
         raise RuntimeError("no weights")
 
     with pytest.raises(RuntimeError, match="no weights"):
-        run_yielding(fail, "start-up")
+        run_yielding(fail, "start-up", defer_s=0)
 
 
 def test_after_its_time_the_work_runs_at_the_callers_priority_again() -> None:
@@ -64,7 +64,7 @@ def test_after_its_time_the_work_runs_at_the_callers_priority_again() -> None:
         seen.append(_priority())
         seen.extend(child)
 
-    run_yielding(work, "start-up", most_s=0.2)
+    run_yielding(work, "start-up", most_s=0.2, defer_s=0)
     lowered = (os.SCHED_BATCH, max(before[1], STARTUP_NICE))
     assert seen[0] == lowered
     if os.geteuid() == 0:
@@ -72,3 +72,13 @@ def test_after_its_time_the_work_runs_at_the_callers_priority_again() -> None:
     else:
         assert seen[1:] == [lowered, lowered]
     assert _priority() == before
+
+
+def test_the_work_starts_late_by_default_so_the_new_active_steps_first() -> None:
+    """After a failover the new Active's first steps take the CPU before the
+    restarted engine's start-up begins (`STARTUP_DEFER_S`)."""
+    assert STARTUP_DEFER_S >= 0.5
+    began: list[float] = []
+    t0 = time.monotonic()
+    run_yielding(lambda: began.append(time.monotonic()), "start-up", defer_s=0.3)
+    assert began[0] - t0 >= 0.3

@@ -61,6 +61,13 @@ STARTUP_NICE: Final = 10
 # seconds after a failover, when the Active engine takes the streams over,
 # are what the yield is for.
 STARTUP_YIELD_S: Final = 5.0
+# ... and starts this late: the new Active's first steps after a failover (the
+# streams' continuations: claimed, loaded and stepped within ~0.5 s of the
+# kill in the local drills) run before any of it. Nice lowers a share, not a
+# presence: in the vllm drill's worst rounds the first step took ~240 ms where
+# it takes ~60 ms alone, the replacement importing its weights beside it.
+# A second more to re-arm, against a standby that is seconds away anyway.
+STARTUP_DEFER_S: Final = 1.0
 
 
 def run_yielding(
@@ -68,12 +75,13 @@ def run_yielding(
     name: str,
     nice: int = STARTUP_NICE,
     most_s: float = STARTUP_YIELD_S,
+    defer_s: float = STARTUP_DEFER_S,
 ) -> None:
-    """Run ``work`` on a thread of its own at a lower CPU priority, wait for it,
-    and raise what it raised. After ``most_s`` the threads still at that
-    priority (the work's, and those it started) are put back at the caller's
-    where the process may do so (``startup_priority_restored``; as root, or
-    with CAP_SYS_NICE).
+    """Run ``work`` on a thread of its own at a lower CPU priority, ``defer_s``
+    from now, wait for it, and raise what it raised. ``most_s`` after the work
+    began, the threads still at that priority (the work's, and those it
+    started) are put back at the caller's where the process may do so
+    (``startup_priority_restored``; as root, or with CAP_SYS_NICE).
 
     A thread, because Linux keeps the policy and the nice value per thread, and
     an unprivileged thread cannot take them back (sched(7): leaving SCHED_IDLE
@@ -87,6 +95,9 @@ def run_yielding(
     before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     def run() -> None:
+        if defer_s > 0:
+            log_event(log, "startup_deferred", seconds=defer_s)
+            time.sleep(defer_s)
         try:
             os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
@@ -105,7 +116,7 @@ def run_yielding(
     # it is not done.
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
-    thread.join(most_s)
+    thread.join(defer_s + most_s)
     if thread.is_alive():
         _restore_priority(before, nice)
         thread.join()
