@@ -563,7 +563,6 @@ class LlamaModel:
         hold the KV of ``tokens[:start]``, in chunks on the grid whose first
         chunk is ``chunk`` (`chunks`); the logits after the last token.
 
-        ``chunk`` is the grid's first chunk (`chunks`: later ones are wider).
         Chunk boundaries never depend on ``start`` or on the prompt's length, so
         a position's KV is the same bits whether a prompt was run from 0 or
         continued from a chunk boundary of an inherited cache (the KV pool).
