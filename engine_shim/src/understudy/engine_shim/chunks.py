@@ -22,7 +22,8 @@ from typing import Final
 __all__ = ["WIDEST", "end_after", "start_before"]
 
 WIDEST: Final = 4
-"""The widest chunk, in ``first`` chunks."""
+"""The widest chunk, in ``first`` chunks: a power of two, so that doubling
+from ``first`` lands on it."""
 
 
 def start_before(position: int, first: int) -> int:
