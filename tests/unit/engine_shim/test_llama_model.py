@@ -16,6 +16,7 @@ import pytest
 
 from understudy.engine_shim.adapters import llama_model
 from understudy.engine_shim.adapters.llama_model import (
+    LONG_SCORES,
     KVCache,
     LlamaConfig,
     LlamaModel,
@@ -200,6 +201,28 @@ def test_a_decode_row_does_not_depend_on_the_rows_beside_it(
     assert np.array_equal(model.decode(rows[::-1], cache), together[::-1])
     for n in (3, 5, 9):
         assert np.array_equal(model.decode(rows[-n:], cache), together[-n:])
+
+
+def test_long_rows_score_by_vector_products_as_a_full_forward_would(
+    model: LlamaModel,
+) -> None:
+    """From LONG_SCORES positions a decode row's scores are vector products:
+    still the forward's numbers, and still a function of the row's own
+    sequence, beside a short row or alone."""
+    n = LONG_SCORES + 3
+    ids = [int(i) for i in np.random.default_rng(3).integers(3, model.config.vocab_size, n)]
+    full = model.forward(ids, KVCache(model.config, 1, n), 0)
+    cache = KVCache(model.config, 2, n)
+    start = LONG_SCORES - 3
+    model.prefill(ids[:start], cache, 0)
+    model.prefill(ids[:5], cache, 1)
+    steps = []
+    for p in range(start, n):  # across the switch: matrix products, then vector ones
+        together = model.decode([Row(0, p, ids[p]), Row(1, 5, 9)], cache)
+        alone = model.decode([Row(0, p, ids[p])], cache)[0]
+        assert np.array_equal(alone, together[0])
+        steps.append(alone)
+    assert np.abs(np.stack(steps) - full[start:]).max() < 1e-4
 
 
 @pytest.mark.parametrize(
