@@ -148,6 +148,23 @@ async def test_a_corrupt_block_is_recomputed_never_served(pod: Pod) -> None:
     assert nxt.kv_pool.stats.reused_blocks == 0  # block 2 sits in the first chunk of 64
 
 
+async def test_a_corrupt_generated_block_costs_only_what_follows_it(pod: Pod) -> None:
+    """The claim's checksums run beside its first step (deferred): a bad block
+    among the generated positions is found after that step, whose token is
+    dropped, and the ids from that block on are fed again."""
+    first = pod.next_engine()
+    prompt = prompt_of(first, 30)
+    whole = await run(first, prompt, GREEDY)
+    spec = pod.spec
+    keys = np.frombuffer(pod.memory, np.float32, spec.cache_bytes // 4, spec.arena_offset)
+    keys.reshape(spec.cache_shape)[1, 0, 1, 2 * 16 + 3, 0] += 1.0  # block 2: positions 32..47
+    nxt = pod.next_engine()
+    assert await run(nxt, prompt, GREEDY, whole[:20]) == whole[20:]
+    assert nxt.kv_pool is not None
+    assert nxt.kv_pool.stats.corrupt_blocks == 1
+    assert nxt.kv_pool.stats.reused_blocks == 2  # blocks 0 and 1: 32 positions kept
+
+
 async def test_a_torn_record_costs_only_itself(pod: Pod) -> None:
     first = pod.next_engine()
     prompt = prompt_of(first, 40)

@@ -65,7 +65,7 @@ from understudy.engine_shim.generation import (
     finish_of,
 )
 from understudy.engine_shim.kvlog import PoolSpec
-from understudy.engine_shim.kvpool import KvPool
+from understudy.engine_shim.kvpool import Checking, KvPool
 from understudy.engine_shim.step_thread import StepThread, send
 from understudy.gms.client import Allocation, GmsClient
 
@@ -129,6 +129,7 @@ class Request:
     feed: list[int] = field(default_factory=list)  # ids to append before sampling
     logits: F32 | None = None  # ready to sample from
     ids: list[int] = field(default_factory=list)  # the ids at cache positions 0..position-1
+    checking: Checking | None = None  # its claim's checksums, until confirmed
 
 
 class Batcher(StepThread[Request]):
@@ -145,6 +146,7 @@ class Batcher(StepThread[Request]):
         self.max_model_len = min(max_model_len, cache.max_len)
         self._running: list[Request] = []
         self._free = list(range(cache.slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._redo: list[Request] = []  # back to a prompt chunk: a claim did not hold
 
     # --- the caller's side ------------------------------------------------------
 
@@ -190,7 +192,8 @@ class Batcher(StepThread[Request]):
             # continuations among them, never wait for new requests'
             # prefills. A prompt prefilled in the last iteration has its first
             # token sampled first, and joins the step.
-            cold = [r for r in admitted if r.position < len(r.prompt)]
+            redo, self._redo = self._redo, []
+            cold = [r for r in (*redo, *admitted) if r.position < len(r.prompt) and not r.cancelled]
             for req in admitted:
                 if req.position >= len(req.prompt):
                     self._resume(req)
@@ -241,9 +244,29 @@ class Batcher(StepThread[Request]):
             req.slot = self._free.pop()
             return
         tokens = req.prompt + req.resume
-        claim = self.pool.claim(tokens, self._free, len(req.prompt), PREFILL_CHUNK)
+        claim = self.pool.claim(tokens, self._free, len(req.prompt), PREFILL_CHUNK, defer=True)
         self._free.remove(claim.slot)
-        req.slot, req.position = claim.slot, claim.start
+        req.slot, req.position, req.checking = claim.slot, claim.start, claim.checking
+
+    def _holds(self, req: Request) -> bool:
+        """Whether the KV that ``req``'s claim reused holds (its checksums,
+        computed on a thread since the claim, waited for here: after the
+        first step computed on them, before its results are sampled or
+        sealed). If not, ``req`` goes back to where they hold, in its slot:
+        its prompt's chunk to prefill again, or its resumed ids to feed."""
+        checking, req.checking = req.checking, None
+        if checking is None or self.pool is None:
+            return True
+        start = self.pool.confirm(checking)
+        if start == checking.start:
+            return True
+        ids = req.prompt + req.resume
+        req.position, req.ids, req.logits = start, list(ids[:start]), None
+        req.feed = list(ids[max(start, len(req.prompt)) :])
+        if start < len(req.prompt):
+            req.feed = []
+            self._redo.append(req)
+        return False
 
     def _prefill(self, requests: Sequence[Request]) -> None:
         """Fill the caches with the prompts (after what claims reused), in one
@@ -254,6 +277,8 @@ class Batcher(StepThread[Request]):
         prompts = [Prompt(r.prompt, r.slot, r.position) for r in requests]
         logits = self.model.prefill_batch(prompts, self.cache, PREFILL_CHUNK, self._progress)
         for req, p, out in zip(requests, prompts, logits, strict=True):
+            if not self._holds(req):
+                continue
             req.position, req.feed = len(req.prompt), list(req.resume)
             self._started(req, p.start, out)
 
@@ -325,11 +350,15 @@ class Batcher(StepThread[Request]):
         logits = self.model.decode(rows, self.cache)
         self.steps += 1
         # The positions just written are in the cache: seal what they completed
-        # (a part-fed continuation too, so a death mid-feed loses only this step).
+        # (a part-fed continuation too, so a death mid-feed loses only this step),
+        # unless they were computed on a claim that did not hold.
+        dropped = {id(req) for req, _ in fed if not self._holds(req)}
         for req, was in fed:
-            self._seal(req, was)
+            if id(req) not in dropped:
+                self._seal(req, was)
         for req, row in done:
-            req.logits = logits[row]
+            if id(req) not in dropped:
+                req.logits = logits[row]
 
 
 def _parse_args(args: Sequence[str], context: int) -> argparse.Namespace:
