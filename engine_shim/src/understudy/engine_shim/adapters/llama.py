@@ -555,7 +555,9 @@ class LlamaEngine:
         and have the kernel map what it sealed while the engine wakes."""
         assert self.kv_spec is not None
         self.kv_pool = KvPool(memory, self.kv_spec, epoch, adopt=self.kv_adopt)
-        memadvise.warm([(self.kv_pool.sealed_spans(), memadvise.MADV_POPULATE_READ)])
+        self.kv_pool.warming = memadvise.warm(
+            [(self.kv_pool.sealed_spans(), memadvise.MADV_POPULATE_READ)]
+        )
 
     def close(self) -> None:
         self.sleep()
