@@ -287,7 +287,7 @@ class KvPool:
         self._write(retire)
         del self._chains[slot][start // b :]
         st = self.stats
-        st.reused_blocks -= (checking.start - start) // b
+        st.reused_blocks -= checking.start // b - start // b
         st.corrupt_blocks += 1
         st.retired += len(retire)
         log_event(log, "kv_reused", slot=slot, positions=start, of=checking.tokens, corrupt=1)
