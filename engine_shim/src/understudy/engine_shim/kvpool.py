@@ -243,14 +243,12 @@ class KvPool:
         start = start_at(trusted)
         if defer and start >= b:
             later = start // b
-        retire = self.writer.retire(slot, start // b)
-        self._write(retire)
+        self._retire(slot, start // b)
         self._chains[slot] = kvlog.chains(tokens[: start // b * b], b)
         st = self.stats
         st.claims += 1
         st.reused_blocks += start // b
         st.corrupt_blocks += corrupt
-        st.retired += len(retire)
         if start or corrupt:
             log_event(
                 log,
@@ -264,7 +262,7 @@ class KvPool:
             )
         checking = None
         if later:
-            first_bad = self._check_later(self._expected(slot, 0, later))
+            first_bad = self._check_later(slot, self._seals(slot, 0, later))
             checking = Checking(slot, start, len(tokens), prompt, chunk, first_bad)
         return Claim(slot, start, start // b, corrupt, checking)
 
@@ -283,13 +281,11 @@ class KvPool:
         block, epoch = bad
         log_event(log, "kv_corrupt_block", logging.WARNING, slot=slot, block=block, epoch=epoch)
         start = _start_at(block * b, checking.tokens, checking.prompt, checking.chunk)
-        retire = self.writer.retire(slot, start // b)
-        self._write(retire)
+        self._retire(slot, start // b)
         del self._chains[slot][start // b :]
         st = self.stats
         st.reused_blocks -= checking.start // b - start // b
         st.corrupt_blocks += 1
-        st.retired += len(retire)
         log_event(log, "kv_reused", slot=slot, positions=start, of=checking.tokens, corrupt=1)
         return start
 
@@ -318,24 +314,29 @@ class KvPool:
         """How many of the ``positions`` that ``slot``'s first ``blocks`` sealed
         blocks cover hold the bytes their seals say: up to the first block that
         does not (the blocks before ``first`` are taken as they are)."""
-        bad = self._first_bad(self._expected(slot, first, blocks))
+        bad = self._first_bad(slot, self._seals(slot, first, blocks))
         if bad is None:
             return positions
         block, epoch = bad
         log_event(log, "kv_corrupt_block", logging.WARNING, slot=slot, block=block, epoch=epoch)
         return block * self.spec.block_tokens
 
-    def _expected(self, slot: int, lo: int, hi: int) -> tuple[int, list[tuple[int, kvlog.Sealed]]]:
+    def _retire(self, slot: int, block: int) -> None:
+        """Stop trusting ``slot``'s blocks from ``block`` on, in the log."""
+        retire = self.writer.retire(slot, block)
+        self._write(retire)
+        self.stats.retired += len(retire)
+
+    def _seals(self, slot: int, lo: int, hi: int) -> list[tuple[int, kvlog.Sealed]]:
         """``slot``'s seals of blocks ``lo``..``hi - 1``, read from the index now."""
-        return slot, [(block, self.index.sealed[(slot, block)]) for block in range(lo, hi)]
+        return [(block, self.index.sealed[(slot, block)]) for block in range(lo, hi)]
 
     def _first_bad(
-        self, expected: tuple[int, list[tuple[int, kvlog.Sealed]]]
+        self, slot: int, seals: list[tuple[int, kvlog.Sealed]]
     ) -> tuple[int, int] | None:
-        """The first of the ``expected`` blocks whose bytes are not what its seal
+        """The first of ``slot``'s ``seals`` whose block's bytes are not what it
         says: (block, the seal's epoch); None if all hold. Reads only the
         blocks' bytes, so it may run on another thread."""
-        slot, seals = expected
         sums = self.checksums(slot, [(block, s.count) for block, s in seals])
         for (block, sealed), found in zip(seals, sums, strict=True):
             if found != sealed.checksum:
@@ -343,7 +344,7 @@ class KvPool:
         return None
 
     def _check_later(
-        self, expected: tuple[int, list[tuple[int, kvlog.Sealed]]]
+        self, slot: int, seals: list[tuple[int, kvlog.Sealed]]
     ) -> Future[tuple[int, int] | None]:
         """`_first_bad` on a thread of its own (numpy's reductions let go of
         the GIL): the engine's step runs meanwhile. After the pages are
@@ -360,7 +361,7 @@ class KvPool:
             try:
                 if warming is not None:
                     warming.join()
-                out.set_result(self._first_bad(expected))
+                out.set_result(self._first_bad(slot, seals))
             except BaseException as exc:  # the waiter (confirm) raises it
                 out.set_exception(exc)
 

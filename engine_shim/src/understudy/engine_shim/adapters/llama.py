@@ -262,10 +262,11 @@ class Batcher(StepThread[Request]):
             return True
         ids = req.prompt + req.resume
         req.position, req.ids, req.logits = start, list(ids[:start]), None
-        req.feed = list(ids[max(start, len(req.prompt)) :])
-        if start < len(req.prompt):
+        if start < len(req.prompt):  # the next prefill computes its chunks
             req.feed = []
             self._redo.append(req)
+        else:  # the next decode feeds the ids again
+            req.feed = list(ids[start:])
         return False
 
     def _prefill(self, requests: Sequence[Request]) -> None:
