@@ -72,6 +72,7 @@ class Agent:
         self.kept: list[np.ndarray] = []  # views built from raw addresses
         self.kept_ptrs: list[tuple[int, int]] = []  # cuda: (index, device pointer) kept alike
         self.kv: KvSession | None = None
+        self.kv_ro: KvSession | None = None  # a read-only view (kv_peek)
 
     def c(self) -> GmsClient:
         assert self.client is not None
@@ -226,6 +227,27 @@ class Agent:
     def op_kv_verify(self, cmd: dict[str, Any]) -> dict[str, Any]:
         assert self.kv is not None
         return {"equal": devmem.verify(self.kv, self.kv, cmd["seed"])}  # type: ignore[arg-type]
+
+    def op_kv_peek(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        self.kv_ro = KvSession.peek(
+            cmd["path"], size=cmd["size"], spec=cmd.get("spec", "spec"), timeout=5, name="reader"
+        )
+        ro = self.kv_ro
+        return {"writable": ro.writable, "previous_epoch": ro.previous_epoch, "size": ro.size}
+
+    def op_kv_peek_verify(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        ro = self.kv_ro
+        assert ro is not None
+        if ro.backend == "host":
+            assert ro.view().readonly
+        return {"equal": devmem.verify(ro, ro, cmd["seed"]), "alive": ro.alive()}  # type: ignore[arg-type]
+
+    def op_kv_peek_write(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Write one byte through the read-only mapping: the kernel kills us."""
+        ro = self.kv_ro
+        assert ro is not None
+        ctypes.memset(ro.address, 0xFF, 1)
+        return {}
 
     def op_kv_close(self, cmd: dict[str, Any]) -> dict[str, Any]:
         assert self.kv is not None

@@ -95,6 +95,43 @@ def test_the_holder_gets_the_pool_and_the_next_holder_gets_it_as_it_was(
     assert not got["ok"] and "epoch 2" in got["message"], got
 
 
+def test_a_reader_maps_the_pool_read_only_as_it_is(gms: Gms, lock_state: Path) -> None:
+    """``kv_peek``: a standby's view of the pool, before and across a failover.
+    It sees the holder's bytes as they are written, never holds the pool up,
+    and cannot write: the kernel kills a process that tries."""
+    gms.server(0, "--lock-state", str(lock_state))
+    reader = gms.agent("reader")
+    peek = {"path": str(gms.path()), "size": 3 * MiB}
+    got = reader("kv_peek", **peek)
+    assert not got["ok"] and "not_found" in got["message"] and "no KV pool" in got["message"]
+
+    lock_record(lock_state, "e1", 1)
+    first = gms.agent("first")
+    assert acquire(first, gms, 1, "e1")["ok"]
+    first.ok("kv_fill", seed=5)
+    got = reader("kv_peek", **peek, spec="another")
+    assert not got["ok"] and "another geometry" in got["message"], got
+    got = reader.ok("kv_peek", **peek)
+    assert not got["writable"] and got["previous_epoch"] == 1 and got["size"] == 4 * MiB
+    assert reader.ok("kv_peek_verify", seed=5) == {"ok": True, "equal": True, "alive": True}
+    first.ok("kv_fill", seed=6)  # the same memory: the reader sees writes at once
+    assert reader.ok("kv_peek_verify", seed=6)["equal"]
+    assert gms.state()["kv"]["readers"] == 1
+
+    # The holder dies: the next one gets the pool at once, the reader mapping it.
+    first.kill9()
+    lock_record(lock_state, "e2", 2)
+    second = gms.agent("second")
+    got = acquire(second, gms, 2, "e2")
+    assert got["ok"] and got["previous_epoch"] == 1, got
+    assert reader.ok("kv_peek_verify", seed=6)["equal"]
+
+    reader.send(op="kv_peek_write")
+    assert reader.wait(10) == -signal.SIGSEGV
+    assert second.ok("kv_verify", seed=6)["equal"]  # not a byte changed
+    wait_for(lambda: gms.state()["kv"]["readers"] == 0, 10, what="the reader's end")
+
+
 def test_without_a_lock_record_the_epoch_fences(gms: Gms) -> None:
     gms.server(0, "--lock-state", "none")
     a = gms.agent("a")

@@ -79,6 +79,10 @@ def kv_ask(
     return req(sid, m.KvAcquire(epoch=epoch, size=size, spec="s", timeout_s=timeout, client=client))
 
 
+def kv_peek(sid: int, size: int = 100, spec: str = "s") -> fsm.Received:
+    return req(sid, m.KvPeek(size=size, spec=spec, client="standby"))
+
+
 def kv_checked(sid: int, holder: str | None, epoch: int) -> fsm.LockChecked:
     return fsm.LockChecked(sid, fsm.LockWord(holder, epoch))
 
@@ -105,6 +109,8 @@ def state_in(phase: Phase) -> fsm.GmsState:
         return run(base, fsm.Connected(S), kv_ask(S, 7, "e"))[0]
     if phase is Phase.KV:
         return run(base, fsm.Connected(S), kv_ask(S, 7, "e"), kv_checked(S, "e", 7))[0]
+    if phase is Phase.KV_READING:
+        return run(kv_held_by_other(), fsm.Connected(S), kv_peek(S))[0]
     if phase is Phase.KV_WAITING:
         return run(kv_held_by_other(), fsm.Connected(S), kv_ask(S, 7, "e"), kv_checked(S, "e", 7))[
             0
@@ -151,6 +157,7 @@ EVENTS: dict[type, Callable[[], fsm.Event]] = {
     m.GetLayoutHash: lambda: req(S, m.GetLayoutHash()),
     m.GetState: lambda: req(S, m.GetState()),
     m.KvAcquire: lambda: kv_ask(S, 7, "e"),
+    m.KvPeek: lambda: kv_peek(S),
     fsm.LockChecked: lambda: kv_checked(S, "e", 7),
 }
 
@@ -237,6 +244,7 @@ WITNESSES: list[Callable[[], tuple[fsm.GmsState, fsm.Event, float]]] = [
         0.0,
     ),
     lambda: (state_in(P.KV_CHECKING), kv_checked(S, "someone", 7), 0.0),  # not the holder
+    lambda: (run(kv_held_by_other(), fsm.Connected(S))[0], kv_peek(S), 0.0),  # a pool to map
 ]
 
 
@@ -754,6 +762,31 @@ def test_the_report_shows_the_pool() -> None:
     assert fsm.report(st).kv == m.KvReport(
         bytes=4096, spec="s", holder_epoch=None, last_epoch=5, grants=1
     )
+
+
+def test_a_reader_maps_the_pool_as_it_is_and_holds_nothing_up() -> None:
+    st, actions = run(fsm.initial_state(INFO), fsm.Connected(S), kv_peek(S))
+    err = refusal(actions)
+    assert err.code is ErrorCode.NOT_FOUND and "no KV pool" in err.message
+    assert st.phase(S) is Phase.PENDING
+    st = kv_held_by_other(epoch=5)
+    st, actions = run(st, fsm.Connected(S), kv_peek(S, spec="other"))
+    assert refusal(actions).code is ErrorCode.NOT_FOUND and st.phase(S) is Phase.PENDING
+    st, actions = run(st, kv_peek(S))
+    (grant,) = grants(actions)
+    assert not grant.writable and not grant.created and grant.previous_epoch == 5
+    assert st.phase(S) is Phase.KV_READING and st.kv is not None and st.kv.holder == OTHER
+    assert fsm.report(st).kv == m.KvReport(
+        bytes=4096, spec="s", holder_epoch=5, last_epoch=5, grants=1, readers=1
+    )
+    # The holder's end hands the pool on to the next holder, not to the reader.
+    st, actions = run(st, fsm.Disconnected(OTHER))
+    assert not grants(actions) and st.kv is not None and st.kv.holder is None
+    st, actions = run(st, fsm.Connected(2), kv_ask(2, 6, "e"), kv_checked(2, "e", 6))
+    (grant,) = grants(actions)
+    assert grant.writable and grant.previous_epoch == 5 and st.phase(S) is Phase.KV_READING
+    st, _ = run(st, fsm.Disconnected(S))
+    assert st.phase(S) is Phase.NONE and st.kv is not None and st.kv.holder == 2
 
 
 def test_a_lock_check_without_a_request_is_a_shell_bug() -> None:

@@ -1,4 +1,5 @@
-"""The engine's side of the KV pool: ``KvSession.acquire`` maps it read-write.
+"""The engine's side of the KV pool: ``KvSession.acquire`` maps it read-write,
+``KvSession.peek`` read-only.
 
     kv = KvSession.acquire(path, epoch=7, size=n, spec=digest, timeout=10.0,
                            name=engine_id, on_lost=die)
@@ -12,12 +13,19 @@ is when this process dies. Only the pod lock's holder, under the epoch it was
 granted, is given the pool (``GmsRefused`` with ``stale_epoch`` otherwise); a
 newer holder that asks while an older one still maps it waits for that one's
 end, up to ``timeout`` (``GmsTimeoutError``).
+
+``peek`` maps the pool as it is, read-only, with its pages mapped at once
+(``MAP_POPULATE`` on the host), for any process: a standby holds that view
+while it sleeps, so that after its promotion its reads of the dead engine's
+positions take no page faults (docs/kv-pool.md#a-standbys-read-only-view).
+``GmsRefused`` with ``not_found`` while no pool of that geometry exists.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import select
 import time
 from pathlib import Path
 
@@ -52,6 +60,8 @@ class KvSession:
         self.previous_epoch = granted.previous_epoch
         self.backend = granted.backend
         self.device = granted.device
+        self.writable = granted.writable
+        self.allocation_id = granted.allocation.id
         self._watcher: _Watcher | None = None
         self._mapped = True
 
@@ -70,14 +80,40 @@ class KvSession:
         if timeout <= 0:
             raise ValueError("timeout must be positive (every wait is bounded)")
         deadline = time.monotonic() + timeout
-        chan = _Channel(_connect_socket(Path(path), deadline))
         request = m.KvAcquire(
             epoch=epoch,
             size=size,
             spec=spec,
-            timeout_s=max(0.0, deadline - time.monotonic()),
+            timeout_s=timeout,
             client=name or f"pid-{os.getpid()}",
         )
+        return cls._open(path, request, deadline, on_lost)
+
+    @classmethod
+    def peek(
+        cls, path: str | os.PathLike[str], *, size: int, spec: str, timeout: float, name: str = ""
+    ) -> KvSession:
+        """The pool as it is, mapped read-only with its pages present; the
+        session lasts until ``close`` (or GMS's end: see ``alive``)."""
+        if timeout <= 0:
+            raise ValueError("timeout must be positive (every wait is bounded)")
+        deadline = time.monotonic() + timeout
+        request = m.KvPeek(size=size, spec=spec, client=name or f"pid-{os.getpid()}")
+        return cls._open(path, request, deadline, None)
+
+    @classmethod
+    def _open(
+        cls,
+        path: str | os.PathLike[str],
+        request: m.KvAcquire | m.KvPeek,
+        deadline: float,
+        on_lost: LostCallback | None,
+    ) -> KvSession:
+        chan = _Channel(_connect_socket(Path(path), deadline))
+        if isinstance(request, m.KvAcquire):  # its wait is what is left of the deadline
+            request = request.model_copy(
+                update={"timeout_s": max(0.0, deadline - time.monotonic())}
+            )
         try:
             reply, fd = chan.request(request, deadline + _REPLY_SLACK_S)
             granted = _expect(reply, m.KvGranted, fd)
@@ -87,7 +123,7 @@ class KvSession:
             with fd:
                 address = mapper.reserve(granted.allocation.size, granted.granularity)
                 try:
-                    mapper.map(fd.fd, address, granted.allocation.size, writable=True)
+                    mapper.map(fd.fd, address, granted.allocation.size, granted.writable)
                 except BaseException:
                     mapper.free(address, granted.allocation.size)
                     raise
@@ -105,13 +141,24 @@ class KvSession:
         return self._mapped
 
     def view(self) -> memoryview:
-        """The pool's bytes, writable (host backend only)."""
+        """The pool's bytes (host backend only); read-only for a ``peek``'s
+        session, whose pages a write would fault on (SIGSEGV)."""
         if not self._mapped:
             raise GmsError("the KV pool is not mapped (closed)")
         if self.backend != "host":
             raise GmsError(f"{self.backend} memory has no host view; use .address")
         buf = (ctypes.c_char * self.size).from_address(self.address)
-        return memoryview(buf).cast("B")
+        view = memoryview(buf).cast("B")
+        return view if self.writable else view.toreadonly()
+
+    def alive(self) -> bool:
+        """Whether the session's GMS still has it open: a GMS that restarted
+        may have made another pool since, which this mapping is not."""
+        if self._chan is None:
+            return False
+        poller = select.poll()
+        poller.register(self._chan.sock, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        return not poller.poll(0)
 
     def close(self) -> None:
         """Unmap, then end the session: the pool passes on as this process left it."""

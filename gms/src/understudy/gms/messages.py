@@ -196,6 +196,24 @@ class KvAcquire(_Msg):
     client: Annotated[str, pydantic.StringConstraints(max_length=128)] = ""
 
 
+class KvPeek(_Msg):
+    """Map the device's KV pool read-only, as it is, for as long as the session
+    lasts (docs/kv-pool.md#a-standbys-read-only-view).
+
+    For a standby: its pages mapped before it holds the lock, so that its
+    first reads after a failover take no page faults. Any session may ask;
+    the kernel refuses it a writable mapping (the fd is read-only), so the
+    writer stays the lock's holder alone. The pool must exist with this
+    ``size`` and ``spec``, else ``not_found``: nobody has created it yet, or
+    it is another engine's. Answered by ``kv_granted`` (``writable`` false).
+    """
+
+    type: Literal["kv_peek"] = "kv_peek"
+    size: Annotated[int, pydantic.Field(gt=0, le=1 << 48)]
+    spec: Annotated[str, pydantic.StringConstraints(min_length=1, max_length=256)]
+    client: Annotated[str, pydantic.StringConstraints(max_length=128)] = ""
+
+
 Request = Annotated[
     Hello
     | Allocate
@@ -209,7 +227,8 @@ Request = Annotated[
     | Commit
     | GetLayoutHash
     | GetState
-    | KvAcquire,
+    | KvAcquire
+    | KvPeek,
     pydantic.Field(discriminator="type"),
 ]
 
@@ -287,7 +306,8 @@ class DeviceReport(_Msg):
 
 
 class KvGranted(_Msg):
-    """Carries the pool's fd (SCM_RIGHTS, writable) in the same sendmsg."""
+    """Carries the pool's fd (SCM_RIGHTS) in the same sendmsg: writable for
+    ``kv_acquire``, read-only for ``kv_peek``."""
 
     type: Literal["kv_granted"] = "kv_granted"
     allocation: AllocationInfo
@@ -296,6 +316,7 @@ class KvGranted(_Msg):
     granularity: int
     backend: str
     device: int
+    writable: bool = True
 
 
 class KvReport(_Msg):
@@ -306,6 +327,7 @@ class KvReport(_Msg):
     holder_epoch: int | None  # None: nobody maps it now
     last_epoch: int  # the epoch of its last grant
     grants: int  # how many times it was granted
+    readers: int = 0  # sessions that map it read-only (kv_peek): standbys
 
 
 class StateReport(_Msg):

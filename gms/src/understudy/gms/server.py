@@ -341,7 +341,7 @@ class GmsServer:
         if not isinstance(request, m.AdoptAllocation):
             if owned is not None:
                 owned.close()  # never kept: a server takes no fd it did not ask for
-            if isinstance(request, m.KvAcquire):
+            if isinstance(request, m.KvAcquire | m.KvPeek):
                 conn.client = request.client
             self._feed(fsm.Received(conn.sid, request))
             return
@@ -467,8 +467,8 @@ class GmsServer:
                 self._send_export(sid, record, writable)
             case fsm.ReleaseMemory(ids):
                 self._release(ids)
-            case fsm.GrantKv(sid, record, created, previous):
-                self._grant_kv(sid, record, created, previous)
+            case fsm.GrantKv(sid, record, created, previous, writable):
+                self._grant_kv(sid, record, created, previous, writable)
             case _:
                 assert_never(action)
 
@@ -526,16 +526,22 @@ class GmsServer:
         self._adoption_timer = loop.call_at(deadline, self._feed, fsm.AdoptionOver())
 
     def _grant_kv(
-        self, sid: int, record: AllocationRecord, created: bool, previous: int | None
+        self,
+        sid: int,
+        record: AllocationRecord,
+        created: bool,
+        previous: int | None,
+        writable: bool,
     ) -> None:
-        """Create the KV pool if it is new, then send it writable with ``kv_granted``."""
+        """Create the KV pool if it is new, then send it with ``kv_granted``:
+        writable to the lock's holder, read-only to a reader (``kv_peek``)."""
         if created and not self._created(sid, record):
             return
         conn = self._conns.get(sid)
         if conn is None:
             return  # gone meanwhile: its Disconnected hands the pool on
         try:
-            fd = self.backend.export(record.id, True)
+            fd = self.backend.export(record.id, writable)
         except Exception as exc:
             self._send(conn, m.ErrorReply(code=m.ErrorCode.NO_MEMORY, message=str(exc)))
             return
@@ -546,9 +552,11 @@ class GmsServer:
             granularity=self.backend.granularity,
             backend=self.backend.name,
             device=self.config.device,
+            writable=writable,
         )
         self._send(conn, granted, fd)
-        self._watch_kv_holder(conn)
+        if writable:
+            self._watch_kv_holder(conn)
 
     def _watch_kv_holder(self, conn: _Conn) -> None:
         """Hand the KV pool on the moment the kernel marks its holder's process

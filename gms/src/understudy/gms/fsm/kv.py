@@ -10,6 +10,11 @@ mapped by two processes at once; a newer epoch that asks meanwhile waits for
 that, within its timeout. A refusal or an expired wait leaves the connection
 PENDING.
 
+Any connection may map the pool read-only as it is (``kv_peek``: a standby,
+so that its pages are mapped before its promotion); that needs no lock and
+changes nothing of the pool. The kernel keeps a reader from writing (its fd
+is read-only).
+
 The pool is one allocation outside the weights' layout (not in its hash, not
 released when the weights are replaced), so its table shares no pair with the
 weights' lock (``weights``); both work on the one state in ``sessions``.
@@ -167,6 +172,26 @@ def _released(state: GmsState, s: Session, now: float) -> Result:
     return state, actions
 
 
+def _peek(state: GmsState, ev: Received[m.KvPeek], now: float) -> Result:
+    """A read-only view of the pool as it is, if there is one of this geometry:
+    a standby's, ahead of its promotion. Nothing waits for a pool to exist."""
+    s = live_session(state, ev.sid)
+    want, pool = ev.request, state.kv
+    size = align_up(want.size, state.info.granularity)
+    if pool is None or pool.allocation.size != size or pool.spec != want.spec:
+        message = (
+            "no KV pool yet"
+            if pool is None
+            else f"the KV pool is another geometry ({pool.spec}, {pool.allocation.size} bytes)"
+        )
+        return state, [Reply(s.sid, m.ErrorReply(code=ErrorCode.NOT_FOUND, message=message))]
+    state = set_session(state, replace(s, phase=Phase.KV_READING, since=now))
+    return state, [
+        Transition("kv_peek", s.sid, mode="KV", detail=f"last_epoch={pool.last_epoch}"),
+        GrantKv(s.sid, pool.allocation, False, pool.last_epoch, writable=False),
+    ]
+
+
 def _create_failed(state: GmsState, ev: CreateFailed, now: float) -> Result:
     s = live_session(state, ev.sid)
     if state.kv is None or state.kv.allocation.id != ev.id:
@@ -197,12 +222,13 @@ TRANSITIONS: dict[tuple[Phase, type], Entry[GmsState, Action, Phase]] = {
     (P.KV_CHECKING, LockChecked): Entry(_lock_checked, frozenset({P.KV, P.KV_WAITING, P.PENDING})),
     **{
         (p, Disconnected): Entry(_disconnect, frozenset({P.NONE}))
-        for p in (P.KV_CHECKING, P.KV_WAITING, P.KV)
+        for p in (P.KV_CHECKING, P.KV_WAITING, P.KV, P.KV_READING)
     },
     (P.KV_WAITING, Expire): Entry(expire, frozenset({P.KV_WAITING, P.PENDING})),
-    **{(p, Expire): stays(expire, p) for p in (P.KV_CHECKING, P.KV)},
+    **{(p, Expire): stays(expire, p) for p in (P.KV_CHECKING, P.KV, P.KV_READING)},
     (P.KV, CreateFailed): Entry(_create_failed, frozenset({P.PENDING})),
-    (P.KV, m.GetState): stays(get_state, P.KV),
+    **{(p, m.GetState): stays(get_state, p) for p in (P.KV, P.KV_READING)},
+    (P.PENDING, m.KvPeek): Entry(_peek, frozenset({P.KV_READING, P.PENDING})),
 }
 
 

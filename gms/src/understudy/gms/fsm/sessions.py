@@ -58,6 +58,7 @@ class Phase(enum.Enum):
     KV_CHECKING = "kv_checking"
     KV_WAITING = "kv_waiting"
     KV = "kv"
+    KV_READING = "kv_reading"  # mapped read-only (kv_peek): a standby's view
 
 
 # --- state --------------------------------------------------------------------
@@ -179,17 +180,18 @@ def report(state: GmsState) -> m.StateReport:
         device=state.info.device,
         tag=state.info.tag,
         backend=state.info.backend,
-        kv=None if state.kv is None else kv_report(state.kv),
+        kv=None if state.kv is None else kv_report(state.kv, state.count(Phase.KV_READING)),
     )
 
 
-def kv_report(pool: KvPool) -> m.KvReport:
+def kv_report(pool: KvPool, readers: int = 0) -> m.KvReport:
     return m.KvReport(
         bytes=pool.allocation.size,
         spec=pool.spec,
         holder_epoch=pool.holder_epoch,
         last_epoch=pool.last_epoch,
         grants=pool.grants,
+        readers=readers,
     )
 
 
@@ -355,13 +357,15 @@ class ReadLock:
 
 @dataclass(frozen=True, slots=True)
 class GrantKv:
-    """Create the pool's memory first if ``created``, then export it writable and
-    send it with ``kv_granted``; on a failed create feed ``CreateFailed``."""
+    """Create the pool's memory first if ``created``, then export it (read-only
+    unless ``writable``) and send it with ``kv_granted``; on a failed create
+    feed ``CreateFailed``."""
 
     sid: int
     allocation: AllocationRecord
     created: bool
     previous_epoch: int | None
+    writable: bool = True
 
 
 Action = (
