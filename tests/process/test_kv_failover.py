@@ -111,12 +111,16 @@ def test_sigkill_mid_step_the_next_engine_adopts_and_the_stream_is_identical(
     ids, text = reference
     assert len(ids) == MAX_TOKENS  # the prompt runs the whole way: no early stop
     pod = pod_factory()
+    # The standby maps the pool read-only once the Active has made it (kvreader).
+    (standby,) = pod.by_state("Standby")
+    wait_for(lambda: "event=kv_view_mapped" in pod.log(standby["name"]), 30, what="the view")
     killed: list[tuple[int, float]] = []
     got, times = stream(pod.serve_port, kill_active_at(pod, 40, killed))
     assert got == text
     pid, at = killed[0]
     log = active_log(pod, not_pid=pid)
     assert "kv_reused" in log, log[-3000:]
+    assert re.search(r"event=kv_pool .*premapped=True", log), log[-3000:]  # read through it
     reused = [int(m) for m in re.findall(r"kv_reused .*?positions=(\d+)", log)]
     assert max(reused) >= len(tiny_llama_ids(PROMPT)) // 64 * 64
     assert gap_after(at, times) < GAP_BOUND_S

@@ -217,7 +217,12 @@ class Agent:
             on_lost=lambda exc: emit({"event": "kv_lost", "error": str(exc)}),
         )
         kv = self.kv
-        return {"created": kv.created, "previous_epoch": kv.previous_epoch, "size": kv.size}
+        return {
+            "created": kv.created,
+            "previous_epoch": kv.previous_epoch,
+            "size": kv.size,
+            "allocation_id": kv.allocation_id,
+        }
 
     def op_kv_fill(self, cmd: dict[str, Any]) -> dict[str, Any]:
         assert self.kv is not None

@@ -3,12 +3,16 @@ and a continuation gives the same tokens as the uninterrupted run, whatever
 the prompt's length and wherever the first engine stopped; a corrupt block
 or a torn log record costs a recompute, never a wrong token.
 
-The pool here is a bytearray both engines map in turn (the processes and GMS
-around it are in tests/process/test_kv_failover.py)."""
+The pool here is memory both engines map in turn (the processes and GMS
+around it are in tests/process/test_kv_failover.py): a bytearray, or a memfd
+mapped twice, read-write and read-only with its pages present, as an engine
+promoted from standby maps it (kvreader): every test runs both ways."""
 
 from __future__ import annotations
 
 import asyncio
+import mmap
+import os
 import struct
 import zlib
 from collections.abc import Iterator
@@ -30,13 +34,26 @@ ARGS = ("--max-num-seqs", "3", "--max-model-len", "512")
 class Pod:
     """One pool, and the engines that hold it one after the other."""
 
-    def __init__(self, model_dir: Path, *args: str) -> None:
+    def __init__(self, model_dir: Path, *args: str, premapped: bool = False) -> None:
         self.model_dir = model_dir
         self.args = args or ARGS
         probe = LlamaEngine(str(model_dir), self.args)
         assert probe.kv_spec is not None
         self.spec = probe.kv_spec
-        self.memory = bytearray(self.spec.pool_bytes)
+        self.memory: bytearray | mmap.mmap = bytearray(self.spec.pool_bytes)
+        self.reader: memoryview | None = None
+        if premapped:  # as GMS's memfd backend and KvSession.peek map it
+            fd = os.memfd_create("kv-pool")
+            ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
+            try:
+                os.ftruncate(fd, self.spec.pool_bytes)
+                self.memory = mmap.mmap(fd, self.spec.pool_bytes)
+                flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
+                view = mmap.mmap(ro, self.spec.pool_bytes, flags=flags, prot=mmap.PROT_READ)
+                self.reader = memoryview(view)
+            finally:
+                os.close(ro)
+                os.close(fd)
         self.epoch = 0
         self.engines: list[LlamaEngine] = []
 
@@ -47,7 +64,12 @@ class Pod:
         self.epoch += 1
         e = LlamaEngine(str(self.model_dir), self.args)
         e.attach_private()
-        e.attach_kv_pool(memoryview(self.memory), self.epoch)
+        e.attach_kv_pool(memoryview(self.memory), self.epoch, self.reader)
+        pool = e.kv_pool
+        assert pool is not None and pool.reads_premapped is (self.reader is not None)
+        if self.reader is not None:  # reads through the view, writes through the pool
+            assert not pool.rk.flags.writeable and pool.k.flags.writeable
+            assert pool.rk.ctypes.data != pool.k.ctypes.data
         e.wake()
         self.engines.append(e)
         return e
@@ -57,9 +79,9 @@ class Pod:
             e.close()
 
 
-@pytest.fixture
-def pod(tiny_llama_dir: Path) -> Iterator[Pod]:
-    p = Pod(tiny_llama_dir)
+@pytest.fixture(params=[False, True], ids=["one-mapping", "premapped"])
+def pod(tiny_llama_dir: Path, request: pytest.FixtureRequest) -> Iterator[Pod]:
+    p = Pod(tiny_llama_dir, premapped=request.param)
     yield p
     p.close()
 

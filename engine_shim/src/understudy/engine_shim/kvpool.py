@@ -22,6 +22,13 @@ sequence's last block as far as it is filled, sealed again as it grows).
 Writes to the log go in two halves, with the ``kv.seal.torn`` failpoint
 between them, so a test can kill the engine in the middle of one; the
 ``kv.block.corrupt`` failpoint changes an adopted block's bytes under its seal.
+
+Given a ``reader`` (the same pool mapped read-only by this process while it
+was a standby, its pages present: ``KvSession.peek``), the arena is read
+through it (``rk``, ``rv``: the checksums, the attention) and written through
+the read-write mapping (``k``, ``v``). The same pages at two addresses: what
+the engine writes, it reads back at once; what the dead engine left, it reads
+without a page fault per page of a fresh mapping.
 """
 
 from __future__ import annotations
@@ -70,6 +77,17 @@ class Claim:
     checking: Checking | None = None  # deferred: `KvPool.confirm` before results count
 
 
+def _arena(memory: memoryview, spec: PoolSpec) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+    """The arena's keys and values over ``memory``, each ``spec.cache_shape``
+    (read-only arrays over a read-only view)."""
+    count = spec.cache_bytes // spec.itemsize
+    # numpy has no bfloat16: its bytes are held as uint16 (the checksums are
+    # over bytes; an engine views them in its own dtype).
+    storage = "uint16" if spec.dtype == "bfloat16" else spec.dtype
+    arena = np.frombuffer(memory, dtype=storage, count=2 * count, offset=spec.arena_offset)
+    return arena[:count].reshape(spec.cache_shape), arena[count:].reshape(spec.cache_shape)
+
+
 def _start_at(positions: int, tokens: int, prompt: int, chunk: int) -> int:
     """Where computing starts when ``positions`` of ``tokens`` are reused
     (`KvPool.claim`): never past the last token, on the chunk grid in the prompt."""
@@ -95,10 +113,19 @@ class Stats:
 
 class KvPool:
     def __init__(
-        self, memory: memoryview, spec: PoolSpec, epoch: int, *, adopt: bool = True
+        self,
+        memory: memoryview,
+        spec: PoolSpec,
+        epoch: int,
+        *,
+        adopt: bool = True,
+        reader: memoryview | None = None,
     ) -> None:
-        if len(memory) < spec.pool_bytes:
-            raise ValueError(f"the pool has {len(memory)} bytes; the spec needs {spec.pool_bytes}")
+        for what, mem in (("pool", memory), ("reader", reader)):
+            if mem is not None and len(mem) < spec.pool_bytes:
+                raise ValueError(
+                    f"the {what} has {len(mem)} bytes; the spec needs {spec.pool_bytes}"
+                )
         self.spec = spec
         self.epoch = epoch
         self._mem = memory
@@ -133,16 +160,12 @@ class KvPool:
         st.sealed_at_adoption = len(self.index.sealed)
         for sealed in self.index.sealed.values():
             st.by_epoch[sealed.epoch] = st.by_epoch.get(sealed.epoch, 0) + 1
-        count = spec.cache_bytes // spec.itemsize
-        # numpy has no bfloat16: its bytes are held as uint16 (the checksums
-        # are over bytes; an engine views them in its own dtype).
-        storage = "uint16" if spec.dtype == "bfloat16" else spec.dtype
-        arena = np.frombuffer(memory, dtype=storage, count=2 * count, offset=spec.arena_offset)
-        self.k: npt.NDArray[Any] = arena[:count].reshape(spec.cache_shape)
-        self.v: npt.NDArray[Any] = arena[count:].reshape(spec.cache_shape)
+        self.k, self.v = _arena(memory, spec)
+        self.rk, self.rv = (self.k, self.v) if reader is None else _arena(reader, spec)
+        self.reads_premapped = reader is not None
         # The same bytes as the checksum's words: (layers, slots, heads, max_len, words).
         word = kvlog.word_dtype(spec.head_dim * spec.itemsize)
-        self._words = (self.k.view(word), self.v.view(word))
+        self._words = (self.rk.view(word), self.rv.view(word))
         self._chains: dict[int, list[bytes]] = {s: [] for s in range(spec.slots)}
         # The thread that maps the sealed pages (memadvise.warm), if any: a
         # deferred claim's checksums wait for it (`_check_later`).

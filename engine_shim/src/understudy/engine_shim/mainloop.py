@@ -430,6 +430,9 @@ class Shim:
         # engine container's init, docs/pod.md) restarts it at once from now
         # on if it dies, instead of backing off.
         respawn.notify_ready()
+        # While it waits for the lock: the KV pool's pages mapped ahead of a
+        # failover's first reads (kvreader).
+        self.weights.follow_kv(self.engine)
         while pending:
             pending += self._do(pending.pop(0))
         threading.Event().wait()  # Active: serve until the process ends

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from understudy.engine_shim.adapters.base import Engine, UsesKvPool
 from understudy.engine_shim.config import EngineConfig
+from understudy.engine_shim.kvreader import KvReader
 from understudy.gms.client import GmsClient, GmsError, GmsTimeoutError, query_state
 from understudy.gms.kvclient import KvSession
 from understudy.gms.messages import Granted, LockState, Mode
@@ -36,6 +37,8 @@ class Weights:
         self.loaded: list[int] = []  # devices this engine wrote
         self.imported: list[int] = []  # devices it imported read-only
         self.kv: KvSession | None = None  # the KV pool, while this engine holds the lock
+        self.kv_reader: KvReader | None = None  # following the pool read-only, while asleep
+        self.kv_view: KvSession | None = None  # what it mapped, read through once awake
 
     def _lost(self, device: int) -> Callable[[BaseException], None]:
         def report(exc: BaseException) -> None:
@@ -129,6 +132,29 @@ class Weights:
             log_event(log, "gms_readopted", device=device, how=how, layout=session.layout_hash)
         return done
 
+    def follow_kv(self, engine: Engine) -> None:
+        """Map the KV pool read-only while this engine sleeps (``KvReader``),
+        for an engine that keeps its cache there."""
+        if not isinstance(engine, UsesKvPool):
+            return
+        want = engine.kv_pool_request()
+        if want is None:
+            return
+        path = self.cfg.gms_socket(min(self.cfg.devices))
+        self.kv_reader = KvReader(path, want.size, want.spec, self.cfg.engine_id)
+        self.kv_reader.start()
+
+    def _take_view(self, session: KvSession | None) -> memoryview | None:
+        """Stop following the pool; the view to read ``session``'s pool through."""
+        reader, self.kv_reader = self.kv_reader, None
+        if reader is None:
+            return None
+        if session is None:
+            reader.close()
+            return None
+        self.kv_view = reader.take(session.allocation_id)
+        return None if self.kv_view is None else self.kv_view.view()
+
     def acquire_kv(self, engine: Engine, timeout: float, epoch: int | None) -> None:
         """Map the KV pool for an engine that keeps its cache there, as the lock's
         holder under ``epoch``, and hand it over (docs/kv-pool.md).
@@ -156,12 +182,15 @@ class Weights:
                 on_lost=self._lost(device),
             )
         except GmsTimeoutError as exc:
+            self._take_view(None)
             log_event(log, "kv_pool_unavailable", logging.WARNING, epoch=epoch, reason=exc)
             return
         except GmsError as exc:
+            self._take_view(None)
             raise WakeError(f"KV pool refused: {type(exc).__name__}: {exc}") from exc
         self.kv = session
-        engine.attach_kv_pool(session.view(), epoch)
+        view = self._take_view(session)
+        engine.attach_kv_pool(session.view(), epoch, view)
         log_event(
             log,
             "kv_pool",
@@ -170,6 +199,7 @@ class Weights:
             bytes=session.size,
             created=session.created,
             previous_epoch=session.previous_epoch,
+            premapped=view is not None,
             seconds=round(time.monotonic() - t0, 4),
         )
 
@@ -192,8 +222,10 @@ class Weights:
             )
 
     def close(self) -> None:
-        if self.kv is not None:
-            self.kv.close()
-            self.kv = None
+        self._take_view(None)
+        for kv in (self.kv, self.kv_view):
+            if kv is not None:
+                kv.close()
+        self.kv = self.kv_view = None
         for session in self.sessions.values():
             session.close()

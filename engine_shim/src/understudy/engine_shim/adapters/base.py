@@ -80,15 +80,19 @@ class UsesKvPool(Protocol):
     When the engine wakes as the lock's holder, the shim asks GMS for the pool
     under the lock's epoch, maps it read-write, hands it over with
     ``attach_kv_pool`` and then calls ``wake``: the engine adopts what the
-    previous holder sealed in it. A standby never touches the pool. The
-    mapping ends with the process, which is what hands the pool on.
+    previous holder sealed in it. A standby never writes to the pool; it may
+    map it read-only while it sleeps (``KvSession.peek``), and then gets that
+    view as ``reader``, for its reads. The read-write mapping ends with the
+    process, which is what hands the pool on.
     """
 
     def kv_pool_request(self) -> KvPoolRequest | None:
         """None: this engine keeps its cache to itself (the pool is off)."""
         ...
 
-    def attach_kv_pool(self, memory: memoryview, epoch: int) -> None: ...
+    def attach_kv_pool(
+        self, memory: memoryview, epoch: int, reader: memoryview | None = None
+    ) -> None: ...
 
 
 class AdapterError(RuntimeError):

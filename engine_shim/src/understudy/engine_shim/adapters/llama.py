@@ -509,7 +509,7 @@ class LlamaEngine:
         """A cache of the engine's own, or the pool's arena (nothing allocated or copied)."""
         if pool is None:
             return KVCache(self.config, slots, max_len)
-        return KVCache(self.config, slots, max_len, pool.k, pool.v)
+        return KVCache(self.config, slots, max_len, pool.k, pool.v, (pool.rk, pool.rv))
 
     def _warm_up(self) -> None:
         """Run prefill and decode once, at start-up: the first request in a fresh
@@ -551,14 +551,18 @@ class LlamaEngine:
     def kv_pool_request(self) -> KvPoolRequest | None:
         return KvPoolRequest.of(self.kv_spec)
 
-    def attach_kv_pool(self, memory: memoryview, epoch: int) -> None:
-        """Adopt the pool the shim mapped (before ``wake``): read its seal log,
-        and have the kernel map what it sealed while the engine wakes."""
+    def attach_kv_pool(
+        self, memory: memoryview, epoch: int, reader: memoryview | None = None
+    ) -> None:
+        """Adopt the pool the shim mapped (before ``wake``): read its seal log.
+        The engine reads the pool through ``reader`` where the shim has one
+        (mapped while this engine slept, its pages present); else the kernel
+        maps what was sealed while the engine wakes."""
         assert self.kv_spec is not None
-        self.kv_pool = KvPool(memory, self.kv_spec, epoch, adopt=self.kv_adopt)
-        self.kv_pool.warming = memadvise.warm(
-            [(self.kv_pool.sealed_spans(), memadvise.MADV_POPULATE_READ)]
-        )
+        pool = KvPool(memory, self.kv_spec, epoch, adopt=self.kv_adopt, reader=reader)
+        self.kv_pool = pool
+        if reader is None:
+            pool.warming = memadvise.warm([(pool.sealed_spans(), memadvise.MADV_POPULATE_READ)])
 
     def close(self) -> None:
         self.sleep()

@@ -430,7 +430,11 @@ class KVCache:
     """Keys and values of every layer for ``slots`` sequences of up to ``max_len``
     positions. Engine-owned working memory (``np.zeros`` maps pages lazily, so
     untouched slots and positions cost no RAM), or, given ``k`` and ``v``,
-    arrays over memory someone else owns: the KV pool in GMS (``kvpool``)."""
+    arrays over memory someone else owns: the KV pool in GMS (``kvpool``).
+
+    The model writes through ``k`` and ``v`` and reads through ``rk`` and
+    ``rv``: the same arrays, or, given them, the same bytes mapped a second
+    time (the pool as a standby mapped it read-only, its pages present)."""
 
     def __init__(
         self,
@@ -439,13 +443,16 @@ class KVCache:
         max_len: int,
         k: F32 | None = None,
         v: F32 | None = None,
+        reads: tuple[F32, F32] | None = None,
     ) -> None:
         shape = (config.num_layers, slots, config.num_kv_heads, max_len, config.head_dim)
-        for given in (k, v):
+        for given in (k, v, *(reads or ())):
             if given is not None and (given.shape != shape or given.dtype != np.float32):
                 raise ValueError(f"a cache array must be float32{shape}")
         self.k: Final = np.zeros(shape, dtype=np.float32) if k is None else k
         self.v: Final = np.zeros(shape, dtype=np.float32) if v is None else v
+        self.rk: Final = self.k if reads is None else reads[0]
+        self.rv: Final = self.v if reads is None else reads[1]
         self.slots: Final = slots
         self.max_len: Final = max_len
 
@@ -681,7 +688,7 @@ class LlamaModel:
                 end = start + b - a
                 cache.k[li, slot, :, start:end] = k[a:b].transpose(1, 0, 2)
                 cache.v[li, slot, :, start:end] = v[a:b].transpose(1, 0, 2)
-                keys, values = cache.k[li, slot, :, :end], cache.v[li, slot, :, :end]
+                keys, values = cache.rk[li, slot, :, :end], cache.rv[li, slot, :, :end]
                 context[a:b] = self._attend(q[a:b], keys, values, start)
             x += product(context.reshape(n, c.num_heads * d), layer.wo)
             x += self._mlp(x, layer, product)
@@ -741,11 +748,11 @@ class LlamaModel:
                 sin[:, None],
             )
             q *= self._scale
-            keys, values = cache.k[li], cache.v[li]
-            keys[slots, :, positions] = apply_rope(
+            cache.k[li][slots, :, positions] = apply_rope(
                 self._decode_product(h, layer.wk).reshape(r, kvh, d), cos, sin
             )
-            values[slots, :, positions] = self._decode_product(h, layer.wv).reshape(r, kvh, d)
+            cache.v[li][slots, :, positions] = self._decode_product(h, layer.wv).reshape(r, kvh, d)
+            keys, values = cache.rk[li], cache.rv[li]
             context = np.empty((r, kvh, rep, d), dtype=np.float32)
             # Per row over its own sequence (the module docstring): a loop over
             # the step's rows, each one product per KV head for its rep heads.

@@ -602,26 +602,27 @@ class VllmEngine:
     def kv_pool_request(self) -> KvPoolRequest | None:
         return KvPoolRequest.of(self.kv_spec)
 
-    def attach_kv_pool(self, memory: memoryview, epoch: int) -> None:
+    def attach_kv_pool(
+        self, memory: memoryview, epoch: int, reader: memoryview | None = None
+    ) -> None:
         """Adopt the pool the shim mapped (before ``wake``): read its seal log and
         hand it to vLLM's KV connector. While the engine wakes, the kernel
-        maps what the pool sealed and backs the cache blocks vLLM will hand
-        out next with as many blocks (``memadvise.warm``): a continuation's
-        claim reads the one and its load writes the other."""
+        maps what the pool sealed (unless ``reader``, the pool as this engine
+        mapped it read-only while it slept, has them already) and backs the
+        cache blocks vLLM will hand out next with as many blocks
+        (``memadvise.warm``): a continuation's claim reads the one and its
+        load writes the other."""
         assert self.kv_spec is not None
-        pool = KvPool(memory, self.kv_spec, epoch, adopt=self.kv_adopt)
+        pool = KvPool(memory, self.kv_spec, epoch, adopt=self.kv_adopt, reader=reader)
         link = self._kv_link
         if not link.attach(pool) or link.copier is None or link.caches is None:
             return
         size = link.copier.block_size
         wanted = sum(-(-(n + 1) // size) for n in pool.index.held().values())
         blocks = vllm_kv.next_free_blocks(self._engine, wanted)
-        self._warming = memadvise.warm(
-            [
-                (pool.sealed_spans(), memadvise.MADV_POPULATE_READ),
-                (vllm_kv.block_spans(link.caches, blocks), memadvise.MADV_POPULATE_WRITE),
-            ]
-        )
+        fill = (vllm_kv.block_spans(link.caches, blocks), memadvise.MADV_POPULATE_WRITE)
+        sealed = (pool.sealed_spans(), memadvise.MADV_POPULATE_READ)
+        self._warming = memadvise.warm([fill] if pool.reads_premapped else [sealed, fill])
 
     def close(self) -> None:
         self._kv_link.detach()

@@ -43,6 +43,7 @@ import logging
 import re
 import time
 import uuid
+import warnings
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -110,6 +111,13 @@ class _Copier:
         dtype = getattr(torch, spec.dtype)
         self.k = torch.from_numpy(pool.k).view(dtype)
         self.v = torch.from_numpy(pool.v).view(dtype)
+        # Loads read through the pool's read-only view where there is one
+        # (kvpool): torch warns of a tensor over read-only memory; only
+        # copy_ from it is done here.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            self.rk = torch.from_numpy(pool.rk).view(dtype)
+            self.rv = torch.from_numpy(pool.rv).view(dtype)
         self.layers = [kv_views(c, spec.kv_heads, spec.head_dim) for c in caches]
         if any(k.dtype != dtype for k, _ in self.layers):
             raise ValueError(f"vLLM's KV cache is {caches[0].dtype}; the pool {spec.dtype}")
@@ -137,12 +145,16 @@ class _Copier:
             p += length
         return out
 
-    def _pair(self, layer: int, slot: int, run: tuple[int, int, int, int]) -> list[Any]:
+    def _pair(
+        self, layer: int, slot: int, run: tuple[int, int, int, int], into_pool: bool
+    ) -> list[Any]:
         """(vLLM's side, the pool's side) of ``run`` for keys, then for values,
-        each shaped ``[blocks, head, offset, dim]``."""
+        each shaped ``[blocks, head, offset, dim]``; the pool's side is its
+        read view for a load."""
         first, off, p, length = run
         out = []
-        for ours, theirs in zip((self.k, self.v), self.layers[layer], strict=True):
+        arrays = (self.k, self.v) if into_pool else (self.rk, self.rv)
+        for ours, theirs in zip(arrays, self.layers[layer], strict=True):
             pool = ours[layer, slot, :, p : p + length]  # [head, position, dim]
             if off == 0 and length % self.block_size == 0:  # whole blocks
                 n = length // self.block_size
@@ -161,7 +173,7 @@ class _Copier:
         runs = self._runs(m)
         for layer in range(len(self.layers)):
             for run in runs:
-                for theirs, pool in self._pair(layer, m.slot, run):
+                for theirs, pool in self._pair(layer, m.slot, run, into_pool):
                     if into_pool:
                         pool.copy_(theirs)
                     else:

@@ -1,0 +1,139 @@
+"""A standby's read-only view of the KV pool (docs/kv-pool.md#a-standbys-read-only-view).
+
+At a failover the new Active reads what the dead engine left in the pool: the
+claim's checksums, then the first step's attention (or vLLM's copy). Through
+a mapping made at the wake, each first touch of a page is a fault: at 4,000
+positions of SmolLM2, 184 MB of them, with the kernel's thread that maps
+them ahead (``memadvise.warm``) beside the step on a CPU it needs.
+
+So a sleeping engine maps the pool read-only as it is (``KvSession.peek``:
+any process may; the kernel keeps it from writing), with its pages present,
+and keeps that mapping. After its promotion it reads through it and writes
+through the read-write mapping it is granted as the lock's holder: the same
+pages at two addresses. The pool's pages are all allocated by the first
+such mapping (a read of a shared-memory hole allocates it), as a GPU's pool
+is allocated whole.
+
+The view follows the pool: until there is one (the first Active makes it),
+and again if GMS restarts (its pool is then another), it asks once a second;
+a view that is not of the pool granted at the wake is dropped there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from understudy.gms.client import GmsError, GmsRefused
+from understudy.gms.kvclient import KvSession
+from understudy.gms.messages import ErrorCode
+from understudy.wire.obs import log_event
+
+log = logging.getLogger("understudy.engine_shim.kvreader")
+
+EVERY_S = 1.0  # between asks while there is no pool, and between looks at the view's GMS
+
+
+class KvReader:
+    """Follows the pool at ``path`` (``size``, ``spec``) on a thread of its own
+    from ``start`` until ``take`` or ``close``."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        size: int,
+        spec: str,
+        name: str,
+        every_s: float = EVERY_S,
+    ) -> None:
+        self._path, self._size, self._spec, self._name = path, size, spec, name
+        self._every_s = every_s
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._session: KvSession | None = None
+        self._thread = threading.Thread(target=self._follow, name="kv-reader", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def mapped(self) -> bool:
+        """Whether it has a view now."""
+        return self._session is not None
+
+    def take(self, allocation_id: int) -> KvSession | None:
+        """Stop following; the view, if it is of the pool with ``allocation_id``
+        and its GMS session is still open (a GMS that restarted may have made
+        the same id again). Else None, and the view is closed."""
+        with self._lock:
+            self._stop.set()
+            session, self._session = self._session, None
+        if session is None:
+            return None
+        if session.allocation_id == allocation_id and session.alive():
+            return session
+        log_event(
+            log,
+            "kv_view_dropped",
+            logging.WARNING,
+            reason=f"the view is of allocation {session.allocation_id}, "
+            f"alive={session.alive()}; the pool granted is {allocation_id}",
+        )
+        session.close()
+        return None
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop.set()
+            session, self._session = self._session, None
+        if session is not None:
+            session.close()
+
+    def _follow(self) -> None:
+        said = ""
+        delay = 0.0
+        while not self._stop.wait(delay):
+            delay = self._every_s
+            with self._lock:
+                session = self._session
+            if session is not None:
+                if session.alive():
+                    continue
+                log_event(log, "kv_view_lost", logging.WARNING, reason="its GMS session ended")
+                with self._lock:
+                    self._session = None
+                session.close()
+            t0 = time.monotonic()
+            try:
+                session = KvSession.peek(
+                    self._path, size=self._size, spec=self._spec, timeout=5.0, name=self._name
+                )
+            except GmsError as exc:
+                why = "no pool yet" if _no_pool(exc) else f"{type(exc).__name__}: {exc}"
+                if why != said:  # once per reason, not once a second
+                    log_event(log, "kv_view_waiting", reason=why)
+                    said = why
+                continue
+            if session.backend != "host":  # no host view to read through
+                session.close()
+                log_event(log, "kv_view_off", backend=session.backend)
+                return
+            with self._lock:
+                if self._stop.is_set():  # taken meanwhile: too late for this wake
+                    session.close()
+                    return
+                self._session = session
+            log_event(
+                log,
+                "kv_view_mapped",
+                mib=session.size >> 20,
+                last_epoch=session.previous_epoch,
+                seconds=round(time.monotonic() - t0, 4),
+            )
+            said = ""
+
+
+def _no_pool(exc: GmsError) -> bool:
+    return isinstance(exc, GmsRefused) and exc.code is ErrorCode.NOT_FOUND
