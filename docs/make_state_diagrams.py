@@ -60,7 +60,9 @@ def sections() -> list[Section]:
             "gms/src/understudy/gms/fsm/kv.py",
             "A connection that asked for the device's KV pool, from PENDING: the lock's "
             "record is read, then the pool is mapped, or waited for until an older "
-            "holder's connection ends. A refusal or an expired wait leaves it PENDING.",
+            "holder's connection ends. A refusal or an expired wait leaves it PENDING. "
+            "Any connection may map the pool read-only as it is (KvPeek: a standby's view, "
+            "KV_READING), without the lock.",
             mermaid(gms.kv.TRANSITIONS, initial=gms.Phase.PENDING),
         ),
         Section(

@@ -9,7 +9,9 @@ import time
 
 import pytest
 
-from understudy.engine_shim.mainloop import STARTUP_DEFER_S, STARTUP_NICE, run_yielding
+from understudy.engine_shim.cli import STARTUP_DEFER_S, defer_if_restarted
+from understudy.engine_shim.mainloop import STARTUP_NICE, run_yielding
+from understudy.wire import respawn
 
 
 def _priority() -> tuple[int, int]:
@@ -74,12 +76,16 @@ def test_after_its_time_the_work_runs_at_the_callers_priority_again() -> None:
     assert _priority() == before
 
 
-def test_the_work_starts_late_by_default_so_the_new_active_steps_first() -> None:
+def test_a_restarted_engine_starts_late_so_the_new_active_steps_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """After a failover the new Active's first steps take the CPU before the
-    restarted engine's start-up begins: with no ``defer_s`` given, the work
-    starts `STARTUP_DEFER_S` late (the path `mainloop` takes)."""
+    restarted engine's start-up begins, its imports included: a process the
+    respawner started again waits `STARTUP_DEFER_S` first; a first start
+    does not."""
     assert STARTUP_DEFER_S >= 0.5
-    began: list[float] = []
-    t0 = time.monotonic()
-    run_yielding(lambda: began.append(time.monotonic()), "start-up")
-    assert began[0] - t0 >= STARTUP_DEFER_S
+    slept: list[float] = []
+    monkeypatch.setenv(respawn.RESTARTS, "0")
+    assert defer_if_restarted(slept.append) == 0 and slept == []
+    monkeypatch.setenv(respawn.RESTARTS, "2")
+    assert defer_if_restarted(slept.append) == STARTUP_DEFER_S and slept == [STARTUP_DEFER_S]

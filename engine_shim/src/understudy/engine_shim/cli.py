@@ -17,7 +17,9 @@ import argparse
 import os
 import subprocess
 import sys
-from typing import TYPE_CHECKING
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
     from understudy.engine_shim.adapters.base import Engine
@@ -124,6 +126,37 @@ def _make_engine(cfg: EngineConfig) -> Engine:
     return SyntheticEngine(cfg.model, cfg.engine_args, cfg.devices)
 
 
+# A restarted engine starts this late: the new Active's first steps after a
+# failover (the streams' continuations: claimed, loaded and stepped within
+# ~0.5 s of the kill in the local drills) run before any of the restart's
+# work. Nice lowers a share, not a presence: in the vllm drill's worst rounds
+# the first step took ~240 ms where it takes ~60 ms alone, the replacement
+# importing its weights beside it. It starts before the engine's imports
+# (0.8 s of CPU for the llama engine's) and a promoted spare's engine
+# construction (0.5 s), which run at the process's own priority: at 4,000
+# positions the first step of a `llama` failover took 85 against 105 ms
+# with the spare's share deferred (docs/performance.md, 2026-12-03).
+# A second more to re-arm, against a standby that is seconds away anyway.
+STARTUP_DEFER_S: Final = 1.0
+
+
+def defer_if_restarted(sleep: Callable[[float], None] = time.sleep) -> float:
+    """In a process the respawner started again after a death, wait
+    `STARTUP_DEFER_S` (logged ``startup_deferred``); the seconds waited."""
+    from understudy.wire import respawn
+    from understudy.wire.obs import log_event
+
+    if not respawn.restarts():
+        return 0.0
+    import logging
+
+    log_event(
+        logging.getLogger("understudy.engine_shim"), "startup_deferred", seconds=STARTUP_DEFER_S
+    )
+    sleep(STARTUP_DEFER_S)
+    return STARTUP_DEFER_S
+
+
 def cmd_engine_run(args: argparse.Namespace) -> int:
     from understudy.engine_shim import crash
 
@@ -151,6 +184,7 @@ def cmd_engine_run(args: argparse.Namespace) -> int:
     if early is None:
         print(f"understudy engine: cannot listen on status port {cfg.status_port}", file=sys.stderr)
         return 1
+    defer_if_restarted()  # the status port answers meanwhile
     from understudy.engine_shim.adapters.base import AdapterError, FailsFast
     from understudy.engine_shim.mainloop import Shim
 

@@ -61,13 +61,8 @@ STARTUP_NICE: Final = 10
 # seconds after a failover, when the Active engine takes the streams over,
 # are what the yield is for.
 STARTUP_YIELD_S: Final = 5.0
-# ... and starts this late: the new Active's first steps after a failover (the
-# streams' continuations: claimed, loaded and stepped within ~0.5 s of the
-# kill in the local drills) run before any of it. Nice lowers a share, not a
-# presence: in the vllm drill's worst rounds the first step took ~240 ms where
-# it takes ~60 ms alone, the replacement importing its weights beside it.
-# A second more to re-arm, against a standby that is seconds away anyway.
-STARTUP_DEFER_S: Final = 1.0
+# (A restarted engine also starts a second late, before its imports:
+# cli.STARTUP_DEFER_S.)
 
 
 def run_yielding(
@@ -75,7 +70,7 @@ def run_yielding(
     name: str,
     nice: int = STARTUP_NICE,
     most_s: float = STARTUP_YIELD_S,
-    defer_s: float = STARTUP_DEFER_S,
+    defer_s: float = 0.0,
 ) -> None:
     """Run ``work`` on a thread of its own at a lower CPU priority, ``defer_s``
     from now, wait for it, and raise what it raised. ``most_s`` after the work
