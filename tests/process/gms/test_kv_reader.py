@@ -1,7 +1,9 @@
 """A standby's read-only view of the KV pool (engine_shim.kvreader) against a
-real GMS server process: it waits for a pool, maps it with the holder's bytes,
-follows it across GMS's death (the new GMS's pool is another), and is handed
-over only for the pool the wake was granted."""
+real GMS server process: it waits for a pool, maps the pages of what is
+sealed in it (not the whole pool), follows it as it grows and across GMS's
+death (the new GMS's pool is another), and is handed over only for the pool
+the wake was granted. The holder here is this process's own KvPool, through
+a read-write session of its own."""
 
 from __future__ import annotations
 
@@ -11,74 +13,107 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from devmem import pattern
 from gmsprocs import Gms
 from procs import wait_for
-from test_gms_kv import MiB, acquire, lock_record
 
+from understudy.engine_shim import kvlog
+from understudy.engine_shim.kvpool import KvPool
 from understudy.engine_shim.kvreader import KvReader
+from understudy.gms.kvclient import KvSession
 
 pytestmark = pytest.mark.process
+
+# 2 layers, 2 heads of 512 floats: a position of a head is 2 KiB, so a head's
+# 64 positions of a slot are 32 pages, apart from every other head's.
+SPEC = kvlog.PoolSpec("m", layers=2, kv_heads=2, head_dim=512, dtype="float32", slots=4, max_len=64)
+TOKENS = list(range(100, 164))
 
 
 @pytest.fixture
 def reader(gms: Gms) -> Iterator[KvReader]:
-    r = KvReader(gms.path(), 3 * MiB, "spec", "standby", every_s=0.05)
+    r = KvReader(gms.path(), SPEC, "standby", every_s=0.05)
     yield r
     r.close()
 
 
-def holds(view: memoryview, seed: int) -> bool:
-    words = np.frombuffer(view, dtype=np.uint64)
-    return bool(np.array_equal(words, pattern(0, len(words), seed)))
+def holder(gms: Gms, epoch: int) -> tuple[KvSession, KvPool]:
+    req = {"size": SPEC.pool_bytes, "spec": SPEC.digest().hex(), "timeout": 5.0}
+    session = KvSession.acquire(gms.path(), epoch=epoch, name=f"e{epoch}", **req)
+    return session, KvPool(session.view(), SPEC, epoch)
 
 
-def test_the_view_follows_the_pool_and_is_handed_over_for_it_only(
+def write(pool: KvPool, slot: int, n: int, seed: int) -> None:
+    """What an engine does: claim, write ``n`` positions, seal them."""
+    pool.claim(TOKENS[:n], [slot], prompt=n, chunk=16)
+    rng = np.random.default_rng(seed)
+    pool.k[:, slot, :, :n] = rng.standard_normal((2, 2, n, 512), dtype=np.float32)
+    pool.v[:, slot, :, :n] = rng.standard_normal((2, 2, n, 512), dtype=np.float32)
+    pool.seal(slot, TOKENS, 0, n)
+
+
+def present_kib(address: int) -> int:
+    """The pages of this process's mapping at ``address`` in its page tables (Rss)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(f"{address:x}-"))
+    rss = next(ln for ln in lines[start + 1 :] if ln.startswith("Rss:"))
+    return int(rss.split()[1])
+
+
+def test_the_view_maps_what_is_sealed_and_follows_the_pool(
     gms: Gms, reader: KvReader, tmp_path: Path
 ) -> None:
-    lock_state = tmp_path / "lock.state"
-    server = gms.server(0, "--lock-state", str(lock_state))
+    server = gms.server(0, "--lock-state", "none")
     reader.start()
     time.sleep(0.5)  # ten asks, each refused: no pool yet
     assert not reader.mapped
 
-    lock_record(lock_state, "e1", 1)
-    holder = gms.agent("holder")
-    assert acquire(holder, gms, 1, "e1")["ok"]
-    holder.ok("kv_fill", seed=5)
+    rw, pool = holder(gms, 1)
+    write(pool, 0, 40, seed=1)
     wait_for(lambda: reader.mapped, 10, what="the view")
+    view = reader._session
+    assert view is not None
+    position_kib = SPEC.head_dim * 4 // 1024
+    # The sealed positions' pages: 40 positions of 4 heads' keys and values
+    # (and the log's and header's pages), not the pool's 4 slots of 64.
+    sealed_kib = 40 * position_kib * 2 * 2 * 2
+    wait_for(lambda: present_kib(view.address) >= sealed_kib, 10, what="the sealed pages")
+    assert present_kib(view.address) < sealed_kib + 1024 < SPEC.pool_bytes // 1024
+    write(pool, 1, 64, seed=2)  # the pool grows: the next pass maps the new pages
+    sealed_kib += 64 * position_kib * 2 * 2 * 2
+    wait_for(lambda: present_kib(view.address) >= sealed_kib, 10, what="the new pages")
     assert gms.state()["kv"]["readers"] == 1
 
     # GMS dies: its pool goes with it (the holder keeps its mapping); the
     # view is dropped and the new GMS's pool, once made, mapped instead.
     server.kill9()
     wait_for(lambda: not reader.mapped, 10, what="the view dropped")
+    rw.close()
     gms.procs.remove(server)
     gms.path().unlink(missing_ok=True)
-    gms.server(0, "--lock-state", str(lock_state))
-    lock_record(lock_state, "e2", 2)
-    second = gms.agent("second")
-    got = acquire(second, gms, 2, "e2")
-    assert got["ok"] and got["created"], got
-    second.ok("kv_fill", seed=7)
+    gms.server(0, "--lock-state", "none")
+    rw, pool = holder(gms, 2)
+    assert rw.created
+    write(pool, 2, 16, seed=3)
     wait_for(lambda: reader.mapped, 10, what="the new pool's view")
 
-    session = reader.take(got["allocation_id"])
+    session = reader.take(rw.allocation_id)
     assert session is not None and not session.writable
-    view = session.view()
-    assert view.readonly and holds(view, 7)
-    second.ok("kv_fill", seed=8)  # the holder's writes, seen through the view at once
-    assert holds(view, 8)
+    view_bytes = session.view()
+    assert view_bytes.readonly
+    seen = KvPool(rw.view(), SPEC, 3, reader=view_bytes)  # the next engine, reading through it
+    assert np.array_equal(seen.rk[:, 2, :, :16], pool.k[:, 2, :, :16])
+    pool.k[0, 2, 0, 0, 0] += 1.0  # a write through the pool, seen through the view at once
+    assert seen.rk[0, 2, 0, 0, 0] == pool.k[0, 2, 0, 0, 0]
     session.close()
+    rw.close()
 
 
 def test_a_view_of_another_pool_is_not_handed_over(gms: Gms, reader: KvReader) -> None:
     gms.server(0, "--lock-state", "none")
-    holder = gms.agent("holder")
-    got = acquire(holder, gms, 1, "e1")
-    assert got["ok"], got
+    rw, _ = holder(gms, 1)
     reader.start()
     wait_for(lambda: reader.mapped, 10, what="the view")
-    assert reader.take(got["allocation_id"] + 1) is None
+    assert reader.take(rw.allocation_id + 1) is None
     assert not reader.mapped
     wait_for(lambda: gms.state()["kv"]["readers"] == 0, 10, what="the view closed")
+    rw.close()

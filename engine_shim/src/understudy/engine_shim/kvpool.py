@@ -77,7 +77,7 @@ class Claim:
     checking: Checking | None = None  # deferred: `KvPool.confirm` before results count
 
 
-def _arena(memory: memoryview, spec: PoolSpec) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+def arena(memory: memoryview, spec: PoolSpec) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
     """The arena's keys and values over ``memory``, each ``spec.cache_shape``
     (read-only arrays over a read-only view)."""
     count = spec.cache_bytes // spec.itemsize
@@ -86,6 +86,32 @@ def _arena(memory: memoryview, spec: PoolSpec) -> tuple[npt.NDArray[Any], npt.ND
     storage = "uint16" if spec.dtype == "bfloat16" else spec.dtype
     arena = np.frombuffer(memory, dtype=storage, count=2 * count, offset=spec.arena_offset)
     return arena[:count].reshape(spec.cache_shape), arena[count:].reshape(spec.cache_shape)
+
+
+def sealed_extents(index: kvlog.Index) -> dict[int, int]:
+    """How many positions from the start of each slot its seals cover."""
+    b = index.spec.block_tokens
+    extent: dict[int, int] = {}
+    for (slot, block), sealed in index.sealed.items():
+        extent[slot] = max(extent.get(slot, 0), block * b + sealed.count)
+    return extent
+
+
+def spans(
+    k: npt.NDArray[Any], v: npt.NDArray[Any], spec: PoolSpec, runs: dict[int, tuple[int, int]]
+) -> Iterator[tuple[int, int]]:
+    """(address, bytes) of positions ``lo``..``hi - 1`` of each ``slot: (lo,
+    hi)`` of ``runs`` in the arena ``k``, ``v``: keys then values, layer by
+    layer, each layer's slots' heads; made as they are taken."""
+    row = spec.head_dim * spec.itemsize
+    ordered = sorted(runs.items())
+    return (
+        (base + layer * s0 + slot * s1 + head * s2 + lo * row, (hi - lo) * row)
+        for base, (s0, s1, s2, *_) in ((a.ctypes.data, a.strides) for a in (k, v))
+        for layer in range(spec.layers)
+        for slot, (lo, hi) in ordered
+        for head in range(spec.kv_heads)
+    )
 
 
 def _start_at(positions: int, tokens: int, prompt: int, chunk: int) -> int:
@@ -160,8 +186,8 @@ class KvPool:
         st.sealed_at_adoption = len(self.index.sealed)
         for sealed in self.index.sealed.values():
             st.by_epoch[sealed.epoch] = st.by_epoch.get(sealed.epoch, 0) + 1
-        self.k, self.v = _arena(memory, spec)
-        self.rk, self.rv = (self.k, self.v) if reader is None else _arena(reader, spec)
+        self.k, self.v = arena(memory, spec)
+        self.rk, self.rv = (self.k, self.v) if reader is None else arena(reader, spec)
         self.reads_premapped = reader is not None
         # The same bytes as the checksum's words: (layers, slots, heads, max_len, words).
         word = kvlog.word_dtype(spec.head_dim * spec.itemsize)
@@ -320,18 +346,8 @@ class KvPool:
         the spans are made as they are taken, by the warming thread, off
         the wake (a span each per layer, slot and head: tens of thousands
         for a large batch)."""
-        b, row = self.spec.block_tokens, self.spec.head_dim * self.spec.itemsize
-        extent: dict[int, int] = {}
-        for (slot, block), sealed in self.index.sealed.items():
-            extent[slot] = max(extent.get(slot, 0), block * b + sealed.count)
-        slots = sorted(extent.items())
-        return (
-            (base + layer * s0 + slot * s1 + head * s2, n * row)
-            for base, (s0, s1, s2, *_) in ((a.ctypes.data, a.strides) for a in (self.k, self.v))
-            for layer in range(self.spec.layers)
-            for slot, n in slots
-            for head in range(self.spec.kv_heads)
-        )
+        runs = {slot: (0, n) for slot, n in sealed_extents(self.index).items()}
+        return spans(self.k, self.v, self.spec, runs)
 
     def _verified(self, slot: int, blocks: int, positions: int, first: int = 0) -> int:
         """How many of the ``positions`` that ``slot``'s first ``blocks`` sealed

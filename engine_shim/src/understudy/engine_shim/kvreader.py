@@ -7,12 +7,17 @@ positions of SmolLM2, 184 MB of them, with the kernel's thread that maps
 them ahead (``memadvise.warm``) beside the step on a CPU it needs.
 
 So a sleeping engine maps the pool read-only as it is (``KvSession.peek``:
-any process may; the kernel keeps it from writing), with its pages present,
-and keeps that mapping. After its promotion it reads through it and writes
-through the read-write mapping it is granted as the lock's holder: the same
-pages at two addresses. The pool's pages are all allocated by the first
-such mapping (a read of a shared-memory hole allocates it), as a GPU's pool
-is allocated whole.
+any process may; the kernel keeps it from writing) and keeps that mapping.
+After its promotion it reads through it and writes through the read-write
+mapping it is granted as the lock's holder: the same pages at two addresses.
+
+Which pages it has the kernel map: those of the sealed positions, read from
+the pool's seal log, once a second, each slot's from where the last pass
+stopped (a pool's page, once the writer made it, stays the pool's). Not the
+whole pool: a read of a shared-memory hole allocates it, and a pool is sized
+for every slot's whole context (2.9 GB for the local drill's), of which the
+sequences in flight hold little. A pass reads the log (a few ms for a full
+ring) and maps the new positions' pages.
 
 The view follows the pool: until there is one (the first Active makes it),
 and again if GMS restarts (its pool is then another), it asks once a second;
@@ -26,6 +31,8 @@ import os
 import threading
 import time
 
+from understudy.engine_shim import kvadopt, kvpool, memadvise
+from understudy.engine_shim.kvlog import RECORD_SIZE, PoolSpec
 from understudy.gms.client import GmsError, GmsRefused
 from understudy.gms.kvclient import KvSession
 from understudy.gms.messages import ErrorCode
@@ -33,23 +40,20 @@ from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.engine_shim.kvreader")
 
-EVERY_S = 1.0  # between asks while there is no pool, and between looks at the view's GMS
+EVERY_S = 1.0  # between asks while there is no pool, and between passes over the view
+_EVERY_EPOCH = 1 << 62  # a view reads every record: none is from a newer epoch than this
 
 
 class KvReader:
-    """Follows the pool at ``path`` (``size``, ``spec``) on a thread of its own
-    from ``start`` until ``take`` or ``close``."""
+    """Follows the pool at ``path`` (laid out by ``spec``) on a thread of its
+    own from ``start`` until ``take`` or ``close``."""
 
     def __init__(
-        self,
-        path: str | os.PathLike[str],
-        size: int,
-        spec: str,
-        name: str,
-        every_s: float = EVERY_S,
+        self, path: str | os.PathLike[str], spec: PoolSpec, name: str, every_s: float = EVERY_S
     ) -> None:
-        self._path, self._size, self._spec, self._name = path, size, spec, name
+        self._path, self._spec, self._name = path, spec, name
         self._every_s = every_s
+        self._mapped: dict[int, int] = {}  # slot -> positions whose pages the view has
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._session: KvSession | None = None
@@ -100,6 +104,7 @@ class KvReader:
                 session = self._session
             if session is not None:
                 if session.alive():
+                    self._map_new(session)
                     continue
                 log_event(log, "kv_view_lost", logging.WARNING, reason="its GMS session ended")
                 with self._lock:
@@ -108,7 +113,11 @@ class KvReader:
             t0 = time.monotonic()
             try:
                 session = KvSession.peek(
-                    self._path, size=self._size, spec=self._spec, timeout=5.0, name=self._name
+                    self._path,
+                    size=self._spec.pool_bytes,
+                    spec=self._spec.digest().hex(),
+                    timeout=5.0,
+                    name=self._name,
                 )
             except GmsError as exc:
                 why = "no pool yet" if _no_pool(exc) else f"{type(exc).__name__}: {exc}"
@@ -120,6 +129,8 @@ class KvReader:
                 session.close()
                 log_event(log, "kv_view_off", backend=session.backend)
                 return
+            self._mapped = {}
+            done = self._map_new(session)
             with self._lock:
                 if self._stop.is_set():  # taken meanwhile: too late for this wake
                     session.close()
@@ -129,10 +140,35 @@ class KvReader:
                 log,
                 "kv_view_mapped",
                 mib=session.size >> 20,
+                present_mib=done >> 20,
                 last_epoch=session.previous_epoch,
                 seconds=round(time.monotonic() - t0, 4),
             )
             said = ""
+
+    def _map_new(self, session: KvSession) -> int:
+        """Have the kernel map the pages of the positions sealed since the last
+        pass; the bytes asked for. A log read while the writer writes it may
+        be torn: what it says is only which pages to map, never trusted."""
+        spec, view = self._spec, session.view()
+        ring = view[spec.log_offset : spec.log_offset + spec.log_capacity * RECORD_SIZE]
+        try:
+            extents = kvpool.sealed_extents(kvadopt.adopt(ring, spec, _EVERY_EPOCH).index)
+        except (ValueError, KeyError) as exc:  # a log mid-write: the next pass reads it
+            log_event(log, "kv_view_unread", reason=exc)
+            return 0
+        runs = {
+            slot: (self._mapped.get(slot, 0), n)
+            for slot, n in extents.items()
+            if n > self._mapped.get(slot, 0)
+        }
+        if not runs:
+            return 0
+        k, v = kvpool.arena(view, spec)
+        done = memadvise.populate(kvpool.spans(k, v, spec, runs))
+        for slot, (_, n) in runs.items():
+            self._mapped[slot] = n
+        return done
 
 
 def _no_pool(exc: GmsError) -> bool:

@@ -14,10 +14,11 @@ granted, is given the pool (``GmsRefused`` with ``stale_epoch`` otherwise); a
 newer holder that asks while an older one still maps it waits for that one's
 end, up to ``timeout`` (``GmsTimeoutError``).
 
-``peek`` maps the pool as it is, read-only, with its pages mapped at once
-(``MAP_POPULATE`` on the host), for any process: a standby holds that view
-while it sleeps, so that after its promotion its reads of the dead engine's
-positions take no page faults (docs/kv-pool.md#a-standbys-read-only-view).
+``peek`` maps the pool as it is, read-only, for any process: a standby holds
+that view while it sleeps and has the kernel map the pages that hold
+sequences (engine_shim.kvreader), so that after its promotion its reads of
+the dead engine's positions take no page faults
+(docs/kv-pool.md#a-standbys-read-only-view).
 ``GmsRefused`` with ``not_found`` while no pool of that geometry exists.
 """
 
@@ -93,7 +94,7 @@ class KvSession:
     def peek(
         cls, path: str | os.PathLike[str], *, size: int, spec: str, timeout: float, name: str = ""
     ) -> KvSession:
-        """The pool as it is, mapped read-only with its pages present; the
+        """The pool as it is, mapped read-only (no page present yet); the
         session lasts until ``close`` (or GMS's end: see ``alive``)."""
         if timeout <= 0:
             raise ValueError("timeout must be positive (every wait is bounded)")
@@ -123,7 +124,11 @@ class KvSession:
             with fd:
                 address = mapper.reserve(granted.allocation.size, granted.granularity)
                 try:
-                    mapper.map(fd.fd, address, granted.allocation.size, granted.writable)
+                    # A view's pages are not made present here: a read of a
+                    # pool's hole would allocate it (KvReader maps what is held).
+                    mapper.map(
+                        fd.fd, address, granted.allocation.size, granted.writable, populate=False
+                    )
                 except BaseException:
                     mapper.free(address, granted.allocation.size)
                     raise

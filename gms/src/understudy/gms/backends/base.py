@@ -47,9 +47,13 @@ class ClientMapper(Protocol):
     def reserve(self, size: int, granularity: int) -> int:
         """Reserve ``size`` bytes of address space; returns the address."""
 
-    def map(self, fd: int, address: int, size: int, writable: bool) -> None:
+    def map(
+        self, fd: int, address: int, size: int, writable: bool, populate: bool | None = None
+    ) -> None:
         """Map the allocation behind ``fd`` at ``address`` (reserved). ``fd``
-        stays the caller's (it may be closed right after)."""
+        stays the caller's (it may be closed right after). ``populate``: have
+        its pages present now (host memory; default: read-only mappings,
+        which are of committed memory, are)."""
 
     def protect_readonly(self, address: int, size: int) -> None:
         """Make a mapping read-only (after commit)."""

@@ -235,7 +235,10 @@ class CudaVmmMapper:
         _check(self._drv, result, "cuMemAddressReserve")
         return int(ptr)
 
-    def map(self, fd: int, address: int, size: int, writable: bool) -> None:
+    def map(
+        self, fd: int, address: int, size: int, writable: bool, populate: bool | None = None
+    ) -> None:
+        # A GPU mapping has no page faults to save: populate means nothing here.
         drv = self._drv
         result, handle = drv.cuMemImportFromShareableHandle(
             fd, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR

@@ -157,16 +157,20 @@ class HostMapper:
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE
         return _do_mmap(None, size, PROT_NONE, flags, -1)
 
-    def map(self, fd: int, address: int, size: int, writable: bool) -> None:
+    def map(
+        self, fd: int, address: int, size: int, writable: bool, populate: bool | None = None
+    ) -> None:
         if address in self._parked:
             self._parked.discard(address)
             if not writable and _same_file(fd, self._kept[address]):
                 return  # kept asleep, and still the server's memory: in place
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         # Only RO mappings are of committed memory; populating a fresh RW one
-        # would allocate every page before the writer needs it.
-        populate = 0 if writable else MAP_POPULATE
-        _do_mmap(address, size, prot, mmap.MAP_SHARED | MAP_FIXED | populate, fd)
+        # would allocate every page before the writer needs it (so would a
+        # KV pool's read-only view: a read of a hole allocates it).
+        present = (not writable) if populate is None else populate
+        flags = mmap.MAP_SHARED | MAP_FIXED | (MAP_POPULATE if present else 0)
+        _do_mmap(address, size, prot, flags, fd)
         self._close_kept(address)
         self._kept[address] = os.dup(fd)
 
