@@ -55,6 +55,9 @@ class KvReader:
         self._every_s = every_s
         self._mapped: dict[int, int] = {}  # slot -> positions whose pages the view has
         self._lock = threading.Lock()
+        # Held through a pass over the view: a view is unmapped only between
+        # passes (a read of an unmapped view is a SIGSEGV, not an error).
+        self._pass = threading.Lock()
         self._stop = threading.Event()
         self._session: KvSession | None = None
         self._thread = threading.Thread(target=self._follow, name="kv-reader", daemon=True)
@@ -77,7 +80,7 @@ class KvReader:
         if session is None:
             return None
         if session.allocation_id == allocation_id and session.alive():
-            return session
+            return session  # a pass under way only maps pages of it: harmless
         log_event(
             log,
             "kv_view_dropped",
@@ -85,7 +88,8 @@ class KvReader:
             reason=f"the view is of allocation {session.allocation_id}, "
             f"alive={session.alive()}; the pool granted is {allocation_id}",
         )
-        session.close()
+        with self._pass:
+            session.close()
         return None
 
     def close(self) -> None:
@@ -93,7 +97,8 @@ class KvReader:
             self._stop.set()
             session, self._session = self._session, None
         if session is not None:
-            session.close()
+            with self._pass:
+                session.close()
 
     def _follow(self) -> None:
         said = ""
@@ -104,11 +109,15 @@ class KvReader:
                 session = self._session
             if session is not None:
                 if session.alive():
-                    self._map_new(session)
+                    with self._pass:
+                        if self._session is session:  # not taken meanwhile
+                            self._map_new(session)
                     continue
-                log_event(log, "kv_view_lost", logging.WARNING, reason="its GMS session ended")
                 with self._lock:
+                    if self._session is not session:  # taken meanwhile: the taker's now
+                        continue
                     self._session = None
+                log_event(log, "kv_view_lost", logging.WARNING, reason="its GMS session ended")
                 session.close()
             t0 = time.monotonic()
             try:
@@ -154,8 +163,8 @@ class KvReader:
         ring = view[spec.log_offset : spec.log_offset + spec.log_capacity * RECORD_SIZE]
         try:
             extents = kvpool.sealed_extents(kvadopt.adopt(ring, spec, _EVERY_EPOCH).index)
-        except (ValueError, KeyError) as exc:  # a log mid-write: the next pass reads it
-            log_event(log, "kv_view_unread", reason=exc)
+        except Exception as exc:  # a log mid-write, torn anyhow: the next pass reads it
+            log_event(log, "kv_view_unread", reason=f"{type(exc).__name__}: {exc}")
             return 0
         runs = {
             slot: (self._mapped.get(slot, 0), n)
