@@ -99,7 +99,8 @@ def test_a_reader_maps_the_pool_read_only_as_it_is(gms: Gms, lock_state: Path) -
     """``kv_peek``: a standby's view of the pool, before and across a failover.
     It sees the holder's bytes as they are written, never holds the pool up,
     and cannot write: the kernel kills a process that tries."""
-    gms.server(0, "--lock-state", str(lock_state))
+    port = free_port_block(1)
+    gms.server(0, "--lock-state", str(lock_state), "--metrics-port", str(port))
     reader = gms.agent("reader")
     peek = {"path": str(gms.path()), "size": 3 * MiB}
     got = reader("kv_peek", **peek)
@@ -117,6 +118,7 @@ def test_a_reader_maps_the_pool_read_only_as_it_is(gms: Gms, lock_state: Path) -
     first.ok("kv_fill", seed=6)  # the same memory: the reader sees writes at once
     assert reader.ok("kv_peek_verify", seed=6)["equal"]
     assert gms.state()["kv"]["readers"] == 1
+    assert metric(port, "understudy_gms_kv_pool_readers") == 1
 
     # The holder dies: the next one gets the pool at once, the reader mapping it.
     first.kill9()
@@ -130,6 +132,7 @@ def test_a_reader_maps_the_pool_read_only_as_it_is(gms: Gms, lock_state: Path) -
     assert reader.wait(10) == -signal.SIGSEGV
     assert second.ok("kv_verify", seed=6)["equal"]  # not a byte changed
     wait_for(lambda: gms.state()["kv"]["readers"] == 0, 10, what="the reader's end")
+    assert metric(port, "understudy_gms_kv_pool_readers") == 0
 
 
 def test_without_a_lock_record_the_epoch_fences(gms: Gms) -> None:

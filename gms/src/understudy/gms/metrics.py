@@ -63,6 +63,12 @@ KV_POOL_EPOCH = Gauge(
     _LABELS,
     multiprocess_mode="livemax",
 )
+KV_POOL_READERS = Gauge(
+    "understudy_gms_kv_pool_readers",
+    "Sessions that map the KV pool read-only (kv_peek): standbys ahead of a failover",
+    _LABELS,
+    multiprocess_mode="livesum",
+)
 LOCK_WAIT = Histogram(
     "understudy_gms_lock_wait_seconds",
     "Time from hello to grant or expiry",

@@ -675,6 +675,7 @@ class GmsServer:
         metrics.KV_POOL_BYTES.labels(**self._labels).set(0 if kv is None else kv.allocation.size)
         holder = 0 if kv is None or kv.holder_epoch is None else kv.holder_epoch
         metrics.KV_POOL_EPOCH.labels(**self._labels).set(holder)
+        metrics.KV_POOL_READERS.labels(**self._labels).set(st.count(fsm.Phase.KV_READING))
 
 
 def _open_monitor(device: int, backend: ServerBackend) -> tuple[DeviceMonitor | None, str]:
