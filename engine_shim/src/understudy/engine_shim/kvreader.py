@@ -16,8 +16,10 @@ the pool's seal log, once a second, each slot's from where the last pass
 stopped (a pool's page, once the writer made it, stays the pool's). Not the
 whole pool: a read of a shared-memory hole allocates it, and a pool is sized
 for every slot's whole context (2.9 GB for the local drill's), of which the
-sequences in flight hold little. A pass reads the log (a few ms for a full
-ring) and maps the new positions' pages.
+sequences in flight hold little. A pass reads the whole log and maps the new
+positions' pages: 9 ms with nothing new to map on a ring of 2,112 records
+whose 1,024 blocks are all sealed (SmolLM2, 8 slots of 2,048), growing with
+the blocks sealed; once a second, about 1% of a core for a standby.
 
 The view follows the pool: until there is one (the first Active makes it),
 and again if GMS restarts (its pool is then another), it asks once a second;
