@@ -21,7 +21,7 @@ def _priority() -> tuple[int, int]:
 def test_the_work_runs_lower_and_the_caller_and_later_threads_do_not() -> None:
     before = _priority()
     seen: list[tuple[int, int]] = []
-    run_yielding(lambda: seen.append(_priority()), "start-up", defer_s=0)
+    run_yielding(lambda: seen.append(_priority()), "start-up")
     assert seen == [(os.SCHED_BATCH, max(before[1], STARTUP_NICE))]
     assert _priority() == before
     later: list[tuple[int, int]] = []  # a thread the caller starts after (the batcher)
@@ -36,7 +36,7 @@ def test_what_the_work_raises_reaches_the_caller() -> None:
         raise RuntimeError("no weights")
 
     with pytest.raises(RuntimeError, match="no weights"):
-        run_yielding(fail, "start-up", defer_s=0)
+        run_yielding(fail, "start-up")
 
 
 def test_after_its_time_the_work_runs_at_the_callers_priority_again() -> None:
@@ -66,7 +66,7 @@ def test_after_its_time_the_work_runs_at_the_callers_priority_again() -> None:
         seen.append(_priority())
         seen.extend(child)
 
-    run_yielding(work, "start-up", most_s=0.2, defer_s=0)
+    run_yielding(work, "start-up", most_s=0.2)
     lowered = (os.SCHED_BATCH, max(before[1], STARTUP_NICE))
     assert seen[0] == lowered
     if os.geteuid() == 0:

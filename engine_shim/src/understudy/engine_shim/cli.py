@@ -14,6 +14,7 @@ the engines' built-in models.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import subprocess
 import sys
@@ -133,9 +134,9 @@ def _make_engine(cfg: EngineConfig) -> Engine:
 # the first step took ~240 ms where it takes ~60 ms alone, the replacement
 # importing its weights beside it. It starts before the engine's imports
 # (0.8 s of CPU for the llama engine's) and a promoted spare's engine
-# construction (0.5 s), which run at the process's own priority: at 4,000
-# positions the first step of a `llama` failover took 85 against 105 ms
-# with the spare's share deferred (docs/performance.md, 2026-12-03).
+# construction (0.5 s), which run at the process's own priority: with them
+# waited out, a `llama` failover at 4,000 positions went from 122 to 100 ms
+# kill -> next token (alternating runs; docs/performance.md, 2026-12-03).
 # A second more to re-arm, against a standby that is seconds away anyway.
 STARTUP_DEFER_S: Final = 1.0
 
@@ -148,8 +149,6 @@ def defer_if_restarted(sleep: Callable[[float], None] = time.sleep) -> float:
 
     if not respawn.restarts():
         return 0.0
-    import logging
-
     log_event(
         logging.getLogger("understudy.engine_shim"), "startup_deferred", seconds=STARTUP_DEFER_S
     )

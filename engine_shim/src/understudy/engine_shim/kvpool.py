@@ -188,7 +188,6 @@ class KvPool:
             st.by_epoch[sealed.epoch] = st.by_epoch.get(sealed.epoch, 0) + 1
         self.k, self.v = arena(memory, spec)
         self.rk, self.rv = (self.k, self.v) if reader is None else arena(reader, spec)
-        self.reads_premapped = reader is not None
         # The same bytes as the checksum's words: (layers, slots, heads, max_len, words).
         word = kvlog.word_dtype(spec.head_dim * spec.itemsize)
         self._words = (self.rk.view(word), self.rv.view(word))
@@ -337,6 +336,11 @@ class KvPool:
         st.corrupt_blocks += 1
         log_event(log, "kv_reused", slot=slot, positions=start, of=checking.tokens, corrupt=1)
         return start
+
+    @property
+    def reads_premapped(self) -> bool:
+        """Whether reads go through a view of their own (``reader``)."""
+        return self.rk is not self.k
 
     def sealed_spans(self) -> Iterator[tuple[int, int]]:
         """Where the sealed positions' bytes lie, (address, bytes), in the

@@ -70,12 +70,12 @@ def run_yielding(
     name: str,
     nice: int = STARTUP_NICE,
     most_s: float = STARTUP_YIELD_S,
-    defer_s: float = 0.0,
 ) -> None:
-    """Run ``work`` on a thread of its own at a lower CPU priority, ``defer_s``
-    from now, wait for it, and raise what it raised. ``most_s`` after the work
-    began, the threads still at that priority (the work's, and those it
-    started) are put back at the caller's where the process may do so
+    """Run ``work`` on a thread of its own at a lower CPU priority, wait for
+    it, and raise what it raised (a restarted engine has already waited
+    ``cli.STARTUP_DEFER_S`` before this). ``most_s`` after the work began,
+    the threads still at that priority (the work's, and those it started)
+    are put back at the caller's where the process may do so
     (``startup_priority_restored``; as root, or with CAP_SYS_NICE).
 
     A thread, because Linux keeps the policy and the nice value per thread, and
@@ -90,9 +90,6 @@ def run_yielding(
     before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     def run() -> None:
-        if defer_s > 0:
-            log_event(log, "startup_deferred", seconds=defer_s)
-            time.sleep(defer_s)
         try:
             os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
@@ -111,7 +108,7 @@ def run_yielding(
     # it is not done.
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
-    thread.join(defer_s + most_s)
+    thread.join(most_s)
     if thread.is_alive():
         _restore_priority(before, nice)
         thread.join()

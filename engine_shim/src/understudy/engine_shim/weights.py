@@ -135,11 +135,11 @@ class Weights:
     def follow_kv(self, engine: Engine) -> None:
         """Map the KV pool read-only while this engine sleeps (``KvReader``),
         for an engine that keeps its cache there."""
-        spec = getattr(engine, "kv_spec", None)
-        if not isinstance(engine, UsesKvPool) or engine.kv_pool_request() is None or spec is None:
+        want = engine.kv_pool_request() if isinstance(engine, UsesKvPool) else None
+        if want is None:
             return
         path = self.cfg.gms_socket(min(self.cfg.devices))
-        self.kv_reader = KvReader(path, spec, self.cfg.engine_id)
+        self.kv_reader = KvReader(path, want.layout, self.cfg.engine_id)
         self.kv_reader.start()
 
     def _take_view(self, session: KvSession | None) -> memoryview | None:

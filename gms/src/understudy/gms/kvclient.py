@@ -111,10 +111,6 @@ class KvSession:
         on_lost: LostCallback | None,
     ) -> KvSession:
         chan = _Channel(_connect_socket(Path(path), deadline))
-        if isinstance(request, m.KvAcquire):  # its wait is what is left of the deadline
-            request = request.model_copy(
-                update={"timeout_s": max(0.0, deadline - time.monotonic())}
-            )
         try:
             reply, fd = chan.request(request, deadline + _REPLY_SLACK_S)
             granted = _expect(reply, m.KvGranted, fd)

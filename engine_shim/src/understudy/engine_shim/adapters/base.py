@@ -62,15 +62,20 @@ class KvPoolRequest:
     """The KV pool an engine wants from GMS: its size and what it holds (an
     engine with another ``spec`` gets a fresh pool, never this one's bytes)."""
 
-    size: int
-    spec: str
+    layout: PoolSpec
+
+    @property
+    def size(self) -> int:
+        return self.layout.pool_bytes
+
+    @property
+    def spec(self) -> str:
+        return self.layout.digest().hex()
 
     @classmethod
     def of(cls, spec: PoolSpec | None) -> KvPoolRequest | None:
         """The request for a pool laid out by ``spec`` (None: no pool)."""
-        if spec is None:
-            return None
-        return cls(size=spec.pool_bytes, spec=spec.digest().hex())
+        return None if spec is None else cls(spec)
 
 
 @runtime_checkable
