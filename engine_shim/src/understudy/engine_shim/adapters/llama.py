@@ -563,6 +563,7 @@ class LlamaEngine:
         self.kv_pool = pool
         if reader is None:
             pool.warming = memadvise.warm([(pool.sealed_spans(), memadvise.MADV_POPULATE_READ)])
+        pool.check_ahead()
 
     def close(self) -> None:
         self.sleep()

@@ -614,6 +614,7 @@ class VllmEngine:
         load writes the other."""
         assert self.kv_spec is not None
         pool = KvPool(memory, self.kv_spec, epoch, adopt=self.kv_adopt, reader=reader)
+        pool.check_ahead()
         link = self._kv_link
         if not link.attach(pool) or link.copier is None or link.caches is None:
             return
