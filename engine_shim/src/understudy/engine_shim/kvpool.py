@@ -11,10 +11,12 @@ record and replayed into an index of sealed blocks (blocks written under
 epochs newer than ours are ignored). A request then ``claim``s a slot: the
 free slot whose sealed blocks hold the longest prefix of its tokens (by hash
 chain), each of those blocks checked against its checksum before it is used;
-a block that fails is recomputed with everything after it. An engine may
-have the checksums computed on a thread while its first step computes on
-the blocks they cover (``claim``'s ``defer``), and ``confirm`` the claim
-before that step's results count. Before the first
+a block that fails is recomputed with everything after it. The blocks of
+the sequences in flight at the death are checked on a thread from the
+adoption on (``check_ahead``), and their claims take what it found. An
+engine may have a claim's other checksums computed on a thread while its
+first step computes on the blocks they cover (``claim``'s ``defer``), and
+``confirm`` the claim before that step's results count. Before the first
 byte of a slot changes, the blocks about to be overwritten are retired in the
 log. After every step, the blocks the step wrote into are ``seal``ed (a
 sequence's last block as far as it is filled, sealed again as it grows).
@@ -352,11 +354,10 @@ class KvPool:
         computed on a thread (the claim's ``checking``), while the engine
         computes on them; the block the start falls inside is checked now,
         before the engine writes into it. The engine must `confirm` the
-        claim before any result computed on it is sampled or sealed. A
-        failover's claim of 4,000 positions spends 40-60 ms in its
-        checksums (SmolLM2: 184 MB, most of it the kernel mapping the pages
-        on first touch); deferred, they run on the other core during the
-        first step, which reads the same pages.
+        claim before any result computed on it is sampled or sealed.
+        Deferred, the checksums run on the other core during the first step,
+        which reads the same pages. Blocks `check_ahead` checked are not read
+        again, deferred or not.
         """
         if not free:
             raise ValueError("no free slot")
