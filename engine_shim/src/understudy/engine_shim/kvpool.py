@@ -305,17 +305,19 @@ class KvPool:
         self.ahead = threading.Thread(target=run, name="kv-check-ahead", daemon=True)
         self.ahead.start()
 
-    def _sums_ahead(self, slot: int, seals: list[tuple[int, kvlog.Sealed]]) -> dict[int, int]:
+    def _sums_ahead(
+        self, slot: int, seals: list[tuple[int, kvlog.Sealed]], *, wait: bool = True
+    ) -> dict[int, int]:
         """The checksums `check_ahead` found for those of ``seals`` it checked
         (the very seals: a block sealed again since is not among them),
         waited for; none if it had not begun ``slot`` (it then never will:
-        the caller computes them)."""
+        the caller computes them), or, unless ``wait``, if it is still on it."""
         ahead = self._ahead.get(slot)
         if ahead is None:
             return {}
         checked = dict(ahead.seals)
         same = [block for block, sealed in seals if checked.get(block) is sealed]
-        if not same or ahead.sums.cancel():
+        if not same or ahead.sums.cancel() or not (wait or ahead.sums.done()):
             return {}
         found = ahead.sums.result()
         return {block: found[block] for block in same}
@@ -384,7 +386,10 @@ class KvPool:
             if defer:  # now: only the block the start falls inside, if any
                 at = start_at(best.positions)
                 inside = min(best.blocks, -(-at // b))
-                trusted = self._verified(slot, inside, best.positions, at // b)
+                # That one block is read at once rather than waited for while
+                # `check_ahead` is still on the slot: the rest of its check
+                # then runs beside the step, as a deferred check does.
+                trusted = self._verified(slot, inside, best.positions, at // b, wait=False)
             else:
                 trusted = self._verified(slot, best.blocks, best.positions)
             corrupt = int(trusted < best.positions)
@@ -453,11 +458,13 @@ class KvPool:
         runs = {slot: (0, n) for slot, n in sealed_extents(self.index).items()}
         return spans(self.k, self.v, self.spec, runs)
 
-    def _verified(self, slot: int, blocks: int, positions: int, first: int = 0) -> int:
+    def _verified(
+        self, slot: int, blocks: int, positions: int, first: int = 0, *, wait: bool = True
+    ) -> int:
         """How many of the ``positions`` that ``slot``'s first ``blocks`` sealed
         blocks cover hold the bytes their seals say: up to the first block that
         does not (the blocks before ``first`` are taken as they are)."""
-        bad = self._first_bad(slot, self._seals(slot, first, blocks))
+        bad = self._first_bad(slot, self._seals(slot, first, blocks), wait=wait)
         if bad is None:
             return positions
         block, epoch = bad
@@ -475,12 +482,12 @@ class KvPool:
         return [(block, self.index.sealed[(slot, block)]) for block in range(lo, hi)]
 
     def _first_bad(
-        self, slot: int, seals: list[tuple[int, kvlog.Sealed]]
+        self, slot: int, seals: list[tuple[int, kvlog.Sealed]], *, wait: bool = True
     ) -> tuple[int, int] | None:
         """The first of ``slot``'s ``seals`` whose block's bytes are not what it
         says: (block, the seal's epoch); None if all hold. Reads only the
         blocks' bytes, so it may run on another thread."""
-        sums = self._sums_ahead(slot, seals)
+        sums = self._sums_ahead(slot, seals, wait=wait)
         rest = [(block, s.count) for block, s in seals if block not in sums]
         if rest:
             sums.update(zip((block for block, _ in rest), self.checksums(slot, rest), strict=True))
