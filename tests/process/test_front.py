@@ -430,3 +430,46 @@ def test_json_nested_too_deep_is_a_400_not_a_500(pod):
     for path, status in (("/v1/checksum", 400), ("/v1/completions", 404)):
         head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(deep)}"
         assert exchange(pod, head, deep)[0] == status, path  # 404: no completions here
+
+
+def test_the_fronts_status_port_answers_through_its_kills(pod):
+    """kubelet probes the front's ``/live`` every 2 s and restarts the whole
+    container after 3 failures: a front restarted in place must never leave
+    its status port refusing or resetting. The respawner binds it once
+    (``--listen status=…``), so a probe sent while the next front starts
+    waits in the kernel's queue and is answered by it. (Before, each front
+    bound the port itself: a probe in the gap was refused, and a front that
+    bound it while the dead one's witness still held the old listener
+    failed its start with EADDRINUSE: CI's container restart.)"""
+    pod.wait_armed()
+    stop, outcomes = False, []
+
+    def probe() -> None:
+        while not stop:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", pod.front_port, timeout=10)
+                conn.request("GET", "/live")
+                status = conn.getresponse().status
+                conn.close()
+                outcomes.append("ok" if status == 200 else f"HTTP {status}")
+            except (OSError, http.client.HTTPException) as exc:
+                outcomes.append(type(exc).__name__)
+            time.sleep(0.005)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        probes = [pool.submit(probe) for _ in range(2)]
+        try:
+            for _ in range(3):
+                old = pod.front_pid()
+                assert old is not None
+                seen = len(outcomes)
+                os.kill(old, signal.SIGKILL)
+                wait_for(lambda: pod.front_pid() not in (old, None), 20, 0.01, what="a front")  # noqa: B023
+                wait_for(lambda: len(outcomes) > seen + 20, 20, what="probes after it")  # noqa: B023
+        finally:
+            stop = True
+            for f in probes:
+                f.result(30)
+    failed = [o for o in outcomes if o != "ok"]
+    assert outcomes and failed == [], sorted(set(failed))
+    assert "Address already in use" not in pod.log("front")

@@ -118,7 +118,10 @@ def test_front_sidecar_serves_the_port_under_the_respawner() -> None:
     child = front["args"][front["args"].index("--") + 1 :]
     assert child[:3] == ["python", "-m", "understudy.front"]
     respawn, serve = parse(_argv(front))
-    assert respawn["spare"] and respawn["spare_after"] == 0 and respawn["listen"] == []
+    assert respawn["spare"] and respawn["spare_after"] == 0
+    # The status port is the respawner's: kubelet's probes outlive each front.
+    # The serving port is the lock server's to hand over, never the respawner's.
+    assert respawn["listen"] == ["status=0.0.0.0:8090"]
     assert (serve["command"], serve["front_command"]) == ("front", "serve")
     assert serve["run_dir"] == "/run/understudy"
     assert (serve["port"], serve["status_port"]) == (8000, 8090)

@@ -32,7 +32,7 @@ from understudy.front.forwarder import Forwarder
 from understudy.front.ledger import LEDGER, Ledger, Predecessor
 from understudy.front.metrics import FrontMetrics
 from understudy.front.router import Router
-from understudy.wire import connhold, failpoints, handover, uds
+from understudy.wire import connhold, failpoints, handover, respawn, uds
 from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.front")
@@ -119,7 +119,11 @@ class Front:
             task = asyncio.create_task(self._adopt(cid, owned), name="adopt")
             self._adopting.add(task)
             task.add_done_callback(self._adopting.discard)
-        self._status = await status_port.serve(self, self.cfg.host, self.cfg.status_port)
+        # Under the respawner the status port is its socket, open across our
+        # restarts (render.py says why); alone, we bind it.
+        self._status = await status_port.serve(
+            self, self.cfg.host, self.cfg.status_port, respawn.inherited_socket("status")
+        )
         self.router.start()
         self._tasks = [
             asyncio.create_task(
@@ -312,9 +316,7 @@ async def run(cfg: FrontConfig, started: float | None = None) -> None:
             log, "serving_socket_unkept", logging.WARNING, keeper=str(cfg.run_dir),
             consequence="nobody keeps the serving socket: this front's death refuses connections",
         )  # fmt: skip
-    from understudy.wire.respawn import notify_ready
-
-    notify_ready()
+    respawn.notify_ready()
     await downstream.until_stopped()
     log_event(log, "draining", inflight=front.forwarder.inflight, held=front.router.held)
     await front.drain()

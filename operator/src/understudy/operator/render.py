@@ -313,6 +313,13 @@ def front_container(inst: GpuInstance, cfg: RenderConfig) -> dict[str, Any]:
             # beside it for the spare's imports to slow down).
             "--spare-after",
             "0",
+            # The status port is the respawner's, bound once: kubelet's probes
+            # sent while the next front starts wait in its queue. A front that
+            # bound it itself left it refusing in the gap, and failed its start
+            # (EADDRINUSE) while the dead one's witness still held the old
+            # listener: three failed liveness probes, a container restart.
+            "--listen",
+            f"status=0.0.0.0:{api.FRONT_STATUS_PORT}",
             "--",
             "python",
             "-m",
