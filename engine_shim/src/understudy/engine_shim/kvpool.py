@@ -77,7 +77,7 @@ class _Ahead:
     """A slot's adopted blocks, checked on `KvPool.check_ahead`'s thread: the
     seals checked, and the checksums their blocks' bytes have (block -> sum)."""
 
-    seals: list[tuple[int, kvlog.Sealed]]
+    seals: dict[int, kvlog.Sealed]  # block -> its seal
     sums: Future[dict[int, int]] = field(default_factory=Future)
 
 
@@ -279,7 +279,7 @@ class KvPool:
         if not order:
             return
         for slot in order:
-            self._ahead[slot] = _Ahead(self._seals(slot, 0, self.index.run(slot)))
+            self._ahead[slot] = _Ahead(dict(self._seals(slot, 0, self.index.run(slot))))
         warming = self.warming
 
         def run() -> None:
@@ -291,13 +291,12 @@ class KvPool:
                 if not ahead.sums.set_running_or_notify_cancel():
                     continue  # a claim came first, and checks it itself
                 try:
-                    seals = ahead.seals
-                    sums = self.checksums(slot, [(block, s.count) for block, s in seals])
+                    sums = self.checksums(slot, [(b, s.count) for b, s in ahead.seals.items()])
                 except BaseException as exc:  # the claim waiting for it raises it
                     ahead.sums.set_exception(exc)
                     continue
-                ahead.sums.set_result({block: x for (block, _), x in zip(seals, sums, strict=True)})
-                blocks += len(seals)
+                ahead.sums.set_result(dict(zip(ahead.seals, sums, strict=True)))
+                blocks += len(ahead.seals)
             self.stats.checked_ahead += blocks
             seconds = round(time.monotonic() - t0, 4)
             log_event(log, "kv_checked_ahead", slots=len(order), blocks=blocks, seconds=seconds)
@@ -315,8 +314,7 @@ class KvPool:
         ahead = self._ahead.get(slot)
         if ahead is None:
             return {}
-        checked = dict(ahead.seals)
-        same = [block for block, sealed in seals if checked.get(block) is sealed]
+        same = [block for block, sealed in seals if ahead.seals.get(block) is sealed]
         if not same or ahead.sums.cancel() or not (wait or ahead.sums.done()):
             return {}
         found = ahead.sums.result()
