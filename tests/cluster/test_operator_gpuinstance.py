@@ -15,10 +15,12 @@ become Ready, so these tests assert what the scheduler, DRA and kubelet show.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -103,10 +105,10 @@ def test_apiserver_enforces_immutable_fields(crd_installed: Any, namespace: str)
     c.kubectl("delete", "-n", namespace, "gpuinstance/imm", "--wait=false")
 
 
-@pytest.fixture
-def operator(crd_installed: Any, namespace: str) -> Iterator[subprocess.Popen[str]]:
-    env = {**crd_installed.env, "UNDERSTUDY_OPERATOR_RESYNC_S": "3", "PYTHONUNBUFFERED": "1"}
-    logs = crd_installed.cluster_dir / "logs" if crd_installed.ours else Path(tempfile.mkdtemp())
+@contextlib.contextmanager
+def _operator(cluster: Any, namespace: str, resync_s: float) -> Iterator[subprocess.Popen[str]]:
+    env = {**cluster.env, "UNDERSTUDY_OPERATOR_RESYNC_S": str(resync_s), "PYTHONUNBUFFERED": "1"}
+    logs = cluster.cluster_dir / "logs" if cluster.ours else Path(tempfile.mkdtemp())
     log = (logs / f"operator-{namespace}.log").open("w")
     proc = subprocess.Popen(
         [
@@ -122,20 +124,28 @@ def operator(crd_installed: Any, namespace: str) -> Iterator[subprocess.Popen[st
             "--health-port",
             "0",
             "--image",
-            crd_installed.image or "localhost/understudy:dev",
+            cluster.image or "localhost/understudy:dev",
         ],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
         text=True,
     )
-    yield proc
-    proc.terminate()
     try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+@pytest.fixture
+def operator(crd_installed: Any, namespace: str) -> Iterator[subprocess.Popen[str]]:
+    with _operator(crd_installed, namespace, resync_s=3) as proc:
+        yield proc
 
 
 def _owned_by(obj: dict[str, Any], uid: str) -> bool:
@@ -201,3 +211,25 @@ def test_create_then_delete(crd_installed: Any, namespace: str, operator: Any) -
         return left == ""
 
     _wait("garbage collection", collected, timeout=120)
+
+
+def test_deleted_while_its_resync_pass_runs_is_released_at_once(
+    crd_installed: Any, namespace: str
+) -> None:
+    """kopf holds the finalizer until the resync timer's pass exits, then polls.
+
+    Its default poll is 60 s: an instance deleted while a pass ran stayed for a
+    minute (CI: `kubectl delete --timeout=60s` timed out). A resync of 50 ms keeps a
+    pass running at nearly every deletion, so each of these would wait the poll.
+    """
+    c = crd_installed
+    with _operator(c, namespace, resync_s=0.05):
+        for i in range(8):
+            name = f"del{i}"
+            c.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(_instance(name)))
+            _wait(f"pod {name}-0", lambda n=name: c.get_json("-n", namespace, f"pod/{n}-0"))
+            # While the pod starts, the passes write: they last longest.
+            t0 = time.monotonic()
+            c.kubectl("delete", "-n", namespace, f"gpuinstance/{name}", "--timeout=20s")
+            took = time.monotonic() - t0
+            assert took < 10, f"{name}: the deletion took {took:.1f} s"

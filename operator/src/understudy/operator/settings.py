@@ -45,3 +45,10 @@ def configure(settings: kopf.OperatorSettings, cfg: OperatorConfig) -> None:
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.batching.error_delays = (1, 2, 5, 10, 30, 60)
+    # kopf keeps the finalizer until the resync timer's pass in flight exits.
+    # By default it gives the pass ten loop cycles, then re-checks every 60 s:
+    # an instance deleted during a pass stayed a minute (CI saw `kubectl delete
+    # --timeout=60s` time out). A pass ends within a second or two; wait for it
+    # in place, and re-check each second after a longer one.
+    settings.background.instant_exit_timeout = 2.0
+    settings.background.cancellation_polling = 1.0
