@@ -15,11 +15,9 @@ become Ready, so these tests assert what the scheduler, DRA and kubelet show.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,6 +28,7 @@ import yaml
 from procs import wait_settled
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this tier's helpers
+import operator_proc
 from crd_guard import this_crd
 
 
@@ -105,47 +104,16 @@ def test_apiserver_enforces_immutable_fields(crd_installed: Any, namespace: str)
     c.kubectl("delete", "-n", namespace, "gpuinstance/imm", "--wait=false")
 
 
-@contextlib.contextmanager
-def _operator(cluster: Any, namespace: str, resync_s: float) -> Iterator[subprocess.Popen[str]]:
-    env = {**cluster.env, "UNDERSTUDY_OPERATOR_RESYNC_S": str(resync_s), "PYTHONUNBUFFERED": "1"}
-    logs = cluster.cluster_dir / "logs" if cluster.ours else Path(tempfile.mkdtemp())
-    log = (logs / f"operator-{namespace}.log").open("w")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "understudy.operator.cli",
-            "operator",
-            "run",
-            "--namespace",
-            namespace,
-            "--metrics-port",
-            "0",
-            "--health-port",
-            "0",
-            "--image",
-            cluster.image or "localhost/understudy:dev",
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        text=True,
+def _run_operator(cluster: Any, namespace: str, resync_s: float) -> Any:
+    return operator_proc.operator(
+        cluster, namespace, cluster.image or "localhost/understudy:dev", resync_s=resync_s
     )
-    try:
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 @pytest.fixture
-def operator(crd_installed: Any, namespace: str) -> Iterator[subprocess.Popen[str]]:
-    with _operator(crd_installed, namespace, resync_s=3) as proc:
-        yield proc
+def operator(crd_installed: Any, namespace: str) -> Iterator[Path]:
+    with _run_operator(crd_installed, namespace, resync_s=3) as log:
+        yield log
 
 
 def _owned_by(obj: dict[str, Any], uid: str) -> bool:
@@ -223,7 +191,7 @@ def test_deleted_while_its_resync_pass_runs_is_released_at_once(
     pass running at nearly every deletion, so each of these would wait the poll.
     """
     c = crd_installed
-    with _operator(c, namespace, resync_s=0.05):
+    with _run_operator(c, namespace, resync_s=0.05):
         for i in range(8):
             name = f"del{i}"
             c.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(_instance(name)))
