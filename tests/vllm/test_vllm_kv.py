@@ -1,7 +1,9 @@
 """The CPU standby's KV cache (adapters/vllm_kv) over real torch tensors: views
-of one buffer, as vLLM binds them into its layers. Released, the buffer's
-pages go back to the kernel (the process's RSS drops by its size) while every
-view stays valid and reads zeros; populated, they are committed again."""
+of one buffer, as vLLM binds them into its layers. Released at once, the
+buffer's pages go back to the kernel (the process's RSS drops by its size)
+while every view stays valid and reads zeros; released reclaimably, they
+leave the working set and stay until the kernel takes them or the engine
+writes them; populated, they are committed again."""
 
 from __future__ import annotations
 
@@ -18,11 +20,15 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 MiB = 1 << 20
 
 
-def _rss() -> int:
+def _smaps(name: str) -> int:
     for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-        if line.startswith("Rss:"):
+        if line.startswith(name + ":"):
             return int(line.split()[1]) * 1024
-    raise AssertionError("no Rss")
+    raise AssertionError(f"no {name}")
+
+
+def _rss() -> int:
+    return _smaps("Rss")
 
 
 def test_pages_are_the_whole_pages_inside() -> None:
@@ -44,7 +50,7 @@ def test_released_views_read_zeros_and_the_memory_goes_back() -> None:
     assert vllm_kv.storages(views) == [(buf.data_ptr(), 256 * MiB)]
 
     before = _rss()
-    released = vllm_kv.release(worker)
+    released = vllm_kv.release(worker, reclaimable=False)
     assert released >= 256 * MiB - 2 * memadvise.PAGE
     assert before - _rss() > 200 * MiB
     assert int(buf.count_nonzero()) <= 2 * memadvise.PAGE  # at most the partial end pages
@@ -54,6 +60,28 @@ def test_released_views_read_zeros_and_the_memory_goes_back() -> None:
     low = _rss()
     assert vllm_kv.populate(worker) == released
     assert _rss() - low > 100 * MiB
+
+
+def test_reclaimable_pages_leave_the_working_set_and_come_back_when_written() -> None:
+    """``MADV_FREE``: the pages stay mapped and present (a wake finds them
+    with no fault unless the kernel needed them), they no longer count as
+    the process's own (``LazyFree``: kubelet's working set leaves them out),
+    and a write makes a page the engine's again."""
+    import torch
+
+    buf = torch.ones(256 * MiB, dtype=torch.int8)
+    views = [buf[i * 64 * MiB : (i + 1) * 64 * MiB].view(torch.float32) for i in range(4)]
+    worker = SimpleNamespace(model_runner=SimpleNamespace(kv_caches=views))
+    lazy, rss = _smaps("LazyFree"), _rss()
+    released = vllm_kv.release(worker)  # reclaimable, the default
+    assert released >= 256 * MiB - 2 * memadvise.PAGE
+    assert _smaps("LazyFree") - lazy > 200 * MiB
+    assert rss - _rss() < 16 * MiB  # nothing unmapped
+    views[1].fill_(2.0)  # written: the kernel may no longer take these 64 MiB
+    assert float(views[1][-1]) == 2.0
+    assert 120 * MiB < _smaps("LazyFree") - lazy < 200 * MiB
+    vllm_kv.populate(worker)  # committed again: none left for the kernel to take
+    assert _smaps("LazyFree") - lazy < 16 * MiB
 
 
 def test_a_runner_without_a_kv_cache_is_an_error() -> None:

@@ -4,8 +4,10 @@ each platform's standby makes, and in what order.
 
 - CPU: the engine core stays; its prefix cache is forgotten *before* the KV
   cache's pages go back to the kernel (a prefix hit on a released block would
-  read zeros); the pages really go (RSS drops); wake builds nothing and, with
-  ``--kv-at-wake populate``, commits them again.
+  read zeros or a stale block); the pages really leave the process's working
+  set (RSS less what the kernel may take, ``LazyFree``), reclaimable by
+  default, freed at once with ``--kv-release now``; wake builds nothing and,
+  with ``--kv-at-wake populate``, commits them again.
 - GPU (UNVERIFIED on a GPU): vLLM's own ``sleep(level=1)`` and ``wake_up()``,
   nothing of ours on the KV cache.
 """
@@ -25,11 +27,17 @@ from understudy.engine_shim.adapters.vllm import VllmEngine
 MiB = 1 << 20
 
 
-def _rss() -> int:
+def _smaps(name: str) -> int:
     for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-        if line.startswith("Rss:"):
+        if line.startswith(name + ":"):
             return int(line.split()[1]) * 1024
-    raise AssertionError("no Rss")
+    raise AssertionError(f"no {name}")
+
+
+def _working_set() -> int:
+    """What the process holds: its resident pages less those the kernel may
+    take back without asking (``MADV_FREE``), as kubelet's working set counts."""
+    return _smaps("Rss") - _smaps("LazyFree")
 
 
 class _Storage:
@@ -64,11 +72,13 @@ class StandInEngine:
         self.calls.append("reset_prefix_cache")
         return True
 
-    def collective_rpc(self, fn: Any) -> list[Any]:
-        self.calls.append(f"rpc:{fn.__name__}")
+    def collective_rpc(
+        self, fn: Any, timeout: float | None = None, args: tuple[Any, ...] = ()
+    ) -> list[Any]:
+        self.calls.append(f"rpc:{fn.__name__}{list(args) if args else ''}")
         worker = type("W", (), {})()
         worker.model_runner = type("R", (), {"kv_caches": [_View(self.kv), _View(self.kv)]})()
-        return [fn(worker)]
+        return [fn(worker, *args)]
 
     def sleep(self, level: int) -> None:
         self.calls.append(f"sleep:{level}")
@@ -92,31 +102,38 @@ def _engine(model: Path, *args: str, backend: str = "host") -> tuple[VllmEngine,
     return e, stand_in
 
 
-def test_cpu_standby_forgets_the_cache_then_gives_its_pages_back(model: Path) -> None:
-    e, vllm = _engine(model)
-    before = _rss()
+@pytest.mark.parametrize("release", ["reclaimable", "now"])
+def test_cpu_standby_forgets_the_cache_then_gives_its_pages_back(model: Path, release: str) -> None:
+    e, vllm = _engine(model, f"--kv-release={release}")
+    released = f"rpc:release[{release == 'reclaimable'}]"
+    before, rss = _working_set(), _smaps("Rss")
     e.sleep()
-    assert vllm.calls == ["reset_prefix_cache", "rpc:release"]
-    assert before - _rss() > 48 * MiB
-    assert int(np.count_nonzero(vllm.kv)) < 2 * 4096  # at most the partial end pages
+    assert vllm.calls == ["reset_prefix_cache", released]
+    assert before - _working_set() > 48 * MiB
+    if release == "now":  # gone at once, and read back as zeros
+        assert rss - _smaps("Rss") > 48 * MiB
+        assert int(np.count_nonzero(vllm.kv)) < 2 * 4096  # at most the partial end pages
+    else:  # still there, for the kernel to take when it needs the memory
+        assert _smaps("LazyFree") > 48 * MiB
     e.sleep()  # asleep already: nothing more
-    assert vllm.calls == ["reset_prefix_cache", "rpc:release"]
+    assert vllm.calls == ["reset_prefix_cache", released]
     e.wake()
     try:
-        assert vllm.calls == ["reset_prefix_cache", "rpc:release"]  # lazy: nothing to do
+        assert vllm.calls == ["reset_prefix_cache", released]  # lazy: nothing to do
         assert e._engine is vllm and e.health() == (True, "ok")
     finally:
         e.sleep()
 
 
-def test_cpu_wake_can_commit_the_pages_first(model: Path) -> None:
-    e, vllm = _engine(model, "--kv-at-wake", "populate")
+@pytest.mark.parametrize("release", ["reclaimable", "now"])
+def test_cpu_wake_can_commit_the_pages_first(model: Path, release: str) -> None:
+    e, vllm = _engine(model, "--kv-at-wake", "populate", f"--kv-release={release}")
     e.sleep()
-    low = _rss()
+    low = _working_set()
     e.wake()
     try:
-        assert vllm.calls == ["reset_prefix_cache", "rpc:release", "rpc:populate"]
-        assert _rss() - low > 48 * MiB
+        assert vllm.calls[-1] == "rpc:populate"
+        assert _working_set() - low > 48 * MiB
     finally:
         e.sleep()
 

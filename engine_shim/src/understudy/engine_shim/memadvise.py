@@ -22,6 +22,7 @@ from understudy.wire.obs import log_event
 log = logging.getLogger("understudy.engine_shim.memadvise")
 
 MADV_DONTNEED: Final = 4
+MADV_FREE: Final = 8  # Linux >= 4.5, private anonymous memory only
 MADV_HUGEPAGE: Final = 14
 MADV_POPULATE_READ: Final = 22  # Linux >= 5.14
 MADV_POPULATE_WRITE: Final = 23  # Linux >= 5.14

