@@ -73,7 +73,7 @@ def test_reclaimable_pages_leave_the_working_set_and_come_back_when_written() ->
     views = [buf[i * 64 * MiB : (i + 1) * 64 * MiB].view(torch.float32) for i in range(4)]
     worker = SimpleNamespace(model_runner=SimpleNamespace(kv_caches=views))
     lazy, rss = _smaps("LazyFree"), _rss()
-    released = vllm_kv.release(worker)  # reclaimable, the default
+    released = vllm_kv.release(worker, reclaimable=True)
     assert released >= 256 * MiB - 2 * memadvise.PAGE
     assert _smaps("LazyFree") - lazy > 200 * MiB
     assert rss - _rss() < 16 * MiB  # nothing unmapped

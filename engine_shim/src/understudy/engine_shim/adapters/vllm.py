@@ -240,7 +240,7 @@ def _our_args(args: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="vllm engine", add_help=False, exit_on_error=False)
     parser.add_argument("--max-pending", type=int, default=openai_api.MAX_PENDING)
     parser.add_argument("--kv-at-wake", choices=KV_AT_WAKE, default="lazy")
-    parser.add_argument("--kv-release", choices=KV_RELEASE, default="reclaimable")
+    parser.add_argument("--kv-release", choices=KV_RELEASE, default="now")
     parser.add_argument("--huge-pages", choices=("on", "off"), default="on")
     parser.add_argument("--kv-pool", choices=("on", "off"), default="on")
     parser.add_argument("--kv-adopt", choices=("on", "off"), default="on")

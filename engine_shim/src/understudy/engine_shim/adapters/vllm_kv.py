@@ -10,7 +10,7 @@ its stand-in, with the same effect through the kernel:
 
 - ``release``: the cache's whole pages given back, one of two ways (the
   engine's ``--kv-release``):
-  - ``reclaimable`` (``MADV_FREE``, the default): the kernel takes the pages
+  - ``reclaimable`` (``MADV_FREE``): the kernel takes the pages
     when it needs memory, first of all (they are discarded, never swapped),
     and until then they stay where they are. They leave the working set at
     once (the cgroup counts them as inactive file memory: kubelet's working
@@ -19,8 +19,8 @@ its stand-in, with the same effect through the kernel:
     4,000 tokens backs 180 MiB of vLLM's blocks first: 72-185 ms with fresh
     pages on a machine whose hypervisor takes freed 2 MiB blocks back,
     16-32 ms with these (docs/vllm.md).
-  - ``now`` (``MADV_DONTNEED``): the kernel frees them at once (the
-    process's RSS and PSS drop by the cache's size).
+  - ``now`` (``MADV_DONTNEED``, the default): the kernel frees them at once
+    (the process's RSS and PSS drop by the cache's size).
 
   Either way the mapping stays, and a page touched again reads as zeros
   (taken) or as what it held (not taken): vLLM writes every position before
@@ -80,14 +80,21 @@ def ranges(worker: Any) -> list[tuple[int, int]]:
     return storages(_kv_tensors(worker))
 
 
-def release(worker: Any, reclaimable: bool = True) -> int:
-    """Give the KV cache's pages back to the kernel, for it to take when it
-    needs memory (``reclaimable``) or at once; the bytes released. Memory the
-    kernel cannot free lazily (not private anonymous memory) is freed at once."""
+def release(worker: Any, reclaimable: bool = False) -> int:
+    """Give the KV cache's pages back to the kernel, at once or for it to take
+    when it needs memory (``reclaimable``); the bytes released.
+
+    Reclaimable pages are first backed again, zeroed, under the huge-page
+    advice where ``huge`` gave it: vLLM zeroed its cache on 4 KiB pages
+    before that advice, and the pages kept are the ones the next Active
+    serves from. Memory the kernel cannot free lazily (not private anonymous
+    memory) is freed at once."""
     total = 0
     for address, nbytes in storages(_kv_tensors(worker)):
         start, length = pages(address, nbytes)
-        if not (reclaimable and try_advise(start, length, MADV_FREE)):
+        advise(start, length, MADV_DONTNEED)
+        backed = reclaimable and try_advise(start, length, MADV_POPULATE_WRITE)
+        if backed and not try_advise(start, length, MADV_FREE):
             advise(start, length, MADV_DONTNEED)
         total += length
     return total
