@@ -10,7 +10,9 @@ import ctypes
 import json
 import os
 import platform
+import signal
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -76,6 +78,14 @@ def openblas() -> dict[str, str | None]:
         "OPENBLAS_L2_SIZE": os.environ.get("OPENBLAS_L2_SIZE"),
         "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"),
     }
+
+
+def stop_cleanly_on_sigterm() -> None:
+    """A SIGTERM (``timeout``, ``kill``) ends the benchmark through its
+    ``finally`` blocks, as Ctrl-C does, so that the pods and servers it
+    started are stopped: they run in sessions of their own, and Python's
+    default for SIGTERM would leave them running."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
 
 
 def warn_forced_openblas() -> None:

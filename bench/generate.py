@@ -58,7 +58,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import print_table, summary, warn_forced_openblas, write_results
+from _common import (
+    print_table,
+    stop_cleanly_on_sigterm,
+    summary,
+    warn_forced_openblas,
+    write_results,
+)
 
 from understudy.engine_shim.adapters import models, smollm2, tiny_llama
 from understudy.engine_shim.adapters.llama import LlamaEngine
@@ -374,6 +380,7 @@ def main() -> int:
     ap.add_argument("--no-vllm", action="store_true", help="measure our engine only")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    stop_cleanly_on_sigterm()
     warn_forced_openblas()
     batches = [int(b) for b in args.batches.split(",")]
     load_at_start = os.getloadavg()

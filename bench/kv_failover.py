@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, summary, warn_forced_openblas, write_results
+from _common import machine, stop_cleanly_on_sigterm, summary, warn_forced_openblas, write_results
 
 from understudy.tools.drill_load import stream_events
 from understudy.tools.stalls import stream_times
@@ -460,6 +460,7 @@ def main() -> int:
     parser.add_argument("--figure", help="also draw the result as an SVG here")
     parser.add_argument("--figure-from", help="only draw the figure, from this results JSON")
     args = parser.parse_args()
+    stop_cleanly_on_sigterm()
     warn_forced_openblas()
     args.contexts = [int(c) for c in args.contexts.split(",")]
     if args.figure_from:
