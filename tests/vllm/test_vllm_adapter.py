@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from memstat import working_set as _working_set
 from vllmserver import free_port
 
 from understudy.engine_shim.generation import SamplingParams
@@ -80,18 +81,6 @@ def _greedy(engine: Any, prompt: list[int], resume: Sequence[int] = ()) -> list[
         return [s.token_id async for s in engine.generate(prompt, params, resume)]
 
     return asyncio.run(run())
-
-
-def _working_set() -> int:
-    """This process's resident memory less what the kernel may take back
-    without asking (``LazyFree``: the standby's KV pages, released
-    reclaimably by default), as kubelet's working set counts it."""
-    fields = {}
-    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name in ("Rss", "LazyFree"):
-            fields[name] = int(value.split()[0]) * 1024
-    return fields["Rss"] - fields.get("LazyFree", 0)
 
 
 def _body(path: str, sampling: dict[str, Any]) -> dict[str, Any]:
@@ -222,7 +211,8 @@ def test_published_then_mapped_then_continued_on_another_engine(
     awake = _working_set()
     reader.sleep()
     # The standby holds its engine core but not its KV cache (1 GiB): the
-    # pages went back to the kernel, for it to take when it needs them.
+    # pages went back to the kernel (at once by default; the working set
+    # counts the same when they are released reclaimably).
     released = awake - _working_set()
     assert released > 0.9 * 2**30, f"standby released only {released / 2**20:.0f} MiB"
     rs.unmap()

@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from memstat import smaps as _smaps
 
 from understudy.engine_shim import memadvise
 from understudy.engine_shim.adapters import vllm_kv
@@ -18,17 +19,6 @@ from understudy.engine_shim.adapters import vllm_kv
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
 MiB = 1 << 20
-
-
-def _smaps(name: str) -> int:
-    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-        if line.startswith(name + ":"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {name}")
-
-
-def _rss() -> int:
-    return _smaps("Rss")
 
 
 def test_pages_are_the_whole_pages_inside() -> None:
@@ -49,17 +39,17 @@ def test_released_views_read_zeros_and_the_memory_goes_back() -> None:
     worker = SimpleNamespace(model_runner=SimpleNamespace(kv_caches=views))
     assert vllm_kv.storages(views) == [(buf.data_ptr(), 256 * MiB)]
 
-    before = _rss()
+    before = _smaps("Rss")
     released = vllm_kv.release(worker, reclaimable=False)
     assert released >= 256 * MiB - 2 * memadvise.PAGE
-    assert before - _rss() > 200 * MiB
+    assert before - _smaps("Rss") > 200 * MiB
     assert int(buf.count_nonzero()) <= 2 * memadvise.PAGE  # at most the partial end pages
     views[1].fill_(2.0)  # still a valid tensor: the pages come back on first touch
     assert float(views[1][-1]) == 2.0
 
-    low = _rss()
+    low = _smaps("Rss")
     assert vllm_kv.populate(worker) == released
-    assert _rss() - low > 100 * MiB
+    assert _smaps("Rss") - low > 100 * MiB
 
 
 def test_reclaimable_pages_leave_the_working_set_and_come_back_when_written() -> None:
@@ -72,11 +62,11 @@ def test_reclaimable_pages_leave_the_working_set_and_come_back_when_written() ->
     buf = torch.ones(256 * MiB, dtype=torch.int8)
     views = [buf[i * 64 * MiB : (i + 1) * 64 * MiB].view(torch.float32) for i in range(4)]
     worker = SimpleNamespace(model_runner=SimpleNamespace(kv_caches=views))
-    lazy, rss = _smaps("LazyFree"), _rss()
+    lazy, rss = _smaps("LazyFree"), _smaps("Rss")
     released = vllm_kv.release(worker, reclaimable=True)
     assert released >= 256 * MiB - 2 * memadvise.PAGE
     assert _smaps("LazyFree") - lazy > 200 * MiB
-    assert rss - _rss() < 16 * MiB  # nothing unmapped
+    assert rss - _smaps("Rss") < 16 * MiB  # nothing unmapped
     views[1].fill_(2.0)  # written: the kernel may no longer take these 64 MiB
     assert float(views[1][-1]) == 2.0
     assert 120 * MiB < _smaps("LazyFree") - lazy < 200 * MiB

@@ -5,8 +5,8 @@ each platform's standby makes, and in what order.
 - CPU: the engine core stays; its prefix cache is forgotten *before* the KV
   cache's pages go back to the kernel (a prefix hit on a released block would
   read zeros or a stale block); the pages really leave the process's working
-  set (RSS less what the kernel may take, ``LazyFree``), reclaimable by
-  default, freed at once with ``--kv-release now``; wake builds nothing and,
+  set (RSS less what the kernel may take, ``LazyFree``), freed at once by
+  default (``--kv-release now``) or reclaimably; wake builds nothing and,
   with ``--kv-at-wake populate``, commits them again.
 - GPU (UNVERIFIED on a GPU): vLLM's own ``sleep(level=1)`` and ``wake_up()``,
   nothing of ours on the KV cache.
@@ -20,24 +20,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from memstat import smaps as _smaps
+from memstat import working_set as _working_set
 
 from understudy.engine_shim.adapters import tiny_llama
 from understudy.engine_shim.adapters.vllm import VllmEngine
 
 MiB = 1 << 20
-
-
-def _smaps(name: str) -> int:
-    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-        if line.startswith(name + ":"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {name}")
-
-
-def _working_set() -> int:
-    """What the process holds: its resident pages less those the kernel may
-    take back without asking (``MADV_FREE``), as kubelet's working set counts."""
-    return _smaps("Rss") - _smaps("LazyFree")
 
 
 class _Storage:
