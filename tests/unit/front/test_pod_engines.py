@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from understudy.front.router import PodEngines
-from understudy.front.upstream import UpstreamError
+from understudy.front.upstream import Broken, Upstream, UpstreamError
 
 
 def test_cpu_ticks_advance_while_a_process_works_and_stop_when_it_is_stopped(
@@ -103,3 +103,48 @@ async def test_a_dead_engines_requests_break_at_its_word_and_count_together(
                 if pid:
                     os.kill(pid, signal.SIGKILL)
         await proc.wait()
+
+
+# An engine that answers its first request in full, takes a second and
+# answers nothing, and exits (as a drained engine does at its drain's end).
+ANSWERS_THEN_EXITS = """
+import socket, sys
+listener = socket.socket(socket.AF_UNIX)
+listener.bind(sys.argv[1])
+listener.listen()
+print("ready", flush=True)
+served, unserved = listener.accept()[0], listener.accept()[0]
+served.recv(65536), unserved.recv(65536)
+served.sendall(b"HTTP/1.1 200 OK\\r\\ncontent-length: 2\\r\\n\\r\\nok")
+"""
+
+
+async def test_an_answer_written_before_its_engine_died_is_kept(tmp_path: Path) -> None:
+    """The death word can be handled in the loop's turn before the answer's
+    bytes are read: the engine's finished answer still counts (a drain that
+    ended is not a death to its requests), and only the unanswered request
+    breaks, alone in its cohort."""
+    path = str(tmp_path / "engine.sock")
+    # Blocking on purpose: the loop must not turn while the engine answers.
+    proc = subprocess.Popen(  # noqa: ASYNC220
+        [sys.executable, "-c", ANSWERS_THEN_EXITS, path], stdout=subprocess.PIPE
+    )
+    assert proc.stdout is not None
+    try:
+        assert proc.stdout.readline() == b"ready\n"
+        up = Upstream(path)
+        served = await up.send(b"POST", b"/v1/checksum", [], b"{}")
+        unserved = await up.send(b"POST", b"/v1/checksum", [], b"{}")
+        # Not a turn of the loop from here to peer_died: the answer and the
+        # end of both connections wait in the kernel, unread, as they do
+        # when the word's callback runs first.
+        assert proc.wait(10) == 0
+        assert not served.complete and up.busy == 2
+        assert up.peer_died() == 1
+        assert served.complete and served.status == 200 and served.body() == b"ok"
+        with pytest.raises(Broken):
+            await unserved.head()
+        assert up.closed and up.broke_together == 1
+    finally:
+        proc.kill()
+        proc.wait()

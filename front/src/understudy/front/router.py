@@ -127,9 +127,9 @@ class PodEngines:
 def _died(engine_id: str, up: upstream.Upstream) -> None:
     if up.closed:
         return  # judged dead already, or dropped: nothing of it left to break
-    log_event(log, "engine_died", engine=engine_id, busy=up.busy, signal="death_word")
-    up.broke_together = up.busy
-    up.abort()
+    busy = up.busy
+    broke = up.peer_died()
+    log_event(log, "engine_died", engine=engine_id, busy=busy, broke=broke, signal="death_word")
 
 
 class Router:

@@ -25,6 +25,7 @@ either reaches the engine (the old connection had died idle) or finds none
 from __future__ import annotations
 
 import asyncio
+import os
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import cast
@@ -274,6 +275,30 @@ class _Conn(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
+    @property
+    def answering(self) -> bool:
+        """A request is on it whose answer is not all in."""
+        return self._resp is not None
+
+    def read_pending(self) -> None:
+        """Take in what the peer wrote that the loop has not read yet.
+
+        For a peer that died: an engine can finish an answer and exit (a
+        drain's end) within one turn of the loop, and its death word may be
+        handled in that turn before the socket's bytes are; closing the
+        transport then would throw a whole answer away and break a request
+        that its engine did serve."""
+        t = self.transport
+        sock = t.get_extra_info("socket") if t is not None and not self.closed else None
+        while sock is not None and self._resp is not None:
+            try:
+                data = os.read(sock.fileno(), 65536)
+            except OSError:  # nothing more for now (EAGAIN), or it is gone
+                return
+            if not data:
+                return  # its end: the close that follows tells the answer in progress
+            self.data_received(data)
+
     def data_received(self, data: bytes) -> None:
         resp = self._resp
         if resp is None:
@@ -368,6 +393,18 @@ class Upstream:
         for conn in list(self._open):
             conn.close()
         self._idle.clear()
+
+    def peer_died(self) -> int:
+        """The peer is known dead (an engine's death word): keep what it
+        answered before it died, then abort like ``abort``. Returns how many
+        requests broke: those whose answer was not all in."""
+        self.closed = True  # a finished connection is closed, not kept for another request
+        conns = list(self._open)
+        for conn in conns:
+            conn.read_pending()
+        self.broke_together = sum(c.answering for c in conns)
+        self.abort()
+        return self.broke_together
 
     def release(self, conn: _Conn) -> None:
         if not self.closed and len(self._idle) < _IDLE_MAX:
