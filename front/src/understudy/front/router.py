@@ -128,8 +128,11 @@ def _died(engine_id: str, up: upstream.Upstream) -> None:
     if up.closed:
         return  # judged dead already, or dropped: nothing of it left to break
     busy = up.busy
-    broke = up.peer_died()
-    log_event(log, "engine_died", engine=engine_id, busy=busy, broke=broke, signal="death_word")
+    up.broke_together = up.abort()
+    log_event(
+        log, "engine_died", engine=engine_id, busy=busy, broke=up.broke_together,
+        signal="death_word",
+    )  # fmt: skip
 
 
 class Router:

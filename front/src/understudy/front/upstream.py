@@ -283,14 +283,16 @@ class _Conn(asyncio.Protocol):
     def read_pending(self) -> None:
         """Take in what the peer wrote that the loop has not read yet.
 
-        For a peer that died: an engine can finish an answer and exit (a
+        For a peer judged dead: an engine can finish an answer and exit (a
         drain's end) within one turn of the loop, and its death word may be
         handled in that turn before the socket's bytes are; closing the
         transport then would throw a whole answer away and break a request
         that its engine did serve."""
         t = self.transport
-        sock = t.get_extra_info("socket") if t is not None and not self.closed else None
-        while sock is not None and self._resp is not None:
+        if t is None or self.closed:
+            return
+        sock = t.get_extra_info("socket")
+        while sock is not None and self._resp is not None and not t.is_closing():
             try:
                 data = os.read(sock.fileno(), 65536)
             except OSError:  # nothing more for now (EAGAIN), or it is gone
@@ -386,25 +388,18 @@ class Upstream:
         times = [c.last_rx for c in self._open if c.streaming()]
         return min(times) if times else None
 
-    def abort(self) -> None:
-        """Close every connection, busy ones too (their answers break), and
-        connect no more: the peer is judged dead."""
-        self.closed = True
-        for conn in list(self._open):
-            conn.close()
-        self._idle.clear()
-
-    def peer_died(self) -> int:
-        """The peer is known dead (an engine's death word): keep what it
-        answered before it died, then abort like ``abort``. Returns how many
+    def abort(self) -> int:
+        """The peer is judged dead: keep what it answered before (the bytes
+        already in each connection), then close every connection, busy ones
+        too (their answers break), and connect no more. Returns how many
         requests broke: those whose answer was not all in."""
-        self.closed = True  # a finished connection is closed, not kept for another request
+        self.closed = True  # a connection that finishes now is closed, not kept
         conns = list(self._open)
         for conn in conns:
             conn.read_pending()
-        self.broke_together = sum(c.answering for c in conns)
-        self.abort()
-        return self.broke_together
+            conn.close()
+        self._idle.clear()
+        return sum(c.answering for c in conns)
 
     def release(self, conn: _Conn) -> None:
         if not self.closed and len(self._idle) < _IDLE_MAX:
