@@ -3,7 +3,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -11,6 +11,8 @@ import pytest_asyncio
 
 # tests/procs.py is shared by every tier; tests import it as a plain module.
 sys.path.insert(0, str(Path(__file__).parent))
+
+from procs import shm_dir  # found on the path set just above
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -45,3 +47,10 @@ async def _no_task_leaks() -> AsyncIterator[None]:
 def _async_tests_leak_no_tasks(request: pytest.FixtureRequest) -> None:
     if inspect.iscoroutinefunction(getattr(request, "function", None)):
         request.getfixturevalue("_no_task_leaks")
+
+
+@pytest.fixture
+def shm_path() -> Iterator[Path]:
+    """A test's own directory on /dev/shm (`procs.shm_dir`), removed after it."""
+    with shm_dir() as path:
+        yield path

@@ -7,12 +7,14 @@ import contextlib
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,18 @@ def wait_settled(what: str, fn: Callable[[], Any], timeout: float = 180, every: 
         time.sleep(every)
     raised = f"; it raised {error!r:.800}" if error is not None else ""
     raise AssertionError(f"timed out waiting for {what} (last: {last!r}{raised})")
+
+
+@contextlib.contextmanager
+def shm_dir(prefix: str = "us-") -> Iterator[Path]:
+    """A new directory on /dev/shm, removed with all in it afterwards: Unix
+    socket paths under it stay short (108 bytes at most), and it is tmpfs, as
+    the pod's emptyDir is. (Left behind, a run of the tests added a dozen.)"""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/dev/shm"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class Proc:

@@ -15,15 +15,13 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from localpod import LocalPod, free_port_block, http_json
-from procs import Proc, understudy, wait_for
+from procs import Proc, shm_dir, understudy, wait_for
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
@@ -283,25 +281,24 @@ def test_a_restarted_lock_server_takes_the_socket_from_the_front(pod):
 @contextlib.contextmanager
 def front_without_engines(tmp_path: Path, hold: float) -> Iterator[int]:
     """A lock server and a front, and no engine ever: the front's port."""
-    run = Path(tempfile.mkdtemp(prefix="us-", dir="/dev/shm"))
     port = free_port_block(4)
-    lock = Proc(
-        understudy("lockserver", "serve", "--socket", str(run / "lock.sock"),
-                   "--state-file", str(run / "lock.state")),
-        log=tmp_path / "lock.log",
-    )  # fmt: skip
-    front = Proc(
-        understudy("front", "serve", "--run-dir", str(run), "--port", str(port),
-                   "--status-port", str(port + 1), "--hold", str(hold)),
-        log=tmp_path / "front.log",
-    )  # fmt: skip
-    try:
-        wait_for(lambda: _answers(port + 1), 20, what="front up")
-        yield port
-    finally:
-        front.stop()
-        lock.stop()
-        subprocess.run(["rm", "-rf", str(run)], check=False)
+    with shm_dir() as run:
+        lock = Proc(
+            understudy("lockserver", "serve", "--socket", str(run / "lock.sock"),
+                       "--state-file", str(run / "lock.state")),
+            log=tmp_path / "lock.log",
+        )  # fmt: skip
+        front = Proc(
+            understudy("front", "serve", "--run-dir", str(run), "--port", str(port),
+                       "--status-port", str(port + 1), "--hold", str(hold)),
+            log=tmp_path / "front.log",
+        )  # fmt: skip
+        try:
+            wait_for(lambda: _answers(port + 1), 20, what="front up")
+            yield port
+        finally:
+            front.stop()
+            lock.stop()
 
 
 def test_hold_expiry_answers_503_with_retry_after(tmp_path):

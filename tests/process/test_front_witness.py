@@ -19,13 +19,12 @@ import logging
 import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 
 import pytest
 from localpod import LocalPod, http_json
-from procs import wait_for
+from procs import shm_dir, wait_for
 
 from understudy.wire import connhold
 
@@ -58,7 +57,11 @@ FRONT = textwrap.dedent(
 async def _killed_in_the_window(witnessed: bool) -> tuple[list[tuple[str, int]], bytes]:
     """Run FRONT against a real keeper and one client; what the next front
     adopts, and what the client reads after the next front answered."""
-    run = Path(tempfile.mkdtemp(prefix="us-", dir="/dev/shm"))
+    with shm_dir() as run:
+        return await _killed_in(run, witnessed)
+
+
+async def _killed_in(run: Path, witnessed: bool) -> tuple[list[tuple[str, int]], bytes]:
     keeper = connhold.Keeper(run / connhold.CONNS_SOCKET, log)
     task = asyncio.create_task(keeper.serve_forever())
     await asyncio.to_thread(wait_for, keeper.path.exists, 10, what="the keeper's socket")

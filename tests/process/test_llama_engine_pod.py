@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -26,8 +25,10 @@ def state(port: int) -> dict | None:
     return body if code == 200 else None
 
 
-def test_primary_and_shadow_build_the_model_once_and_fail_over(tmp_path: Path) -> None:
-    run = Path(tempfile.mkdtemp(prefix="us-llama-", dir="/dev/shm"))  # short socket paths
+def test_primary_and_shadow_build_the_model_once_and_fail_over(
+    tmp_path: Path, shm_path: Path
+) -> None:
+    run = shm_path
     cache = tmp_path / "models"
     base = free_port_block(2)
     procs = [

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -15,8 +14,10 @@ from procs import understudy, wait_for
 pytestmark = pytest.mark.process
 
 
-def test_a_crash_looping_engine_is_reported_with_its_last_error_line(tmp_path: Path) -> None:
-    run = Path(tempfile.mkdtemp(prefix="us-", dir="/dev/shm"))
+def test_a_crash_looping_engine_is_reported_with_its_last_error_line(
+    tmp_path: Path, shm_path: Path
+) -> None:
+    run = shm_path
     base = free_port_block(16)
     t0 = time.monotonic()
     proc = subprocess.run(
@@ -56,10 +57,10 @@ def test_a_crash_looping_engine_is_reported_with_its_last_error_line(tmp_path: P
         subprocess.run(understudy("local", "down", "--dir", str(run)), capture_output=True)
 
 
-def test_the_kubelet_back_off_spaces_restarts(tmp_path: Path) -> None:
+def test_the_kubelet_back_off_spaces_restarts(tmp_path: Path, shm_path: Path) -> None:
     """Default policy: first restart at once, then 10 s: after ~4 s of a crash loop
     the engine has exited exactly twice, not dozens of times."""
-    run = Path(tempfile.mkdtemp(prefix="us-", dir="/dev/shm"))
+    run = shm_path
     base = free_port_block(16)
     sup = subprocess.Popen(
         understudy(

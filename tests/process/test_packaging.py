@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -127,7 +126,9 @@ def _lock_round_trip(bin_: Path, tmp: Path) -> None:
         server.wait(10)
 
 
-def test_the_default_distribution_installs_from_wheels(dist: Path, tmp_path: Path) -> None:
+def test_the_default_distribution_installs_from_wheels(
+    dist: Path, tmp_path: Path, shm_path: Path
+) -> None:
     bin_ = _venv(tmp_path / "venv")
     _run(bin_ / "pip", "install", "--quiet", "--find-links", dist, "understudy-k8s==0.1.0")
     helptext = _run(bin_ / "understudy", "--help").stdout
@@ -167,7 +168,7 @@ def test_the_default_distribution_installs_from_wheels(dist: Path, tmp_path: Pat
     ]
     # The default engine needs nothing more: its model is built offline on
     # first use, and the pod serves.
-    run = Path(tempfile.mkdtemp(prefix="us-", dir="/dev/shm"))
+    run = shm_path
     port = free_port_block(16)
     env = {**os.environ, "UNDERSTUDY_MODEL_CACHE": str(tmp_path / "models")}
     up = subprocess.run(

@@ -9,12 +9,12 @@ import asyncio
 import logging
 import os
 import socket
-import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
+from procs import shm_dir
 
 from understudy.wire import connhold
 from understudy.wire.connhold import Holder, HoldError, Keeper, decode, encode
@@ -24,7 +24,13 @@ log = logging.getLogger("test")
 
 @asynccontextmanager
 async def keeper(hold_s: float = 30.0) -> AsyncIterator[Keeper]:
-    run = Path(tempfile.mkdtemp(prefix="us-", dir="/dev/shm"))
+    with shm_dir() as run:
+        async with _keeper(run, hold_s) as k:
+            yield k
+
+
+@asynccontextmanager
+async def _keeper(run: Path, hold_s: float) -> AsyncIterator[Keeper]:
     k = Keeper(run / connhold.CONNS_SOCKET, log, hold_s)
     task = asyncio.create_task(k.serve_forever())
     for _ in range(100):
@@ -142,9 +148,9 @@ def test_a_front_that_never_comes_back_has_its_connections_closed() -> None:
     asyncio.run(run())
 
 
-def test_a_keeper_that_restarts_is_given_every_open_connection_again() -> None:
+def test_a_keeper_that_restarts_is_given_every_open_connection_again(shm_path: Path) -> None:
     async def run() -> None:
-        run_dir = Path(tempfile.mkdtemp(prefix="us-", dir="/dev/shm"))
+        run_dir = shm_path
         a, a_peer = socket.socketpair()
         k1 = Keeper(run_dir / connhold.CONNS_SOCKET, log)
         t1 = asyncio.create_task(k1.serve_forever())
@@ -221,10 +227,10 @@ def test_a_keeper_busy_with_a_live_previous_front_answers_adopt_within_the_front
     asyncio.run(run())
 
 
-def test_adopt_without_an_answer_raises_and_keeps_no_part() -> None:
+def test_adopt_without_an_answer_raises_and_keeps_no_part(shm_path: Path) -> None:
     """A keeper that never answers: TimeoutError at the deadline, no list of
     what came before it."""
-    run_dir = Path(tempfile.mkdtemp(prefix="us-", dir="/dev/shm"))
+    run_dir = shm_path
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     server.bind(str(run_dir / connhold.CONNS_SOCKET))
     server.listen(1)
@@ -238,13 +244,13 @@ def test_adopt_without_an_answer_raises_and_keeps_no_part() -> None:
     server.close()
 
 
-def test_a_keeper_that_dies_while_it_is_given_them_again_is_redialled() -> None:
+def test_a_keeper_that_dies_while_it_is_given_them_again_is_redialled(shm_path: Path) -> None:
     """The lock server restarts twice within milliseconds: the keeper the
     front reconnected to closes before it took the holds. The front dials
     again, and the next keeper gets every open connection."""
 
     async def run() -> None:
-        run_dir = Path(tempfile.mkdtemp(prefix="us-", dir="/dev/shm"))
+        run_dir = shm_path
         path = run_dir / connhold.CONNS_SOCKET
         a, a_peer = socket.socketpair()
         short = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
