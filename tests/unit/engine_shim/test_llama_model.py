@@ -312,6 +312,39 @@ def test_the_model_reads_the_callers_memory_and_never_copies(
         assert not array.flags.writeable, name
 
 
+def _resident(array: np.ndarray) -> int:
+    """Bytes resident in the mappings that hold ``array``'s data (/proc/self/smaps).
+
+    Every mapping the data overlaps: the allocator's header page and the
+    memory advised for huge pages can be separate mappings of one array."""
+    first = array.__array_interface__["data"][0]
+    last = first + array.nbytes
+    inside, total, found = False, 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: start-end ...
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start < last and first < end
+            found = found or inside
+        elif inside and head == "Rss:":
+            total += int(line.split()[1]) * 1024
+    assert found, "no mapping holds the array"
+    return total
+
+
+def test_an_engines_own_cache_backs_only_the_pages_it_writes(tiny_llama_dir: Path) -> None:
+    """One position of each layer's head, in a cache whose heads are 2 MiB
+    each (8,192 positions of 64 floats): a page each, not a huge page each
+    (numpy's np.zeros asks for those; llama_model.lazy_zeros)."""
+    c = LlamaConfig.from_dir(tiny_llama_dir)
+    cache = KVCache(c, 2, 8192)
+    assert not cache.k.any()
+    cache.k[:, :, :, 0] = 1.0
+    heads = c.num_layers * 2 * c.num_kv_heads
+    assert _resident(cache.k) <= heads * 2 * 4096, (_resident(cache.k), heads)
+    assert cache.k[:, :, :, 0].all() and not cache.k[:, :, :, 1].any()
+
+
 def test_refuses_what_it_does_not_compute(tiny_llama_dir: Path) -> None:
     import json
 

@@ -70,10 +70,12 @@ stream prefills the prompt and feeds the ids already generated through
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import math
+import mmap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +98,7 @@ __all__ = [
     "Prompt",
     "Row",
     "apply_rope",
+    "lazy_zeros",
     "parts_keep_bits",
     "products_keep_rows",
     "rms_norm",
@@ -426,11 +429,34 @@ def sample(
 # --- the model ------------------------------------------------------------------
 
 
+def lazy_zeros(shape: tuple[int, ...]) -> F32:
+    """float32 zeros whose memory the kernel backs page by page (4 KiB) as
+    they are first written.
+
+    Not ``np.zeros``: numpy advises transparent huge pages for arrays of 4
+    MiB and more, and a cache is written sparsely, a few positions of each
+    layer's head at a time. One position then backed 2 MiB: for SmolLM2 at
+    8,192 positions, all of a head's keys, so a slot's first token cost its
+    whole length. Eight chat prompts (36-53 tokens) in a fresh cache of 8
+    slots: resident 1,468 MiB against 41 MiB, and 3.1 s to write them on
+    this machine's VM (it backs each 2 MiB block it hands out anew, ~3 ms
+    a block) against 6 ms. A decode step over 4,000 positions read them no
+    slower (59.0 against 59.2 ms, SmolLM2, one thread). Anonymous private
+    memory is zeroed by the kernel and freed with the array."""
+    count = math.prod(shape)
+    area = mmap.mmap(-1, max(1, count) * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # Where transparent huge pages are "always" (not just on advice), ask for
+    # none; a kernel built without them refuses the advice, and has none.
+    with contextlib.suppress(OSError):
+        area.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(area, dtype=np.float32, count=count).reshape(shape)
+
+
 class KVCache:
     """Keys and values of every layer for ``slots`` sequences of up to ``max_len``
-    positions. Engine-owned working memory (``np.zeros`` maps pages lazily, so
-    untouched slots and positions cost no RAM), or, given ``k`` and ``v``,
-    arrays over memory someone else owns: the KV pool in GMS (``kvpool``).
+    positions. Engine-owned working memory (`lazy_zeros`: untouched slots and
+    positions cost no RAM), or, given ``k`` and ``v``, arrays over memory
+    someone else owns: the KV pool in GMS (``kvpool``).
 
     The model writes through ``k`` and ``v`` and reads through ``rk`` and
     ``rv``: the same arrays, or, given them, the same bytes mapped a second
@@ -449,8 +475,8 @@ class KVCache:
         for given in (k, v, *(reads or ())):
             if given is not None and (given.shape != shape or given.dtype != np.float32):
                 raise ValueError(f"a cache array must be float32{shape}")
-        self.k: Final = np.zeros(shape, dtype=np.float32) if k is None else k
-        self.v: Final = np.zeros(shape, dtype=np.float32) if v is None else v
+        self.k: Final = lazy_zeros(shape) if k is None else k
+        self.v: Final = lazy_zeros(shape) if v is None else v
         self.rk: Final = self.k if reads is None else reads[0]
         self.rv: Final = self.v if reads is None else reads[1]
         self.slots: Final = slots
