@@ -437,11 +437,14 @@ def lazy_zeros(shape: tuple[int, ...]) -> F32:
     MiB and more, and a cache is written sparsely, a few positions of each
     layer's head at a time. One position then backed 2 MiB: for SmolLM2 at
     8,192 positions, all of a head's keys, so a slot's first token cost its
-    whole length. Eight chat prompts (36-53 tokens) in a fresh cache of 8
-    slots: resident 1,468 MiB against 41 MiB, and 3.1 s to write them on
-    this machine's VM (it backs each 2 MiB block it hands out anew, ~3 ms
-    a block) against 6 ms. A decode step over 4,000 positions read them no
-    slower (59.0 against 59.2 ms, SmolLM2, one thread). Anonymous private
+    whole length. Keys and values of eight chat prompts (36-53 tokens) in a
+    fresh cache of 8 slots: resident 2,917 MiB against 58 MiB, and 7.2 s to
+    write them on this machine's VM (it backs each 2 MiB block it hands out
+    anew, ~3 ms a block; 0.17 s when the blocks were freed just before)
+    against 67 ms. The price is a fault per 4 KiB: one slot's 4,000
+    positions took 82-131 ms against 27 ms on reused huge pages, 2% of
+    their prefill. A decode step over 4,000 positions read them no slower
+    (59.0 against 59.2 ms, SmolLM2, one thread). Anonymous private
     memory is zeroed by the kernel and freed with the array."""
     count = math.prod(shape)
     area = mmap.mmap(-1, max(1, count) * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
