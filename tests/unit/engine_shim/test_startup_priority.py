@@ -89,3 +89,37 @@ def test_a_restarted_engine_starts_late_so_the_new_active_steps_first(
     assert defer_if_restarted(slept.append) == 0 and slept == []
     monkeypatch.setenv(respawn.RESTARTS, "2")
     assert defer_if_restarted(slept.append) == STARTUP_DEFER_S and slept == [STARTUP_DEFER_S]
+
+
+def test_with_a_clock_the_yield_is_timed_from_it_and_the_call_waits_for_it() -> None:
+    """A spare's imports (engine cli): they yield for as long as the spare
+    waits for its turn, however long, and ``most_s`` counts from the turn."""
+    before = _priority()
+    lowered = (os.SCHED_BATCH, max(before[1], STARTUP_NICE))
+    seen: list[tuple[int, int]] = []
+    done = threading.Event()
+    turn = threading.Event()
+
+    def work() -> None:
+        time.sleep(0.5)  # past most_s: without the clock, restored by now (as root)
+        seen.append(_priority())
+        done.set()
+
+    def clock() -> None:  # the turn comes after the work is done
+        done.wait(5)
+        turn.set()
+
+    run_yielding(work, "spare-imports", most_s=0.1, clock=clock)
+    assert turn.is_set() and seen == [lowered]
+    assert _priority() == before
+
+    late: list[tuple[int, int]] = []
+    release = threading.Event()
+
+    def long_work() -> None:  # the turn comes while it still runs
+        release.wait(5)
+        time.sleep(0.6)
+        late.append(_priority())
+
+    run_yielding(long_work, "spare-imports", most_s=0.2, clock=release.set)
+    assert late == [before if os.geteuid() == 0 else lowered]

@@ -63,7 +63,14 @@ def _prepare_if_spare() -> tuple[bool, EarlyStatus | None]:
     (the engine it stands behind died): no port, lock or GMS session before
     that. The turn may come while it still imports: from that instant the
     status port is answered (``early_status``), from a thread. Returns whether
-    this was a spare, and its early status server."""
+    this was a spare, and its early status server.
+
+    An adapter whose own imports are deferred to its start (vLLM's: seconds
+    of CPU) names them in a ``spare_imports`` function, run here on a thread
+    at the lower priority of a restart's start-up (``mainloop.run_yielding``):
+    the spare starts while an Active engine serves on the same cores. Its
+    priority is put back ``STARTUP_YIELD_S`` after its turn, where the
+    process may raise it."""
     from understudy.wire import respawn
 
     if not respawn.is_spare():
@@ -82,9 +89,33 @@ def _prepare_if_spare() -> tuple[bool, EarlyStatus | None]:
     threading.Thread(target=wait, name="spare-turn", daemon=True).start()
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads
     adapter = os.environ.get("UNDERSTUDY_ENGINE_ADAPTER", "reference")
-    for module in ("understudy.engine_shim.mainloop", _adapter_module(adapter)):
-        if module is not None:
-            importlib.import_module(module)
+    from understudy.engine_shim import mainloop
+    from understudy.wire.obs import log_event, setup_logging
+
+    setup_logging()
+    t0 = time.monotonic()
+    name = _adapter_module(adapter)
+    hook = getattr(importlib.import_module(name), "spare_imports", None) if name else None
+
+    def prepare() -> None:
+        done: list[str] = hook() if hook is not None else []
+        log_event(
+            logging.getLogger("understudy.engine_shim"),
+            "spare_prepared",
+            adapter=adapter,
+            imported=",".join(done) or None,
+            seconds=round(time.monotonic() - t0, 3),
+            nice=os.getpriority(os.PRIO_PROCESS, threading.get_native_id()),  # it ran at
+            turn=turn.is_set(),  # it came while the spare still imported
+        )
+
+    def its_turn() -> None:
+        turn.wait()
+
+    if hook is None:
+        prepare()
+    else:
+        mainloop.run_yielding(prepare, "spare-imports", clock=its_turn)
     turn.wait()
     return True, got[0]
 

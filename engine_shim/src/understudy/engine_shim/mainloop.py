@@ -70,13 +70,17 @@ def run_yielding(
     name: str,
     nice: int = STARTUP_NICE,
     most_s: float = STARTUP_YIELD_S,
+    clock: Callable[[], None] = lambda: None,
 ) -> None:
     """Run ``work`` on a thread of its own at a lower CPU priority, wait for
     it, and raise what it raised (a restarted engine has already waited
     ``cli.STARTUP_DEFER_S`` before this). ``most_s`` after the work began,
-    the threads still at that priority (the work's, and those it started)
-    are put back at the caller's where the process may do so
-    (``startup_priority_restored``; as root, or with CAP_SYS_NICE).
+    or after ``clock`` returned where one is given (a spare's imports: after
+    its turn, however long it waited for it), the threads still at that
+    priority (the work's, and those it started) are put back at the caller's
+    where the process may do so (``startup_priority_restored``; as root, or
+    with CAP_SYS_NICE). With a ``clock``, the call returns once both the
+    work and the clock are done.
 
     A thread, because Linux keeps the policy and the nice value per thread, and
     an unprivileged thread cannot take them back (sched(7): leaving SCHED_IDLE
@@ -108,6 +112,7 @@ def run_yielding(
     # it is not done.
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
+    clock()
     thread.join(most_s)
     if thread.is_alive():
         _restore_priority(before, nice)
