@@ -123,3 +123,15 @@ def test_with_a_clock_the_yield_is_timed_from_it_and_the_call_waits_for_it() -> 
 
     run_yielding(long_work, "spare-imports", most_s=0.2, clock=release.set)
     assert late == [before if os.geteuid() == 0 else lowered]
+
+
+def test_a_restarts_deferral_counts_from_its_death(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A promoted spare still importing at its turn has spent its deferral
+    importing (at the lower priority): what is left of it is waited, no more."""
+    monkeypatch.setenv(respawn.RESTARTS, "1")
+    slept: list[float] = []
+    now = time.monotonic()
+    assert defer_if_restarted(slept.append, since=now - STARTUP_DEFER_S - 1) == 0
+    assert slept == []
+    waited = defer_if_restarted(slept.append, since=now - STARTUP_DEFER_S / 4)
+    assert STARTUP_DEFER_S / 2 < waited <= STARTUP_DEFER_S * 3 / 4 and slept == [waited]

@@ -57,7 +57,7 @@ def _adapter_module(adapter: str) -> str | None:
     return f"understudy.engine_shim.adapters.{adapter}" if adapter in NAMES else None
 
 
-def _prepare_if_spare() -> tuple[bool, EarlyStatus | None]:
+def _prepare_if_spare() -> tuple[bool, EarlyStatus | None, float]:
     """A spare engine (``understudy respawn --spare``) does the slow part of a
     start that touches nothing shared, its imports, and waits for its turn
     (the engine it stands behind died): no port, lock or GMS session before
@@ -69,20 +69,23 @@ def _prepare_if_spare() -> tuple[bool, EarlyStatus | None]:
     of CPU) names them in a ``spare_imports`` function, run here on a thread
     at the lower priority of a restart's start-up (``mainloop.run_yielding``):
     the spare starts while an Active engine serves on the same cores. Its
-    priority is put back ``STARTUP_YIELD_S`` after its turn, where the
-    process may raise it."""
+    priority is put back when a restart's would be (``yield_window``,
+    counted from its turn), where the process may raise it. Also returns
+    when its turn came (monotonic; a spare is started again from then)."""
     from understudy.wire import respawn
 
     if not respawn.is_spare():
-        return False, None
+        return False, None, 0.0
     import importlib
     import threading
 
     got: list[EarlyStatus | None] = []
     turn = threading.Event()
+    turn_at: list[float] = []
 
     def wait() -> None:
         respawn.wait_turn()
+        turn_at.append(time.monotonic())
         got.append(_early_status())
         turn.set()
 
@@ -115,9 +118,9 @@ def _prepare_if_spare() -> tuple[bool, EarlyStatus | None]:
     if hook is None:
         prepare()
     else:
-        mainloop.run_yielding(prepare, "spare-imports", clock=its_turn)
+        mainloop.run_yielding(prepare, "spare-imports", most_s=yield_window(), clock=its_turn)
     turn.wait()
-    return True, got[0]
+    return True, got[0], turn_at[0]
 
 
 def _early_status() -> EarlyStatus | None:
@@ -172,19 +175,35 @@ def _make_engine(cfg: EngineConfig) -> Engine:
 STARTUP_DEFER_S: Final = 1.0
 
 
-def defer_if_restarted(sleep: Callable[[float], None] = time.sleep) -> float:
-    """In a process the respawner started again after a death, wait
-    `STARTUP_DEFER_S` (logged ``startup_deferred``); the seconds waited."""
+def yield_window() -> float:
+    """How long after its death a restarted engine yields the CPU: its
+    deferral, then its start-up at a lower priority (``mainloop.run_yielding``)."""
+    from understudy.engine_shim.mainloop import STARTUP_YIELD_S
+
+    return STARTUP_DEFER_S + STARTUP_YIELD_S
+
+
+def defer_if_restarted(
+    sleep: Callable[[float], None] = time.sleep, since: float | None = None
+) -> float:
+    """In a process the respawner started again after a death, wait until
+    `STARTUP_DEFER_S` after ``since`` (monotonic; default now: the process's
+    start is the death, or for a spare its turn), logged ``startup_deferred``;
+    the seconds waited. A promoted spare that was still importing at its turn
+    has spent them already."""
     from understudy.wire import respawn
     from understudy.wire.obs import log_event
 
     if not respawn.restarts():
         return 0.0
+    now = time.monotonic()
+    wait = max(0.0, STARTUP_DEFER_S - (now - (now if since is None else since)))
     log_event(
-        logging.getLogger("understudy.engine_shim"), "startup_deferred", seconds=STARTUP_DEFER_S
+        logging.getLogger("understudy.engine_shim"), "startup_deferred", seconds=round(wait, 3)
     )
-    sleep(STARTUP_DEFER_S)
-    return STARTUP_DEFER_S
+    if wait > 0:
+        sleep(wait)
+    return wait
 
 
 def cmd_engine_run(args: argparse.Namespace) -> int:
@@ -196,8 +215,11 @@ def cmd_engine_run(args: argparse.Namespace) -> int:
     except (OSError, subprocess.CalledProcessError) as exc:
         print(f"understudy engine: vllm: no python with vLLM: {exc}", file=sys.stderr)
         return 1
-    was_spare, early = _prepare_if_spare()
-    if not was_spare:
+    started = time.monotonic()  # a restarted engine's death, as near as it knows
+    was_spare, early, turn_at = _prepare_if_spare()
+    if was_spare:
+        started = turn_at
+    else:
         early = _early_status()
     # Fix BLAS threading before numpy loads: one thread keeps the summation
     # order (and so every answer) identical across processes and nodes.
@@ -214,7 +236,7 @@ def cmd_engine_run(args: argparse.Namespace) -> int:
     if early is None:
         print(f"understudy engine: cannot listen on status port {cfg.status_port}", file=sys.stderr)
         return 1
-    defer_if_restarted()  # the status port answers meanwhile
+    defer_if_restarted(since=started)  # the status port answers meanwhile
     from understudy.engine_shim.adapters.base import AdapterError, FailsFast
     from understudy.engine_shim.mainloop import Shim
 
@@ -225,7 +247,9 @@ def cmd_engine_run(args: argparse.Namespace) -> int:
         # `kubectl logs --previous` show a user.
         print(f"understudy engine: {cfg.adapter}: {exc}", file=sys.stderr)
         return 1
-    shim = Shim(cfg, engine, early=early)
+    # One window of yielding from the death, however its time was spent: a
+    # spare's imports past its turn shorten the start-up's.
+    shim = Shim(cfg, engine, early=early, yield_until=started + yield_window())
     if isinstance(engine, FailsFast):
         from understudy.engine_shim import fsm
 

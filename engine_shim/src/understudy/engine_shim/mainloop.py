@@ -200,9 +200,13 @@ class Shim:
         engine: Engine,
         host: HttpHost | None = None,
         early: EarlyStatus | None = None,
+        yield_until: float | None = None,
     ) -> None:
         self.cfg = cfg
         self.early = early  # the status port, answered since the process began
+        # A restarted engine's start-up yields until then (monotonic; None:
+        # STARTUP_YIELD_S from its beginning).
+        self.yield_until = yield_until
         self.engine = engine
         self.s = fsm.initial(time.monotonic(), Budgets(cfg.startup_budget_s, cfg.wake_timeout_s))
         self.metrics = Metrics(cfg)
@@ -408,7 +412,15 @@ class Shim:
                 # warm-up: seconds of CPU) must not slow it. A first start
                 # has no Active to yield to. Only adapters that say their
                 # start-up may run off the main thread (vLLM's is not known to).
-                run_yielding(self._init, "start-up")
+                left = (
+                    STARTUP_YIELD_S
+                    if self.yield_until is None
+                    else self.yield_until - time.monotonic()
+                )
+                if left > 0:
+                    run_yielding(self._init, "start-up", most_s=left)
+                else:  # a promoted spare's imports took the whole window
+                    self._init()
             else:
                 self._init()
         except Exception as exc:  # any init error ends the process now
