@@ -73,6 +73,10 @@ def _vllm_python(cwd: Path) -> str:
     return python
 
 
+def _vllm_env(cwd: Path, spare_imports: str = "1") -> dict[str, str]:
+    return {"UNDERSTUDY_VLLM_PYTHON": _vllm_python(cwd), respawn.SPARE_IMPORTS: spare_imports}
+
+
 def _prepared(tmp: Path) -> str:
     lines = (tmp / "engine.log").read_text(errors="replace").splitlines()
     return next((line for line in lines if "event=spare_prepared" in line), "")
@@ -117,7 +121,7 @@ def test_a_spare_prepares_then_starts_only_at_its_turn(tmp_path: Path) -> None:
 @pytest.mark.vllm
 @pytest.mark.timeout(300)
 def test_a_vllm_spare_imports_vllm_before_its_turn_at_a_lower_priority(tmp_path: Path) -> None:
-    p, go_w, port = _spare(tmp_path, "vllm", {"UNDERSTUDY_VLLM_PYTHON": _vllm_python(tmp_path)})
+    p, go_w, port = _spare(tmp_path, "vllm", _vllm_env(tmp_path))
     line = wait_for(lambda: _prepared(tmp_path), 240, 0.2, what="the vLLM spare prepared")
     assert "adapter=vllm" in line and "turn=False" in line
     imported = line.split("imported=", 1)[1].split()[0].split(",")
@@ -133,7 +137,19 @@ def test_a_vllm_spare_whose_turn_comes_while_it_imports_spends_its_deferral_impo
 ) -> None:
     """One window of yielding from the death: the imports past the turn are
     the deferral (vLLM's take seconds, so none is left to wait)."""
-    p, go_w, port = _spare(tmp_path, "vllm", {"UNDERSTUDY_VLLM_PYTHON": _vllm_python(tmp_path)})
+    p, go_w, port = _spare(tmp_path, "vllm", _vllm_env(tmp_path))
     assert _deferred_s(_turn_comes(tmp_path, p, go_w, port)) == 0
     line = _prepared(tmp_path)
     assert "turn=True" in line and "imported=vllm," in line
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_without_spare_imports_a_vllm_spare_leaves_vllm_to_its_start(tmp_path: Path) -> None:
+    """A Kubernetes pod's engines (the operator does not set it): nice does not
+    cross containers' cgroups, so a spare importing vLLM would take the
+    Active's CPU at the standby's weight."""
+    p, go_w, port = _spare(tmp_path, "vllm", _vllm_env(tmp_path, spare_imports="0"))
+    line = wait_for(lambda: _prepared(tmp_path), 120, 0.1, what="the vLLM spare prepared")
+    assert "imported=" not in line and "nice=0" in line and "turn=False" in line
+    _turn_comes(tmp_path, p, go_w, port)

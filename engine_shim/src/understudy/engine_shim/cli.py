@@ -66,9 +66,11 @@ def _prepare_if_spare() -> tuple[bool, EarlyStatus | None, float]:
     this was a spare, and its early status server.
 
     An adapter whose own imports are deferred to its start (vLLM's: seconds
-    of CPU) names them in a ``spare_imports`` function, run here on a thread
-    at the lower priority of a restart's start-up (``mainloop.run_yielding``):
-    the spare starts while an Active engine serves on the same cores. Its
+    of CPU) names them in a ``spare_imports`` function, run here where
+    ``UNDERSTUDY_SPARE_IMPORTS=1`` (``wire.respawn.SPARE_IMPORTS``), on a
+    thread at the lower priority of a restart's start-up
+    (``mainloop.run_yielding``): the spare starts while an Active engine
+    serves on the same cores. Its
     priority is put back when a restart's would be (``yield_window``,
     counted from its turn), where the process may raise it. Also returns
     when its turn came (monotonic; a spare is started again from then)."""
@@ -98,7 +100,10 @@ def _prepare_if_spare() -> tuple[bool, EarlyStatus | None, float]:
     setup_logging()
     t0 = time.monotonic()
     name = _adapter_module(adapter)
-    hook = getattr(importlib.import_module(name), "spare_imports", None) if name else None
+    module = importlib.import_module(name) if name else None
+    hook = getattr(module, "spare_imports", None)
+    if os.environ.get(respawn.SPARE_IMPORTS) != "1":  # wire.respawn.SPARE_IMPORTS says why
+        hook = None
 
     def prepare() -> None:
         done: list[str] = hook() if hook is not None else []

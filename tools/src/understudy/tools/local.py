@@ -52,6 +52,7 @@ from understudy.operator.api import GpuInstance
 from understudy.tools import backoff, checkout, pod
 from understudy.wire.engines import DEFAULT_MODELS, EngineAdapter
 from understudy.wire.obs import log_event
+from understudy.wire.respawn import SPARE_IMPORTS
 
 log = logging.getLogger("understudy.local")
 
@@ -182,7 +183,12 @@ def places(cfg: LocalConfig, inst: GpuInstance) -> pod.Places:
         },
         python=sys.executable,
         engine_python=cfg.engine_python or sys.executable,
-        engine_env=checkout.engine_env(cfg.engine_python) if cfg.engine_python else {},
+        # The pod's processes share one autogroup here, so a spare's imports
+        # at nice 10 yield to the Active engine (wire.respawn.SPARE_IMPORTS).
+        engine_env={
+            **(checkout.engine_env(cfg.engine_python) if cfg.engine_python else {}),
+            SPARE_IMPORTS: "1",
+        },
     )
 
 

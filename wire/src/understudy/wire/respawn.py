@@ -30,6 +30,13 @@ from collections.abc import Iterable
 NOTIFY_FD = "UNDERSTUDY_NOTIFY_FD"
 RESTARTS = "UNDERSTUDY_RESTARTS"
 GO_FD = "UNDERSTUDY_SPARE_GO_FD"
+# "1": a spare also runs its adapter's deferred imports (``spare_imports``:
+# vLLM's, seconds of CPU) before its turn, at a lower priority. Only where
+# nice can make them yield, inside one autogroup: the local runner sets it.
+# In a Kubernetes pod each container is a cgroup that nice does not cross,
+# and the spare's imports took the Active engine's CPU at the standby's
+# weight (docs/pod.md).
+SPARE_IMPORTS = "UNDERSTUDY_SPARE_IMPORTS"
 LISTEN_FDS = "UNDERSTUDY_LISTEN_FDS"
 READY = b"READY=1\n"
 GO = "GO"
