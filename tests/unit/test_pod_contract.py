@@ -18,6 +18,7 @@ from commands import parse
 from understudy.operator import render
 from understudy.tools import local
 from understudy.wire.engines import DEFAULT_MODELS, EngineAdapter
+from understudy.wire.respawn import SPARE_IMPORTS
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = Path("/dev/shm/us-contract")
@@ -121,7 +122,11 @@ def test_the_local_environment_is_the_rendered_one(name: str) -> None:
                 assert env.pop(e["name"]) == value, (c.name, e["name"])
             else:  # the downward API: the local pod's name and namespace
                 assert env.pop(e["name"]) == "local", (c.name, e["name"])
-        # Beside it, only what makes the engines' python find this checkout.
+        # Beside it, only what makes the engines' python find this checkout,
+        # and the spare's imports, which yield to the Active engine only where
+        # a pod's processes share one autogroup (wire.respawn.SPARE_IMPORTS).
+        if c.name.startswith("engine-"):
+            assert env.pop(SPARE_IMPORTS) == "1"
         if cfg.engine_python and c.name.startswith("engine-"):
             assert env.pop("UNDERSTUDY_VLLM_PYTHON") == cfg.engine_python
             env.pop("PYTHONPATH", None)
