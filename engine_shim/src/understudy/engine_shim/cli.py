@@ -101,9 +101,9 @@ def _prepare_if_spare() -> tuple[bool, EarlyStatus | None, float]:
     t0 = time.monotonic()
     name = _adapter_module(adapter)
     module = importlib.import_module(name) if name else None
-    hook = getattr(module, "spare_imports", None)
-    if os.environ.get(respawn.SPARE_IMPORTS) != "1":  # wire.respawn.SPARE_IMPORTS says why
-        hook = None
+    # Off unless asked for: wire.respawn.SPARE_IMPORTS says why.
+    wanted = os.environ.get(respawn.SPARE_IMPORTS) == "1"
+    hook = getattr(module, "spare_imports", None) if wanted else None
 
     def prepare() -> None:
         done: list[str] = hook() if hook is not None else []
@@ -202,7 +202,7 @@ def defer_if_restarted(
     if not respawn.restarts():
         return 0.0
     now = time.monotonic()
-    wait = max(0.0, STARTUP_DEFER_S - (now - (now if since is None else since)))
+    wait = max(0.0, (now if since is None else since) + STARTUP_DEFER_S - now)
     log_event(
         logging.getLogger("understudy.engine_shim"), "startup_deferred", seconds=round(wait, 3)
     )
