@@ -163,6 +163,29 @@ def test_announced_requests_start_as_soon_as_all_are_in(monkeypatch: pytest.Monk
     assert not fatal
 
 
+def test_continued_streams_step_once_before_new_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failover's cohort mixes streams continued from the dead engine with
+    requests that start over: the continued ones enter vLLM first and step
+    alone once (their next token is the stream's stall), the new ones come in
+    before the second step."""
+    from understudy.engine_shim import step_thread
+
+    monkeypatch.setattr(step_thread, "ADMIT_QUIET_S", 5.0)
+    monkeypatch.setattr(step_thread, "ADMIT_MAX_S", 30.0)
+    engine = FakeEngine()
+    w, fatal = _worker(engine)
+    reqs = [_request(rid, 3) for rid in ("new-1", "cont-1", "new-2", "cont-2")]
+    for req, _ in reqs:
+        req.resumed = 7 if req.id.startswith("cont") else 0
+        w.expect(len(reqs))
+        w.submit(req)
+    for _, got in reqs:
+        assert _drain(got)[-1] == Step(12, "length")
+    assert engine.added == {"cont-1": 0, "cont-2": 0, "new-1": 1, "new-2": 1}
+    w.stop("done")
+    assert not fatal
+
+
 def test_a_refused_request_fails_alone() -> None:
     engine = FakeEngine(refuse={"bad"})
     w, fatal = _worker(engine)
