@@ -70,10 +70,10 @@ def _prepare_if_spare() -> tuple[bool, EarlyStatus | None, float]:
     ``UNDERSTUDY_SPARE_IMPORTS=1`` (``wire.respawn.SPARE_IMPORTS``), on a
     thread at the lower priority of a restart's start-up
     (``mainloop.run_yielding``): the spare starts while an Active engine
-    serves on the same cores. Its
-    priority is put back when a restart's would be (``yield_window``,
-    counted from its turn), where the process may raise it. Also returns
-    when its turn came (monotonic; a spare is started again from then)."""
+    serves on the same cores. Its priority is put back when a restart's
+    would be (``yield_window``, counted from its turn), where the process
+    may raise it. Also returns when its turn came (monotonic; a spare is
+    started again from then)."""
     from understudy.wire import respawn
 
     if not respawn.is_spare():
