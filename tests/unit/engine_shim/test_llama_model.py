@@ -23,7 +23,7 @@ from understudy.engine_shim.adapters.llama_model import (
     Prompt,
     Row,
     _in_parts,
-    _in_products,
+    _per_weight_row,
     apply_rope,
     parts_keep_bits,
     products_keep_rows,
@@ -229,20 +229,20 @@ def test_long_rows_score_by_vector_products_as_a_full_forward_would(
     "shape", [(256, 256), (704, 256), (256, 704), (576, 576), (1536, 576), (576, 1536), (5000, 576)]
 )
 def test_decode_products_keep_a_rows_bits_in_any_step(shape: tuple[int, int]) -> None:
-    """What `products_keep_rows` promises, on other numbers: in `_in_products`,
+    """What `products_keep_rows` promises, on other numbers: in `_per_weight_row`,
     a row is the same bits alone and at any place of a step of up to 19
-    rows. SmolLM2's shapes and a head with a partial last block among them."""
+    rows (three groups). SmolLM2's shapes, and widths of other models."""
     w = rng.standard_normal(shape, dtype=np.float32)
     if not products_keep_rows([w]):
         pytest.skip(f"this BLAS's products of {shape} give a row other bits by its place")
     x = rng.standard_normal(shape[1], dtype=np.float32)
-    alone = _in_products(x[None], w)[0]
+    alone = _per_weight_row(x[None], w)[0]
     assert np.abs(alone - w @ x).max() < 1e-3  # the product itself
     for m in range(2, 20):
         rows = rng.standard_normal((m, shape[1]), dtype=np.float32)
         place = int(rng.integers(m))
         rows[place] = x
-        assert np.array_equal(_in_products(rows, w)[place], alone), (m, place)
+        assert np.array_equal(_per_weight_row(rows, w)[place], alone), (m, place)
 
 
 def test_a_batched_prefill_is_each_prompt_run_alone_bit_for_bit(
@@ -425,13 +425,12 @@ def test_top_p_keeps_the_smallest_nucleus_and_temperature_sharpens() -> None:
 def test_decode_in_weight_blocks_keeps_rows_independent_and_exact(
     model: LlamaModel, tok: ChatTokenizer, monkeypatch: pytest.MonkeyPatch, kernel: str
 ) -> None:
-    """Both ways a decode multiplies (in products of rows, or row by row
-    where a BLAS gives no products that keep a row's bits), over blocks of a
-    weight's rows (the output head of a real model is many blocks): a row
-    still does not depend on the rows beside it, and the logits are the full
-    forward's."""
+    """Both ways a decode multiplies (in products per weight row, or row by
+    row over blocks of a weight's rows where a BLAS gives no products that
+    keep a row's bits; the output head of a real model is many blocks): a
+    row still does not depend on the rows beside it, and the logits are the
+    full forward's."""
     monkeypatch.setattr(llama_model, "ROWWISE_BLOCK_BYTES", 100 * 256 * 4)  # 100 rows a block
-    monkeypatch.setattr(llama_model, "DECODE_BLOCK_BYTES", 100 * 256 * 4)
     if kernel == "rows":
         monkeypatch.setattr(llama_model, "products_keep_rows", lambda weights: False)
     model = LlamaModel(model.tensors, model.config)

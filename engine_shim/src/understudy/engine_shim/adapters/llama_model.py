@@ -26,19 +26,21 @@ Two paths fill the cache and give logits:
   of a 1-row product and the same row inside an 8-row product differ in the
   last bits, and so do rows by their place in a product (measured with
   numpy 2.4's OpenBLAS 0.3.31: its small-matrix kernel takes rows four at a
-  time and the rows left over another way). So every product of a step has
-  DECODE_ROWS rows, zero-padded, over blocks of DECODE_BLOCK_BYTES of the
-  weight's rows: a block is read from memory once for all the step's rows,
-  and small enough that packing it costs no second pass over memory. A
-  probe at start-up (`products_keep_rows`) checks, on the model's own weight
-  shapes, that such a product gives a row the same bits at each of its
-  places; where it does not (another BLAS), every product is row by row
-  (vector times matrix), as before. Attention is per row over its own
-  sequence. (Products of 8 rows over the whole weight at once were no
-  faster than 8 row products: OpenBLAS packs the whole matrix, one more
-  pass over memory. SmolLM2's products in a step of 8 rows, one core: 100
-  ms row by row, 66 ms in products of 4 rows; a step of one row, 41 ms and
-  53 ms: the price of a row's bits not depending on its neighbours.)
+  time and the rows left over another way). So a step's rows are padded with
+  zeros to a multiple of DECODE_ROWS, and each weight row meets them in
+  products of one fixed shape, (1, in) @ (in, DECODE_ROWS): a stack of them,
+  which numpy hands to BLAS's matrix-vector kernel one by one
+  (`_per_weight_row`). A weight row is read from memory once for all the
+  step's rows, and no weight is packed. A probe at start-up
+  (`products_keep_rows`) checks, on the model's own weight shapes, that such
+  a product gives a row the same bits at each of its places, in each group
+  of rows; where it does not (another BLAS), every product is row by row
+  (vector times matrix). Attention is per row over its own sequence.
+  (SmolLM2 in the engine, one core, a Zen 3 EPYC, numpy 2.4.6 with
+  OpenBLAS 0.3.31, 2026-12-04: 92 ms a token at batch 8 against 129 ms in
+  the earlier products of 4 rows over 512 KiB blocks of each weight, which
+  OpenBLAS packed on every call; 77 against 75 ms at batch 1, where one
+  row now pays for 8 padded ones rather than 4.)
 
 A row's bits inside a bigger product are not those it has alone, nor at
 another place, for any number of rows: with OpenBLAS 0.3.31's Haswell
@@ -86,7 +88,7 @@ import numpy as np
 import numpy.typing as npt
 
 from understudy.engine_shim import chunks
-from understudy.engine_shim.adapters.packing import WeightsError
+from understudy.engine_shim.adapters.packing import ALIGNMENT, WeightsError
 
 __all__ = [
     "LONG_SCORES",
@@ -115,17 +117,11 @@ ROWWISE_BLOCK_BYTES: Final = 8 << 20
 `products_keep_rows` fails): well inside the L3 cache (32 MB here). A
 layer's matrices (at most 3.5 MB for SmolLM2) are one block; the output head
 (113 MB) is 14, so a step of 8 rows reads it from memory once, not 8 times."""
-DECODE_ROWS: Final = 4
-"""Rows of each of a decode's products (module docstring): OpenBLAS's small-
-matrix kernel takes rows four at a time. SmolLM2, one core, a step's
-products: 8 rows as two products of 4 took 66 ms, as one of 8 (over 256 KiB
-blocks) 67 ms, as four of 2 73 ms; 1 row padded to 4, 53 ms."""
-DECODE_BLOCK_BYTES: Final = 512 << 10
-"""Weight bytes per block of a decode's products: half this core's L2 cache
-(1 MB), so a block is packed from the L2, not read again from memory. Also
-the most that keeps 4-row products in OpenBLAS's small-matrix kernel here:
-SmolLM2, a step of 8 rows, one core: blocks of 128, 384, 512 and 768 KiB took
-74, 66, 66 and 145 ms."""
+DECODE_ROWS: Final = 8
+"""Rows of each of a decode's products with one weight row (module
+docstring): a step's rows are padded to a multiple of it. SmolLM2, one
+core, a step's products: 8 rows took 74-80 ms in groups of 8 and 99 ms in
+groups of 4; 1 row (padded) 70-78 ms either way."""
 LONG_SCORES: Final = 512
 """Positions from which a decode row's attention scores are one vector
 product per query head (`_decode_scores`) rather than one matrix product per
@@ -281,47 +277,42 @@ def _blocks(weight: F32, block_bytes: int) -> range:
     return range(0, weight.shape[0], max(1, block_bytes // (weight.shape[1] * weight.itemsize)))
 
 
-def _in_products(x: F32, weight: F32) -> F32:
-    """x (rows, in) @ weight.T as products of DECODE_ROWS rows, zero-padded,
-    over DECODE_BLOCK_BYTES blocks of the weight's rows (module docstring):
-    their shapes do not depend on the rows, so, where `products_keep_rows`,
-    neither do a row's bits."""
-    rows = x.shape[0]
+def _per_weight_row(x: F32, weight: F32) -> F32:
+    """x (rows, in) @ weight.T as one product per row of ``weight`` and group of
+    DECODE_ROWS of x's rows, zero-padded, ``(1, in) @ (in, DECODE_ROWS)``
+    (module docstring): their shape does not depend on the rows, so, where
+    `products_keep_rows`, neither do a row's bits. A weight row meets every
+    group while it is in the L1 cache: the weights are read from memory once
+    a step."""
+    rows, width = x.shape
     padded = -(-rows // DECODE_ROWS) * DECODE_ROWS
-    if padded != rows:
-        x = np.concatenate((x, np.zeros((padded - rows, x.shape[1]), dtype=np.float32)))
-    out = np.empty((padded, weight.shape[0]), dtype=np.float32)
-    starts = _blocks(weight, DECODE_BLOCK_BYTES)
-    for begin in starts:
-        wt = weight[begin : begin + starts.step].T
-        for r in range(0, padded, DECODE_ROWS):
-            np.matmul(
-                x[r : r + DECODE_ROWS],
-                wt,
-                out=out[r : r + DECODE_ROWS, begin : begin + starts.step],
-            )
-    return out[:rows]
+    # At the weights' alignment always, so that a kernel that goes by
+    # addresses cannot give a row other bits from one step to the next.
+    size = padded * width
+    buffer = np.zeros(size + ALIGNMENT // 4, dtype=np.float32)
+    skip = (-buffer.ctypes.data % ALIGNMENT) // 4
+    groups = buffer[skip : skip + size].reshape(padded, width)
+    groups[:rows] = x
+    columns = groups.reshape(-1, DECODE_ROWS, width).transpose(0, 2, 1)  # (groups, in, 8)
+    out: F32 = np.matmul(weight[:, None, None, :], columns)  # (out, groups, 1, DECODE_ROWS)
+    return out.reshape(weight.shape[0], padded).T[:rows]
 
 
 def products_keep_rows(weights: Sequence[F32]) -> bool:
-    """Whether `_in_products` gives a row the same bits at each place of its
-    product, for each of ``weights`` (then a decode's rows do not depend on
-    each other; otherwise a decode goes row by row). Checked with arrays of
-    the weights' own shapes and strides (the kernels go by shape), one whole
-    block and the last: a few milliseconds."""
+    """Whether `_per_weight_row` gives a row the same bits at each place of its
+    group, in the first group or the second, for each of ``weights`` (then a
+    decode's rows do not depend on each other; otherwise a decode goes row
+    by row). Checked on the last 64 rows of each weight, of its own width
+    and strides (the kernels go by shape): a few milliseconds."""
     rng = np.random.default_rng(0)
     for weight in weights:
-        starts = _blocks(weight, DECODE_BLOCK_BYTES)
-        w = weight[max(0, starts[-1] - starts.step) :]  # one whole block and the last
-        x = rng.standard_normal(w.shape[1], dtype=np.float32)
-        first: F32 | None = None
-        for place in range(DECODE_ROWS):
-            rows = rng.standard_normal((DECODE_ROWS, w.shape[1]), dtype=np.float32)
-            rows[place] = x
-            got = _in_products(rows, w)[place]
-            if first is None:
-                first = got
-            elif not np.array_equal(got, first):
+        w = weight[-64:]
+        x = rng.standard_normal((1, w.shape[1]), dtype=np.float32)
+        first = _per_weight_row(x, w)[0]
+        for place in range(2 * DECODE_ROWS):
+            rows = rng.standard_normal((place + 1, w.shape[1]), dtype=np.float32)
+            rows[place] = x[0]
+            if not np.array_equal(_per_weight_row(rows, w)[place], first):
                 return False
     return True
 
@@ -577,7 +568,7 @@ class LlamaModel:
         self._batch_parts: dict[int, bool] = {}  # batch_parts' probes, by chunk
         self.decode_products: Final = products_keep_rows([*self._distinct_matrices(), self._head])
         """Whether a decode runs in products of rows (else row by row)."""
-        self._decode_product: Final = _in_products if self.decode_products else _rowwise
+        self._decode_product: Final = _per_weight_row if self.decode_products else _rowwise
 
     def _check_tokens(self, tokens: Sequence[int]) -> npt.NDArray[np.int64]:
         ids = np.asarray(tokens, dtype=np.int64)
