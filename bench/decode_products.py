@@ -1,4 +1,4 @@
-"""A decode step's matrix products three ways, on a model's own weights.
+"""A decode step's matrix products four ways, on a model's own weights.
 
 The `llama` engine's decode must give a row the same bits whatever rows
 share its step (``llama_model``'s docstring), so its products cannot be
@@ -6,12 +6,15 @@ BLAS's GEMM of the step's rows. This measures one step's products, every
 weight of the model once (SmolLM2: 30 layers x 7 matrices and the output
 head, 540 MB of float32), at 1 and 8 rows:
 
-* ``4-row products``: the form until 9650700, products of exactly 4 rows
+* ``4-row products``: the form until 8844117, products of exactly 4 rows
   (zero-padded) over 512 KiB blocks of each weight, which OpenBLAS packs on
   every call (kept here as the baseline of history);
-* ``per weight row``: the form the engine runs (``_per_weight_row``), the
-  rows padded to 8 and each weight row one ``(1, in) @ (in, 8)`` product of
-  a stack that BLAS's matrix-vector kernel runs; the ratio's baseline;
+* ``per weight row``: the form of 2026-12-04 to 12-05 (from 8844117), the rows
+  padded to 8 and each weight row one ``(1, in) @ (in, 8)`` product of a
+  stack that BLAS's matrix-vector kernel runs;
+* ``by weight rows``: the form the engine runs (``_by_weight_rows``), the
+  same padding and each group of 8 weight rows one ``(8, in) @ (in, 8)``
+  product; the ratio's baseline;
 * ``native prototype``: ``bench/decode_kernel.c`` (AVX2 and FMA, every
   element summed in one fixed order), compiled here with ``cc`` into a
   temporary directory; skipped, and said so, without a compiler or on a CPU
@@ -51,16 +54,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import print_table, summary, warn_forced_openblas, write_results
 
 from understudy.engine_shim.adapters import models
-from understudy.engine_shim.adapters.llama_model import LAYER_PARTS, LlamaConfig, _per_weight_row
+from understudy.engine_shim.adapters.llama_model import LAYER_PARTS, LlamaConfig, _by_weight_rows
 from understudy.engine_shim.adapters.packing import pack_into, packed_size, views_from
 
 F32 = np.ndarray[Any, np.dtype[np.float32]]
 Product = Callable[[F32, F32], F32]
-BASELINE = "per weight row"
+BASELINE = "by weight rows"
 
 
 def four_row_products(x: F32, weight: F32) -> F32:
-    """The decode products until 9650700 (``_in_products``), for the baseline of history."""
+    """The decode products until 8844117 (``_in_products``), for the baseline of history."""
     rows, block = x.shape[0], max(1, (512 << 10) // (weight.shape[1] * 4))
     padded = -(-rows // 4) * 4
     if padded != rows:
@@ -71,6 +74,18 @@ def four_row_products(x: F32, weight: F32) -> F32:
         for r in range(0, padded, 4):
             np.matmul(x[r : r + 4], wt, out=out[r : r + 4, begin : begin + block])
     return out[:rows]
+
+
+def per_weight_row(x: F32, weight: F32) -> F32:
+    """The decode products from 8844117 until ``_by_weight_rows``: one
+    ``(1, in) @ (in, 8)`` product per weight row (rows padded to 8)."""
+    rows, width = x.shape
+    padded = -(-rows // 8) * 8
+    groups = np.zeros((padded, width), dtype=np.float32)
+    groups[:rows] = x
+    columns = groups.reshape(-1, 8, width).transpose(0, 2, 1)
+    out = np.matmul(weight[:, None, None, :], columns)
+    return out.reshape(weight.shape[0], padded).T[:rows]
 
 
 def native_product() -> tuple[Product | None, str]:
@@ -151,7 +166,11 @@ def main() -> int:
     warn_forced_openblas()
     load_at_start = os.getloadavg()
     _memory, weights = packed_weights(models.resolve(args.model))
-    forms: dict[str, Product] = {"4-row products": four_row_products, BASELINE: _per_weight_row}
+    forms: dict[str, Product] = {
+        "4-row products": four_row_products,
+        "per weight row": per_weight_row,
+        BASELINE: _by_weight_rows,
+    }
     native, how = native_product()
     print(f"native prototype: {how}" if native else f"native prototype skipped: {how}")
     if native is not None:

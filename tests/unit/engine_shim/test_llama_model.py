@@ -22,8 +22,8 @@ from understudy.engine_shim.adapters.llama_model import (
     LlamaModel,
     Prompt,
     Row,
+    _by_weight_rows,
     _in_parts,
-    _per_weight_row,
     apply_rope,
     parts_keep_bits,
     products_keep_rows,
@@ -226,23 +226,28 @@ def test_long_rows_score_by_vector_products_as_a_full_forward_would(
 
 
 @pytest.mark.parametrize(
-    "shape", [(256, 256), (704, 256), (256, 704), (576, 576), (1536, 576), (576, 1536), (5000, 576)]
+    "shape",
+    [
+        *[(256, 256), (704, 256), (256, 704), (576, 576), (1536, 576), (576, 1536), (5000, 576)],
+        *[(1001, 576), (5, 256)],  # rows left over after the whole groups; no whole group
+    ],
 )
 def test_decode_products_keep_a_rows_bits_in_any_step(shape: tuple[int, int]) -> None:
-    """What `products_keep_rows` promises, on other numbers: in `_per_weight_row`,
+    """What `products_keep_rows` promises, on other numbers: in `_by_weight_rows`,
     a row is the same bits alone and at any place of a step of up to 19
-    rows (three groups). SmolLM2's shapes, and widths of other models."""
+    rows (three groups). SmolLM2's shapes, widths of other models, and
+    weights whose rows make no whole number of `WEIGHT_ROWS` groups."""
     w = rng.standard_normal(shape, dtype=np.float32)
     if not products_keep_rows([w]):
         pytest.skip(f"this BLAS's products of {shape} give a row other bits by its place")
     x = rng.standard_normal(shape[1], dtype=np.float32)
-    alone = _per_weight_row(x[None], w)[0]
+    alone = _by_weight_rows(x[None], w)[0]
     assert np.abs(alone - w @ x).max() < 1e-3  # the product itself
     for m in range(2, 20):
         rows = rng.standard_normal((m, shape[1]), dtype=np.float32)
         place = int(rng.integers(m))
         rows[place] = x
-        assert np.array_equal(_per_weight_row(rows, w)[place], alone), (m, place)
+        assert np.array_equal(_by_weight_rows(rows, w)[place], alone), (m, place)
 
 
 def test_a_batched_prefill_is_each_prompt_run_alone_bit_for_bit(

@@ -27,20 +27,22 @@ Two paths fill the cache and give logits:
   last bits, and so do rows by their place in a product (measured with
   numpy 2.4's OpenBLAS 0.3.31: its small-matrix kernel takes rows four at a
   time and the rows left over another way). So a step's rows are padded with
-  zeros to a multiple of DECODE_ROWS, and each weight row meets them in
-  products of one fixed shape, (1, in) @ (in, DECODE_ROWS): a stack of them,
-  which numpy hands to BLAS's matrix-vector kernel one by one
-  (`_per_weight_row`). A weight row is read from memory once for all the
-  step's rows, and no weight is packed. A probe at start-up
-  (`products_keep_rows`) checks, on the model's own weight shapes, that such
-  a product gives a row the same bits at each of its places, in each group
-  of rows; where it does not (another BLAS), every product is row by row
-  (vector times matrix). Attention is per row over its own sequence.
-  (SmolLM2 in the engine, one core, a Zen 3 EPYC, numpy 2.4.6 with
-  OpenBLAS 0.3.31, 2026-12-04: 92 ms a token at batch 8 against 129 ms in
-  the earlier products of 4 rows over 512 KiB blocks of each weight, which
-  OpenBLAS packed on every call; 77 against 75 ms at batch 1, where one
-  row now pays for 8 padded ones rather than 4.)
+  zeros to a multiple of DECODE_ROWS, and each group of WEIGHT_ROWS rows of
+  a weight meets them in products of one fixed shape, (WEIGHT_ROWS, in) @
+  (in, DECODE_ROWS): a stack of them, which numpy hands to BLAS one by one
+  (`_by_weight_rows`). A weight row is read from memory once for all the
+  step's rows, and a product's operands fit in the L1 cache. A probe at
+  start-up (`products_keep_rows`) checks, on the model's own weight shapes,
+  that such a product gives a row the same bits at each of its places, in
+  each group of rows; where it does not (another BLAS), every product is
+  row by row (vector times matrix). Attention is per row over its own
+  sequence. (SmolLM2 in the engine, one core, a Zen 3 EPYC, numpy 2.4.6
+  with OpenBLAS 0.3.31: a token at batch 8 took 129 ms in the products of
+  4 rows over 512 KiB blocks of each weight until 2026-12-04, which
+  OpenBLAS packed on every call; 92 ms in products of one weight row each,
+  (1, in) @ (in, 8), until 2026-12-05, a third of it numpy's and BLAS's
+  cost per call, 234,000 calls a step; 72 against 87 ms in groups of 8
+  weight rows, measured in one process alternating the two, 2026-12-05.)
 
 A row's bits inside a bigger product are not those it has alone, nor at
 another place, for any number of rows: with OpenBLAS 0.3.31's Haswell
@@ -118,10 +120,16 @@ ROWWISE_BLOCK_BYTES: Final = 8 << 20
 layer's matrices (at most 3.5 MB for SmolLM2) are one block; the output head
 (113 MB) is 14, so a step of 8 rows reads it from memory once, not 8 times."""
 DECODE_ROWS: Final = 8
-"""Rows of each of a decode's products with one weight row (module
-docstring): a step's rows are padded to a multiple of it. SmolLM2, one
-core, a step's products: 8 rows took 74-80 ms in groups of 8 and 99 ms in
-groups of 4; 1 row (padded) 70-78 ms either way."""
+"""Rows of x in each of a decode's products (module docstring): a step's
+rows are padded to a multiple of it. BLAS takes a product's columns (these
+rows) 4 at a time, and the columns left over another way. SmolLM2, one core,
+a step's products with one weight row each: 8 rows took 74-80 ms in groups
+of 8 and 99 ms in groups of 4; 1 row (padded) 70-78 ms either way."""
+WEIGHT_ROWS: Final = 8
+"""Rows of a weight in each of a decode's products (module docstring).
+SmolLM2 in the engine, one core, 2026-12-05, a step of 8 rows: 75-81 ms in
+groups of 4, 75-77 of 8, 77-80 of 16, 79-83 of 32 weight rows (another run
+beside CI, 87 ms for one weight row a product)."""
 LONG_SCORES: Final = 512
 """Positions from which a decode row's attention scores are one vector
 product per query head (`_decode_scores`) rather than one matrix product per
@@ -277,13 +285,16 @@ def _blocks(weight: F32, block_bytes: int) -> range:
     return range(0, weight.shape[0], max(1, block_bytes // (weight.shape[1] * weight.itemsize)))
 
 
-def _per_weight_row(x: F32, weight: F32) -> F32:
-    """x (rows, in) @ weight.T as one product per row of ``weight`` and group of
-    DECODE_ROWS of x's rows, zero-padded, ``(1, in) @ (in, DECODE_ROWS)``
-    (module docstring): their shape does not depend on the rows, so, where
-    `products_keep_rows`, neither do a row's bits. A weight row meets every
-    group while it is in the L1 cache: the weights are read from memory once
-    a step."""
+def _by_weight_rows(x: F32, weight: F32) -> F32:
+    """x (rows, in) @ weight.T as one product per group of WEIGHT_ROWS rows of
+    ``weight`` and group of DECODE_ROWS of x's rows, zero-padded,
+    ``(WEIGHT_ROWS, in) @ (in, DECODE_ROWS)``, and the weight's last rows that
+    make no whole group one by one, ``(1, in) @ (in, DECODE_ROWS)`` (module
+    docstring). Their shapes do not depend on x's rows, so, where
+    `products_keep_rows`, neither do a row's bits. A group of weight rows
+    meets every group of x's rows while it is in the L1 cache: the weights
+    are read from memory once a step. ``weight`` is C-contiguous (a packed
+    view), so that its groups are a view, not a copy."""
     rows, width = x.shape
     padded = -(-rows // DECODE_ROWS) * DECODE_ROWS
     # At the weights' alignment always, so that a kernel that goes by
@@ -294,25 +305,33 @@ def _per_weight_row(x: F32, weight: F32) -> F32:
     groups = buffer[skip : skip + size].reshape(padded, width)
     groups[:rows] = x
     columns = groups.reshape(-1, DECODE_ROWS, width).transpose(0, 2, 1)  # (groups, in, 8)
-    out: F32 = np.matmul(weight[:, None, None, :], columns)  # (out, groups, 1, DECODE_ROWS)
-    return out.reshape(weight.shape[0], padded).T[:rows]
+    whole = weight.shape[0] - weight.shape[0] % WEIGHT_ROWS
+    # (whole / WEIGHT_ROWS, groups, WEIGHT_ROWS, DECODE_ROWS) -> (padded, whole)
+    out = np.matmul(weight[:whole].reshape(-1, 1, WEIGHT_ROWS, width), columns)
+    parts = [out.transpose(1, 3, 0, 2).reshape(padded, whole)]
+    if whole < weight.shape[0]:
+        rest = np.matmul(weight[whole:, None, None, :], columns)  # (left, groups, 1, 8)
+        parts.append(rest.reshape(-1, padded).T)
+    result: F32 = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+    return result[:rows]
 
 
 def products_keep_rows(weights: Sequence[F32]) -> bool:
-    """Whether `_per_weight_row` gives a row the same bits at each place of its
+    """Whether `_by_weight_rows` gives a row the same bits at each place of its
     group, in the first group or the second, for each of ``weights`` (then a
     decode's rows do not depend on each other; otherwise a decode goes row
-    by row). Checked on the last 64 rows of each weight, of its own width
-    and strides (the kernels go by shape): a few milliseconds."""
+    by row). Checked on the last 64 rows of each weight and those that make
+    no whole group, of its own width and strides (the kernels go by shape):
+    a few milliseconds."""
     rng = np.random.default_rng(0)
     for weight in weights:
-        w = weight[-64:]
+        w = weight[-(64 + weight.shape[0] % WEIGHT_ROWS) :]
         x = rng.standard_normal((1, w.shape[1]), dtype=np.float32)
-        first = _per_weight_row(x, w)[0]
+        first = _by_weight_rows(x, w)[0]
         for place in range(2 * DECODE_ROWS):
             rows = rng.standard_normal((place + 1, w.shape[1]), dtype=np.float32)
             rows[place] = x[0]
-            if not np.array_equal(_per_weight_row(rows, w)[place], first):
+            if not np.array_equal(_by_weight_rows(rows, w)[place], first):
                 return False
     return True
 
@@ -568,7 +587,7 @@ class LlamaModel:
         self._batch_parts: dict[int, bool] = {}  # batch_parts' probes, by chunk
         self.decode_products: Final = products_keep_rows([*self._distinct_matrices(), self._head])
         """Whether a decode runs in products of rows (else row by row)."""
-        self._decode_product: Final = _per_weight_row if self.decode_products else _rowwise
+        self._decode_product: Final = _by_weight_rows if self.decode_products else _rowwise
 
     def _check_tokens(self, tokens: Sequence[int]) -> npt.NDArray[np.int64]:
         ids = np.asarray(tokens, dtype=np.int64)
