@@ -9,7 +9,7 @@ head, 540 MB of float32), at 1 and 8 rows:
 * ``4-row products``: the form until 8844117, products of exactly 4 rows
   (zero-padded) over 512 KiB blocks of each weight, which OpenBLAS packs on
   every call (kept here as the baseline of history);
-* ``per weight row``: the form of 2026-12-04 to 12-05 (from 8844117), the rows
+* ``per weight row``: the form from 8844117 until e81f46b, the rows
   padded to 8 and each weight row one ``(1, in) @ (in, 8)`` product of a
   stack that BLAS's matrix-vector kernel runs;
 * ``by weight rows``: the form the engine runs (``_by_weight_rows``), the

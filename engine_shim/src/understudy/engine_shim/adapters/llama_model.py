@@ -36,13 +36,13 @@ Two paths fill the cache and give logits:
   that such a product gives a row the same bits at each of its places, in
   each group of rows; where it does not (another BLAS), every product is
   row by row (vector times matrix). Attention is per row over its own
-  sequence. (SmolLM2 in the engine, one core, a Zen 3 EPYC, numpy 2.4.6
-  with OpenBLAS 0.3.31: a token at batch 8 took 129 ms in the products of
-  4 rows over 512 KiB blocks of each weight until 2026-12-04, which
-  OpenBLAS packed on every call; 92 ms in products of one weight row each,
-  (1, in) @ (in, 8), until 2026-12-05, a third of it numpy's and BLAS's
-  cost per call, 234,000 calls a step; 72 against 87 ms in groups of 8
-  weight rows, measured in one process alternating the two, 2026-12-05.)
+  sequence. (SmolLM2 in the engine, one core, numpy 2.4.6 with OpenBLAS
+  0.3.31, a step of 8 rows: on a Zen 3 EPYC, 129 ms in the products of 4
+  rows over 512 KiB blocks of each weight until 2026-12-04, which OpenBLAS
+  packed on every call, and 92 ms in products of one weight row each, (1,
+  in) @ (in, 8), 204,672 calls a step; on an AVX-512 Xeon, 2026-12-05,
+  one process alternating the two forms, 100 ms in those and 80 ms in
+  groups of 8 weight rows.)
 
 A row's bits inside a bigger product are not those it has alone, nor at
 another place, for any number of rows: with OpenBLAS 0.3.31's Haswell
@@ -127,9 +127,10 @@ a step's products with one weight row each: 8 rows took 74-80 ms in groups
 of 8 and 99 ms in groups of 4; 1 row (padded) 70-78 ms either way."""
 WEIGHT_ROWS: Final = 8
 """Rows of a weight in each of a decode's products (module docstring).
-SmolLM2 in the engine, one core, 2026-12-05, a step of 8 rows: 75-81 ms in
-groups of 4, 75-77 of 8, 77-80 of 16, 79-83 of 32 weight rows (another run
-beside CI, 87 ms for one weight row a product)."""
+SmolLM2 in the engine, one core, an AVX-512 Xeon, 2026-12-05, a step of 8
+rows beside a CI run (load about 2): 75-81 ms in groups of 4, 75-77 of 8,
+77-80 of 16, 79-83 of 32 weight rows; 87 ms with one weight row a product
+in a run before."""
 LONG_SCORES: Final = 512
 """Positions from which a decode row's attention scores are one vector
 product per query head (`_decode_scores`) rather than one matrix product per
