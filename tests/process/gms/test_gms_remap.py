@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 
 import pytest
 from gmsprocs import Agent, Gms
@@ -93,6 +94,33 @@ def test_lost_connection_while_mapped_is_reported(gms: Gms) -> None:
     for p in (writer, shadow):
         wait_for(lambda p=p: any(e["event"] == "lost" for e in _drain(p)), 10, what="on_lost")
     assert sleeper.no_line(0.5)
+
+
+def test_a_server_lost_inside_a_remap_is_reported_once_it_maps(
+    gms: Gms, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server dies after a remap's exports arrived and before the session
+    counts as mapped (the failpoint holds the remap there). The remap still
+    ends mapped, and the hang-up reaches on_lost once: a waking engine must not
+    serve from a session whose server is gone, for then it never gives its
+    layout back and the restarted GMS stays empty (seen on the cluster: a
+    shadow waited for weights for ever, 2026-12-05)."""
+    server = gms.server()
+    load(gms, sizes=(MiB,))
+    monkeypatch.setenv("UNDERSTUDY_FAILPOINTS", "gms.remap.mapped=sleep(1.5)")
+    shadow = reader(gms)
+    shadow.ok("unmap")
+    shadow.send(op="remap", timeout=5)
+    time.sleep(0.5)  # the remap is in the failpoint's sleep
+    server.kill9()
+    got = shadow.json_line(15)
+    while "event" in got:  # the reply to the remap, past any event before it
+        shadow.events.append(got)
+        got = shadow.json_line(15)
+    assert got["ok"], got
+    wait_for(lambda: any(e["event"] == "lost" for e in _drain(shadow)), 10, what="on_lost")
+    assert shadow.no_line(0.5)
+    assert sum(e["event"] == "lost" for e in _drain(shadow)) == 1
 
 
 def _drain(agent: Agent) -> list[dict[str, object]]:

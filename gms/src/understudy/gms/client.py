@@ -49,6 +49,7 @@ from typing import Any, TypeVar
 from understudy.gms import messages as m
 from understudy.gms.backends import ClientMapper, make_mapper
 from understudy.gms.messages import GmsError, Granted, Mode
+from understudy.wire import failpoints
 from understudy.wire.framing import RemoteFrameError, encode
 from understudy.wire.uds import OwnedFd, recv_frame, send_frame
 
@@ -323,6 +324,9 @@ class GmsClient:
         self._watcher: _Watcher | None = None
         self._mapped = False
         self._gone = False  # the server hung up on the session (the watcher saw it)
+        self._told = False  # on_lost was called for this session's hang-up
+        self._lost_exc: BaseException | None = None
+        self._lost_lock = threading.Lock()  # _gone, _mapped and _told, between the watcher and us
         self._health: tuple[bool, str] = (True, "")  # the last device_health answer
         self._lock = threading.RLock()
 
@@ -367,7 +371,7 @@ class GmsClient:
         if self._mapper is None or self.backend != ok.backend:
             self._mapper = make_mapper(ok.backend, ok.device)
         self._chan = chan
-        self._gone = False
+        self._gone = self._told = False
         self.granted_mode = ok.granted
         self.device, self.backend, self.granularity = ok.device, ok.backend, ok.granularity
         if self.on_lost is not None:
@@ -376,9 +380,25 @@ class GmsClient:
         return ok
 
     def _lost(self, exc: BaseException) -> None:
-        self._gone = True
-        if self._mapped and self.on_lost is not None:
+        with self._lost_lock:
+            self._gone, self._lost_exc = True, exc
+            tell = self._mapped and not self._told
+            self._told = self._told or tell
+        if tell and self.on_lost is not None:
             self.on_lost(exc)
+
+    def _now_mapped(self) -> None:
+        """The session maps memory from here on. A hang-up the watcher saw while
+        the mapping was being made (a remap's exports arrived, then the server
+        died) is reported now: otherwise the engine would serve from a session
+        whose server is gone, and nobody would give its layout back."""
+        with self._lost_lock:
+            self._mapped = True
+            tell = self._gone and not self._told
+            self._told = self._told or tell
+            exc = self._lost_exc
+        if tell and self.on_lost is not None:
+            self.on_lost(exc or GmsConnectionLost("GMS closed the connection"))
 
     def _request(self, msg: m.Request, kind: type[R], deadline: float | None = None) -> R:
         if self._chan is None:
@@ -470,7 +490,7 @@ class GmsClient:
                     raise
             alloc = Allocation(info.id, info.tag, info.size, info.requested, address, self)
             self._allocs.append(alloc)
-            self._mapped = True
+            self._now_mapped()
             return alloc
 
     def put_metadata(self, key: str, value: dict[str, Any]) -> None:
@@ -522,7 +542,7 @@ class GmsClient:
                     address = self._mapper.reserve(info.size, self.granularity)
                     alloc = Allocation(info.id, info.tag, info.size, info.requested, address, self)
                     self._allocs.append(alloc)
-                self._mapped = True
+                self._now_mapped()
                 fds = self._export_all([info.id for info in infos], None)
                 for alloc, fd in zip(self._allocs, fds, strict=True):
                     with fd:
@@ -530,7 +550,7 @@ class GmsClient:
             except BaseException:
                 self._release_all()
                 raise
-            self._mapped = True
+            self._now_mapped()
             self.metadata()
             return list(self._allocs)
 
@@ -615,7 +635,8 @@ class GmsClient:
                     for a in mapped:
                         self._mapper.unmap(a.address, a.size)
                     raise
-                self._mapped = True
+                failpoints.hit("gms.remap.mapped")
+                self._now_mapped()
             except BaseException:
                 self._drop_session()
                 self.granted_mode = None
@@ -654,7 +675,7 @@ class GmsClient:
                     chan.close()
                     raise
             self._chan = chan
-            self._gone = False
+            self._gone = self._told = False
             self.granted_mode = Granted.RO
             if self.on_lost is not None:
                 self._watcher = _Watcher(chan.sock, self._lost)

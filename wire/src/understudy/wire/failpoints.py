@@ -65,6 +65,10 @@ POINTS: Final[Mapping[str, str]] = {
     "start is backed off",
     "engine.wake": "engine main loop, before the weights are remapped: a wake that "
     "hangs ends at the wake timeout",
+    "gms.remap.mapped": "a GMS client's remap (an engine's wake), its layout mapped and the "
+    "session not yet counted as mapped: a server that dies there is still reported to "
+    "on_lost once the remap ends, so the engine never serves from a session nobody "
+    "watches (sleep)",
     "gms.readopt": "Active engine, before it gives its weights back to a restarted GMS: "
     "a re-adoption that fails ends the engine, and the pod falls back to a reload",
     "kv.seal.torn": "the KV pool's seal log, between the two halves of a record: a death "
