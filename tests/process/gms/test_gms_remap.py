@@ -107,11 +107,14 @@ def test_a_server_lost_inside_a_remap_is_reported_once_it_maps(
     shadow waited for weights for ever, 2026-12-05)."""
     server = gms.server()
     load(gms, sizes=(MiB,))
-    monkeypatch.setenv("UNDERSTUDY_FAILPOINTS", "gms.remap.mapped=sleep(1.5)")
+    monkeypatch.setenv("UNDERSTUDY_FAILPOINTS", "gms.remap.mapped=sleep(3)")
     shadow = reader(gms)
     shadow.ok("unmap")
     shadow.send(op="remap", timeout=5)
-    time.sleep(0.5)  # the remap is in the failpoint's sleep
+    # Its session is back (the writer's and its own), then its exports take
+    # milliseconds: well inside the failpoint's 3 s when the server dies.
+    wait_for(lambda: gms.state()["sessions"]["RO"] == 2, 10, what="the remap's session")
+    time.sleep(0.5)
     server.kill9()
     got = shadow.json_line(15)
     while "event" in got:  # the reply to the remap, past any event before it
