@@ -146,6 +146,58 @@ def test_a_readoption_that_fails_falls_back_to_a_reload(monkeypatch):
         pod.close()
 
 
+def test_gms_killed_inside_a_wake_the_waking_engine_gives_the_weights_back(monkeypatch):
+    """GMS dies while the standby wakes, after its remap's exports arrived and
+    before the session counts as mapped (failpoint gms.remap.mapped holds it
+    there): the waking engine holds the weights, so it gives them back to the
+    restarted GMS and takes over. Nothing is read from the checkpoint, the
+    front holds the request meanwhile, and the restarted GMS holds the same
+    layout. Until 2026-12-05 the waking engine exited, and the pod waited for
+    a cold load (docs/pod.md, GMS re-adoption)."""
+    from understudy.gms.client import query_state
+
+    monkeypatch.setenv("UNDERSTUDY_FAILPOINTS", "gms.remap.mapped=sleep(3)")
+    pod = LocalPod()
+    try:
+        active = pod.wait_armed(60)  # its own wake held 3 s too
+        answer = pod.embed()
+        socket = pod.dir / "gms" / "gms_0_weights.sock"
+        layout = query_state(socket, 5).layout_hash
+        loads = _logs(pod).count("event=weights_loaded")
+        standby = next(e for e in pod.engines() if e["name"] != active["name"])
+        os.kill(active["pid"], signal.SIGKILL)
+        wait_for(
+            lambda: any(e["name"] == standby["name"] for e in pod.by_state("Waking")),
+            15,
+            0.01,
+            what="the standby's wake",
+        )
+        # Its remap's exports take milliseconds from the grant: well inside the
+        # failpoint's 3 s when GMS dies.
+        time.sleep(0.5)
+        _kill_gms(pod)
+        status, body = http_json(
+            pod.serve_port,
+            "/v1/embeddings",
+            {"input": "the same question, every time", "encoding_format": "base64"},
+            timeout=60,
+        )
+        assert status == 200 and body["data"][0]["embedding"] == answer, body
+
+        def given_back() -> bool:
+            now = next(e for e in pod.engines() if e.get("name") == standby["name"])
+            return now.get("state") == "Active" and now.get("readoptions") == 1
+
+        wait_for(given_back, 30, what=f"the woken standby's re-adoption\n{pod.diagnostics()}")
+        now = next(e for e in pod.engines() if e.get("name") == standby["name"])
+        assert now["engine_id"] == standby["engine_id"] and not now["readopting"]
+        assert _logs(pod).count("event=weights_loaded") == loads  # no checkpoint read
+        state = query_state(socket, 5)
+        assert state.committed and state.layout_hash == layout
+    finally:
+        pod.close()
+
+
 def test_lockserver_killed_under_healthy_active_no_failover(pod):
     active = pod.wait_armed()
     ls_pid = pod.process("lockserver")

@@ -184,6 +184,41 @@ def test_gms_dying_loses_the_pool_and_the_engines_recompute(
     assert "kv_reused" not in log
 
 
+def test_gms_dying_inside_a_wake_the_waking_engine_gives_the_weights_back_and_recomputes(
+    pod_factory: Callable[..., LocalPod], reference: tuple[list[int], str]
+) -> None:
+    """The Active engine killed mid-stream, then GMS while the standby's remap
+    holds the weights mapped (failpoint gms.remap.mapped holds it there): the
+    standby gives them back to the restarted GMS and serves, the pool that died
+    with GMS adopted by nobody; the continuation is recomputed and the stream
+    is identical, and nothing is read from the checkpoint (docs/pod.md, a GMS
+    that dies inside a wake)."""
+    _ids, text = reference
+    pod = pod_factory(failpoints="gms.remap.mapped=sleep(3)")
+    names = ("engine-primary", "engine-shadow-1")
+    loads = sum(pod.log(n).count("event=weights_loaded") for n in names)
+    killed: list[tuple[int, float]] = []
+
+    def on_chunk(n: int) -> None:
+        if n != 20:
+            return
+        active = pod.armed() or pod.by_state("Active")[0]
+        os.kill(active["pid"], signal.SIGKILL)
+        killed.append((active["pid"], time.monotonic()))
+        wait_for(lambda: pod.by_state("Waking"), 15, 0.01, what="the standby's wake")
+        # Its remap's exports take milliseconds from the grant: well inside
+        # the failpoint's 3 s when GMS dies.
+        time.sleep(0.5)
+        os.kill(pod.process("gms"), signal.SIGKILL)
+
+    got, _ = stream(pod.serve_port, on_chunk)
+    assert got == text
+    log = active_log(pod, not_pid=killed[0][0]).split("event=starting")[-1]
+    assert "event=readopted" in log, log[-3000:]
+    assert "kv_reused" not in log
+    assert sum(pod.log(n).count("event=weights_loaded") for n in names) == loads
+
+
 def test_two_kills_in_a_row_the_third_engine_adopts_from_the_second(
     pod_factory: Callable[..., LocalPod], reference: tuple[list[int], str]
 ) -> None:

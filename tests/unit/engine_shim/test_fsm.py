@@ -106,6 +106,7 @@ _ACTIONS_ON_THE_WAY: dict[tuple[State, type], list[fsm.Action]] = {
     (S.STANDBY, fsm.LockGranted): [Wake(deadline=25.0)],
     (S.WAKING, fsm.WakeDone): [BindServing()],
     (S.ACTIVE, fsm.Terminate): [fsm.Drain(deadline=45.0)],
+    (S.WAKING, fsm.GmsLost): [fsm.Readopt(deadline=25.0)],
     (S.ACTIVE, fsm.GmsLost): [fsm.Readopt(deadline=25.0)],
 }
 
@@ -120,6 +121,21 @@ def test_gms_lost_twice_while_active_gives_the_weights_back_once() -> None:
     assert s.state is State.ACTIVE and not s.readopting and actions == []
     s, actions = step(s, fsm.GmsLost("again, later"), 30.0)
     assert actions == [fsm.Readopt(deadline=35.0)]
+
+
+def test_gms_lost_inside_a_wake_gives_the_weights_back_and_the_wake_goes_on() -> None:
+    """GMS reports a loss only for a mapped session: a waking engine holds the
+    weights and gives them back while it wakes, whichever ends first."""
+    s, actions = step(in_state(State.WAKING), fsm.GmsLost("device 0"), 20.0)
+    assert s.state is State.WAKING and s.readopting and actions == [fsm.Readopt(deadline=25.0)]
+    active, _ = step(s, fsm.ServingReady(), 20.2)
+    assert active.state is State.ACTIVE and active.readopting  # still giving them back
+    assert not step(active, fsm.Readopted(), 20.5)[0].readopting
+    s, actions = step(s, fsm.Readopted(), 20.3)  # or given back before it serves
+    assert s.state is State.WAKING and not s.readopting and actions == []
+    s, actions = step(in_state(State.WAKING), fsm.GmsLost("device 0"), 20.0)
+    s, actions = step(s, fsm.ReadoptFailed("refused"), 21.0)
+    assert s.state is State.DEAD and actions[0].code is ExitCode.GMS_LOST
 
 
 def test_a_state_is_frozen_so_a_refused_step_cannot_have_changed_it() -> None:

@@ -19,7 +19,11 @@ mappings stay valid (memfd pages, imported VMM handles are reference-counted),
 so it keeps serving and gives its allocations back to the restarted GMS
 (``Readopt``), which re-commits them under the same layout; the standbys
 remap that layout when their turn comes. Only if that fails does it exit.
-An engine in any other state still ends on ``GmsLost``.
+A waking engine does the same: GMS reports a loss only for a session that
+is mapped (``gms.client``), so its weights are in hand, and it goes on
+waking while it gives them back; otherwise the restarted GMS would wait for
+a cold load while the weights sat mapped in the engine taking over. An
+engine in any other state still ends on ``GmsLost``.
 
 ``Terminate`` (SIGTERM: a pod deletion, a rollout, a node drain) ends an
 engine that serves nothing at once; an Active engine drains first: it stops
@@ -320,8 +324,8 @@ def _drained(s: EngineState, e: Drained, now: float) -> Result:
     return _moved(s, State.DEAD, e, now), [Exit(ExitCode.DONE, why, s.state)]
 
 
-def _gms_lost_serving(s: EngineState, e: GmsLost, now: float) -> Result:
-    """Serve on from the mappings; give them back to the next GMS (once)."""
+def _gms_lost_mapped(s: EngineState, e: GmsLost, now: float) -> Result:
+    """Serve (or wake) on from the mappings; give them back to the next GMS (once)."""
     new = replace(s, readopting=True, last_event=type(e).__name__)
     if s.readopting:
         return new, []  # another device's session, lost in the same death
@@ -361,10 +365,12 @@ TRANSITIONS: dict[tuple[State, type], Entry[EngineState, Action, State]] = {
     (S.WAKING, ServingReady): Entry(_serving_ready, frozenset({S.ACTIVE})),
     (S.WAKING, WakeTimeout): Entry(_wake_timeout, _DEAD),
     (S.WAKING, LockLost): Entry(_died, _DEAD),
-    (S.WAKING, GmsLost): Entry(_died, _DEAD),
+    (S.WAKING, GmsLost): Entry(_gms_lost_mapped, frozenset({S.WAKING})),
+    (S.WAKING, Readopted): Entry(_readopted, frozenset({S.WAKING})),
+    (S.WAKING, ReadoptFailed): Entry(_died, _DEAD),
     (S.WAKING, Fatal): Entry(_died, _DEAD),
     (S.ACTIVE, LockLost): Entry(_died, _DEAD),
-    (S.ACTIVE, GmsLost): Entry(_gms_lost_serving, frozenset({S.ACTIVE})),
+    (S.ACTIVE, GmsLost): Entry(_gms_lost_mapped, frozenset({S.ACTIVE})),
     (S.ACTIVE, Readopted): Entry(_readopted, frozenset({S.ACTIVE})),
     (S.ACTIVE, ReadoptFailed): Entry(_died, _DEAD),
     (S.ACTIVE, Fatal): Entry(_died, _DEAD),

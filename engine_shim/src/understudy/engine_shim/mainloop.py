@@ -535,8 +535,9 @@ class Shim:
         return self.feed(fsm.ServingReady())
 
     def _readopt(self, deadline: float) -> list[fsm.Action]:
-        """GMS died under this Active engine: give its allocations back to the
-        restarted one (serving goes on from the mappings meanwhile)."""
+        """GMS died under this engine, Active or waking over mapped weights:
+        give its allocations back to the restarted one (serving, or the wake,
+        goes on from the mappings meanwhile)."""
         t0 = time.monotonic()
         try:
             failpoints.hit("gms.readopt")

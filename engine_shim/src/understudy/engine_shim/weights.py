@@ -17,7 +17,13 @@ from collections.abc import Callable
 from understudy.engine_shim.adapters.base import Engine, UsesKvPool
 from understudy.engine_shim.config import EngineConfig
 from understudy.engine_shim.kvreader import KvReader
-from understudy.gms.client import GmsClient, GmsError, GmsTimeoutError, query_state
+from understudy.gms.client import (
+    GmsClient,
+    GmsConnectionLost,
+    GmsError,
+    GmsTimeoutError,
+    query_state,
+)
 from understudy.gms.kvclient import KvSession
 from understudy.gms.messages import Granted, LockState, Mode
 from understudy.wire.obs import log_event
@@ -115,14 +121,16 @@ class Weights:
                 ) from exc
 
     def readopt(self, timeout: float, epoch: int | None) -> list[str]:
-        """GMS restarted under this Active engine: give every lost session's
-        allocations back to it (``GmsClient.readopt``) within ``timeout``.
-        Returns what each device's GMS did: adopted, or reattached."""
+        """GMS restarted under this engine (Active, or waking): give every lost
+        session's allocations back to it (``GmsClient.readopt``) within
+        ``timeout``. Returns what each device's GMS did: adopted, or reattached."""
         deadline = time.monotonic() + timeout
         done = []
         for device, session in self.sessions.items():
-            if session.connected:
-                continue  # this device's GMS did not die
+            if session.connected or not session.mapped:
+                # This device's GMS did not die; or, in a wake, its remap has
+                # not mapped yet (the wake's own remap meets the new GMS).
+                continue
 
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -159,8 +167,10 @@ class Weights:
 
         GMS refusing this epoch means the lock has moved on: that is fatal
         (WakeError). A pool still mapped by the previous holder past
-        ``timeout`` is not: the engine then keeps a cache of its own, as
-        without a pool, and recomputes what a continuation needs.
+        ``timeout`` is not, nor a GMS that died in this wake (its pool died
+        with it; the weights go back to the next GMS meanwhile, `readopt`):
+        the engine then keeps a cache of its own, as without a pool, and
+        recomputes what a continuation needs.
         """
         if not isinstance(engine, UsesKvPool) or epoch is None:
             return
@@ -168,6 +178,11 @@ class Weights:
         if want is None:
             return
         device = min(self.cfg.devices)
+        weights = self.sessions.get(device)
+        if weights is not None and weights.mapped and not weights.connected:
+            self._take_view(None)
+            log_event(log, "kv_pool_unavailable", logging.WARNING, epoch=epoch, reason="GMS died")
+            return
         t0 = time.monotonic()
         try:
             session = KvSession.acquire(
@@ -179,7 +194,7 @@ class Weights:
                 name=self.cfg.engine_id,
                 on_lost=self._lost(device),
             )
-        except GmsTimeoutError as exc:
+        except (GmsTimeoutError, GmsConnectionLost) as exc:
             self._take_view(None)
             log_event(log, "kv_pool_unavailable", logging.WARNING, epoch=epoch, reason=exc)
             return

@@ -68,7 +68,7 @@ POINTS: Final[Mapping[str, str]] = {
     "gms.remap.mapped": "a GMS client's remap (an engine's wake), its layout mapped and the "
     "session not yet counted as mapped: a server that dies there is still reported to "
     "on_lost once the remap ends, so the engine never serves from a session nobody "
-    "watches (sleep)",
+    "watches, and a waking engine gives the weights back to the next GMS (sleep)",
     "gms.readopt": "Active engine, before it gives its weights back to a restarted GMS: "
     "a re-adoption that fails ends the engine, and the pod falls back to a reload",
     "kv.seal.torn": "the KV pool's seal log, between the two halves of a record: a death "
