@@ -16,6 +16,7 @@ from localpod import free_port_block
 from procs import PYTHON, understudy, wait_for
 
 from understudy.engine_shim.mainloop import STARTUP_NICE
+from understudy.tools import checkout
 from understudy.wire import respawn
 
 pytestmark = [pytest.mark.process]
@@ -74,7 +75,13 @@ def _vllm_python(cwd: Path) -> str:
 
 
 def _vllm_env(cwd: Path, spare_imports: str = "1") -> dict[str, str]:
-    return {"UNDERSTUDY_VLLM_PYTHON": _vllm_python(cwd), respawn.SPARE_IMPORTS: spare_imports}
+    """As `understudy local up` runs a vLLM engine (`checkout.engine_env`):
+    this checkout's sources first on PYTHONPATH. The shared vLLM venv's own
+    paths name whichever checkout built it, which may be gone (a CI clone
+    removed: every vLLM spare test failed on ModuleNotFoundError)."""
+    env = checkout.engine_env(_vllm_python(cwd))
+    assert "PYTHONPATH" in env, env
+    return {**env, respawn.SPARE_IMPORTS: spare_imports}
 
 
 def _prepared(tmp: Path) -> str:
