@@ -178,11 +178,6 @@ class Weights:
         if want is None:
             return
         device = min(self.cfg.devices)
-        weights = self.sessions.get(device)
-        if weights is not None and weights.mapped and not weights.connected:
-            self._take_view(None)
-            log_event(log, "kv_pool_unavailable", logging.WARNING, epoch=epoch, reason="GMS died")
-            return
         t0 = time.monotonic()
         try:
             session = KvSession.acquire(
