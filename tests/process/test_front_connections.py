@@ -158,6 +158,35 @@ def test_a_client_that_stops_reading_gets_the_whole_stream_after_the_front_death
     assert (head, body) == (ref_head, ref_body)
 
 
+def test_a_stream_whose_copy_never_reached_the_keeper_is_finished_from_its_record(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The front's copy of a connection waits in its queue (``conns.hold.queued``:
+    a keeper that stopped reading) when the front dies in the middle of the
+    stream: its witness gives the keeper the connection under an id of its
+    own, and the next front finds the connection's record by its socket and
+    finishes the stream. (Without the record's socket the next front had
+    nothing to finish it from, and closed it.)"""
+    monkeypatch.setenv("UNDERSTUDY_FAILPOINTS", "conns.hold.queued=return")
+    pod = LocalPod(shadows=1, engine="llama")
+    try:
+        pod.wait_armed(180)
+        with _open(pod, 128) as s:
+            got = bytearray()
+            while got.count(b"data: ") < 4:  # the head and a few events out
+                data = s.recv(65536)
+                assert data
+                got += data
+            old = _kill_front(pod)
+            _read_to_end(s, got)
+        _next_front(pod, old)
+        assert _split(bytes(got)) == _split(_reference(pod, 128))
+        log = pod.log("front")
+        assert "event=witness_kept" in log and "event=record_found id=w" in log, log[-3000:]
+    finally:
+        pod.close()
+
+
 def test_ten_front_deaths_under_eight_clients_lose_nothing(pod: LocalPod, tmp_path: Path) -> None:
     """``understudy drill --sidecar front``: streaming and not, chat and
     completions, greedy; every request answered, every answer its kind's."""

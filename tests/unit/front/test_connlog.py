@@ -91,6 +91,36 @@ def test_a_torn_last_record_is_left_out_and_cut(tmp_path: Path) -> None:
     assert r.path.stat().st_size < whole - 3  # cut back to the last whole record
 
 
+@pytest.mark.parametrize("size", [0, 10])
+def test_a_record_whose_front_died_before_its_header_starts_again(
+    tmp_path: Path, size: int
+) -> None:
+    """Killed between the file and its header (CI's empty record): nothing
+    went either way, and the next front goes on writing it as new."""
+    (tmp_path / "c-h").write_bytes(connlog.MAGIC[: min(size, 4)] + bytes(max(size - 4, 0)))
+    r, tx_base, records = ConnLog.reopen(tmp_path, "c-h", inode=77)
+    assert (tx_base, records, r.inode, r.idle) == (0, [], 77, True)
+    r.received(REQUEST)
+    assert _reread(r) == (0, [(connlog.R, REQUEST)])
+    assert plan(0, [], 0, read=0) == plan(0, [], 0)  # nothing to skip, nothing owed
+
+
+def test_a_record_names_its_socket_whatever_its_id(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        inode = os.fstat(s.fileno()).st_ino
+        ConnLog.create(tmp_path, "a-1", inode + 1).received(b"other")
+        ConnLog.create(tmp_path, "a-2", inode).received(REQUEST)
+        ConnLog.create(tmp_path, "a-3")  # not said
+        (tmp_path / "junk").write_bytes(b"xy")
+        names = ["junk", "a-3", "a-1", "a-2"]
+        assert connlog.record_of(tmp_path, names, inode) == tmp_path / "a-2"
+        assert connlog.record_of(tmp_path, names[:3], inode) is None
+        assert connlog.record_of(tmp_path, names, 0) is None  # unknown names none
+        r = ConnLog.reopen(tmp_path, "a-2")[0]
+        r.compact()  # the header keeps it
+        assert connlog.record_of(tmp_path, names, inode) == tmp_path / "a-2"
+
+
 def test_a_refusal_is_written_again_never_answered_twice(tmp_path: Path) -> None:
     r = ConnLog.create(tmp_path, "c-6")
     r.received(b"NOT HTTP\r\n\r\n")

@@ -52,13 +52,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from understudy.wire import failpoints
+
 DIR = "conns"
 MAGIC = b"USC2"
-_HEADER = struct.Struct("<4sIQQ")  # magic, reserved, tx_base, rx_base
+# magic, the socket's inode (0: not known), tx_base, rx_base. The inode names
+# the connection a record is of whatever id the keeper holds it under: a
+# front killed with a copy not yet sent leaves the connection to its witness,
+# which holds it under an id of its own (``record_of``).
+_HEADER = struct.Struct("<4sIQQ")
 _REC = struct.Struct("<cI")  # kind, payload length
 _META = struct.Struct("<H")
 _COUNT = struct.Struct("<I")
 MAX_RECORD = 64 << 20
+_MAX_INODE = 0xFFFFFFFF  # a socket's (sockfs numbers them with an unsigned int)
 # struct tcp_info (Linux >= 4.1): tcpi_state, a u8 first; tcpi_bytes_acked and
 # tcpi_bytes_received, u64s at these offsets.
 _BYTES_ACKED = 120
@@ -79,7 +86,7 @@ class LogError(ValueError):
 class ConnLog:
     """This front's record of one connection (``pwrite`` at its end)."""
 
-    __slots__ = ("_end", "_fd", "cid", "path", "rx", "rx_base", "tx", "tx_base")
+    __slots__ = ("_end", "_fd", "cid", "inode", "path", "rx", "rx_base", "tx", "tx_base")
 
     def __init__(
         self,
@@ -89,9 +96,11 @@ class ConnLog:
         bases: tuple[int, int],
         end: int,
         counts: tuple[int, int],
+        inode: int = 0,
     ) -> None:
         self.path = path
         self.cid = cid
+        self.inode = inode
         self._fd = fd
         # Bytes of this connection's answers and requests before the records.
         self.tx_base, self.rx_base = bases
@@ -99,22 +108,40 @@ class ConnLog:
         self.tx, self.rx = counts  # bytes the records say were written, and read, since
 
     @classmethod
-    def create(cls, directory: Path, cid: str) -> ConnLog:
+    def create(cls, directory: Path, cid: str, inode: int = 0) -> ConnLog:
+        """A new record, of the connection whose socket has ``inode`` (0: not said)."""
         path = directory / cid
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        os.pwrite(fd, _HEADER.pack(MAGIC, 0, 0, 0), 0)
-        return cls(path, fd, cid, (0, 0), _HEADER.size, (0, 0))
+        failpoints.hit("front.accept.header")
+        return cls._begin(path, fd, cid, inode)
 
     @classmethod
-    def reopen(cls, directory: Path, cid: str) -> tuple[ConnLog, int, list[tuple[bytes, bytes]]]:
+    def _begin(cls, path: Path, fd: int, cid: str, inode: int) -> ConnLog:
+        """A new record's header: its file's first write."""
+        inode = inode if 0 < inode <= _MAX_INODE else 0
+        os.pwrite(fd, _HEADER.pack(MAGIC, inode, 0, 0), 0)
+        return cls(path, fd, cid, (0, 0), _HEADER.size, (0, 0), inode)
+
+    @classmethod
+    def reopen(
+        cls, directory: Path, cid: str, inode: int = 0
+    ) -> tuple[ConnLog, int, list[tuple[bytes, bytes]]]:
         """A predecessor's record, to go on writing: it (its ``tx_base`` and
-        ``rx_base`` are the predecessor's), its tx_base and records."""
+        ``rx_base`` are the predecessor's), its tx_base and records.
+
+        A file shorter than a header is a record whose front died inside
+        ``create``, between the file and its header (CI saw one, empty):
+        the header is its first write and the front reads nothing before
+        ``create`` returns, so nothing went either way. It starts again
+        as new, of the socket with ``inode``."""
         path = directory / cid
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         try:
             data = os.pread(fd, os.fstat(fd).st_size, 0)
+            if len(data) < _HEADER.size:
+                return cls._begin(path, fd, cid, inode), 0, []
             tx_base, records, end = parse(data)
-            rx_base: int = _HEADER.unpack_from(data, 0)[3]  # parse checked the header
+            _, inode, _, rx_base = _HEADER.unpack_from(data, 0)  # parse checked the header
         except BaseException:
             os.close(fd)
             raise
@@ -122,7 +149,8 @@ class ConnLog:
         rx = sum(len(p) for k, p in records if k == R)
         if end < len(data):
             os.ftruncate(fd, end)  # a torn last record: never written, as far as anyone knows
-        return cls(path, fd, cid, (tx_base, rx_base), end, (tx, rx)), tx_base, records
+        record = cls(path, fd, cid, (tx_base, rx_base), end, (tx, rx), inode)
+        return record, tx_base, records
 
     def _append(self, kind: bytes, *parts: bytes) -> None:
         size = sum(map(len, parts))
@@ -156,7 +184,7 @@ class ConnLog:
         self.tx_base += self.tx
         self.rx_base += self.rx
         self.tx = self.rx = 0
-        os.pwrite(self._fd, _HEADER.pack(MAGIC, 0, self.tx_base, self.rx_base), 0)
+        os.pwrite(self._fd, _HEADER.pack(MAGIC, self.inode, self.tx_base, self.rx_base), 0)
         self._end = _HEADER.size
 
     @property
@@ -168,6 +196,25 @@ class ConnLog:
             os.close(self._fd)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
+
+
+def record_of(directory: Path, names: Iterable[str], inode: int) -> Path | None:
+    """Among the records ``names``, the one of the socket with ``inode``
+    (None: none says so; a record that cannot be read says nothing)."""
+    if not 0 < inode <= _MAX_INODE:
+        return None
+    for name in names:
+        path = directory / name
+        try:
+            with path.open("rb") as f:
+                head = f.read(_HEADER.size)
+        except OSError:
+            continue
+        if len(head) == _HEADER.size:
+            magic, of, _, _ = _HEADER.unpack(head)
+            if magic == MAGIC and of == inode:
+                return path
+    return None
 
 
 def parse(data: bytes) -> tuple[int, list[tuple[bytes, bytes]], int]:

@@ -169,12 +169,37 @@ class Front:
         self._server.keep = self._keep
         self._server.on_closed = self._closed
         self._server.resume = self.forwarder.resume
+        self._find_records(adopted)
         ids = {cid for cid, _ in adopted}
         for stale in self._conns.iterdir():  # records of connections nobody kept
             if stale.name not in ids:
                 with contextlib.suppress(OSError):
                     stale.unlink()
         return adopted
+
+    def _find_records(self, adopted: list[tuple[str, uds.OwnedFd]]) -> None:
+        """Name each kept connection's record by the id the keeper holds it
+        under. A front killed while its copy of a connection waited to be
+        sent (a keeper slow to read) had written the connection's record
+        under its own id, and its witness held the connection under another:
+        the record says which socket it is of."""
+        ids = {cid for cid, _ in adopted}
+        others = [p.name for p in self._conns.iterdir() if p.name not in ids]
+        for cid, owned in adopted:
+            if not others:
+                return
+            if (self._conns / cid).exists():
+                continue
+            found = connlog.record_of(self._conns, others, os.fstat(owned.fd).st_ino)
+            if found is None:
+                continue
+            try:
+                found.rename(self._conns / cid)
+            except OSError as exc:
+                log_event(log, "record_unnamed", logging.WARNING, id=cid, error=str(exc))
+                continue
+            others.remove(found.name)
+            log_event(log, "record_found", id=cid, record=found.name)
 
     def _keep(self, conn: socket.socket) -> connlog.ConnLog | None:
         """A connection just accepted: a copy to the keeper, then its record.
@@ -193,7 +218,7 @@ class Front:
         self._holder.hold(cid, conn.fileno())
         failpoints.hit("front.accept.record")
         try:
-            return connlog.ConnLog.create(self._conns, cid)
+            return connlog.ConnLog.create(self._conns, cid, os.fstat(conn.fileno()).st_ino)
         except OSError as exc:  # a full volume: served, but not kept
             log_event(log, "connlog_failed", logging.ERROR, error=str(exc))
             self._holder.drop(cid)
@@ -208,10 +233,11 @@ class Front:
         """Finish what the front that died left on one connection."""
         sock = socket.socket(fileno=owned.detach())
         try:
+            inode = os.fstat(sock.fileno()).st_ino
             try:
-                record, tx_base, records = connlog.ConnLog.reopen(self._conns, cid)
+                record, tx_base, records = connlog.ConnLog.reopen(self._conns, cid, inode)
             except FileNotFoundError:  # accepted, nothing read yet
-                record, tx_base, records = connlog.ConnLog.create(self._conns, cid), 0, []
+                record, tx_base, records = connlog.ConnLog.create(self._conns, cid, inode), 0, []
             plan = connlog.plan(
                 tx_base, records, connlog.kernel_count(sock),
                 rx_base=record.rx_base, read=connlog.kernel_read(sock),

@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from understudy.wire import uds
+from understudy.wire import failpoints, uds
 from understudy.wire.framing import RemoteFrameError
 from understudy.wire.obs import log_event
 
@@ -302,7 +302,7 @@ class Holder:
     def _send(self, data: bytes, fd: int | None) -> None:
         if self._sock is None:
             return  # every connection open then is held when the keeper is back
-        if self._pending:
+        if self._pending or failpoints.hit("conns.hold.queued"):
             # Behind what waits. A copy of the descriptor is taken now: the
             # connection may close meanwhile.
             self._pending.append((data, None if fd is None else os.dup(fd)))

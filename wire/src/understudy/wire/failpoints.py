@@ -85,6 +85,15 @@ POINTS: Final[Mapping[str, str]] = {
     "the lock server and before its record exists: a front killed there leaves the "
     "connection held with no record, and the next front answers it from its first byte "
     "(kill)",
+    "conns.hold.queued": "the front's copies of its connections, as one is sent to the "
+    "lock server: it waits in the front's queue, as behind a keeper that stopped reading, "
+    "and every message after it too; a front killed then leaves the connection to its "
+    "witness, under another id, and the next front finds its record by its socket "
+    "(return)",
+    "front.accept.header": "the front, as a connection's record is created (at its "
+    "accept), between the file and its header: a front killed there leaves an empty "
+    "record, which the next front takes as one of a connection nothing was read from, "
+    "and answers it from its first byte (kill)",
     "engine.poison": "the OpenAI surface, as an engine starts a request: armed "
     "return(MARKER), the engine SIGKILLs itself on every request whose prompt holds "
     "MARKER, as a request that crashes whichever engine serves it would (a poison "
