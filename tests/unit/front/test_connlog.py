@@ -308,6 +308,45 @@ def test_bytes_read_but_never_written_down_cannot_be_finished(tmp_path: Path) ->
             plan(tx_base, records, kernel_count(server), read=kernel_read(server))
 
 
+def test_a_record_whose_front_died_compacting_it_takes_the_sockets_counts(
+    tmp_path: Path,
+) -> None:
+    """Killed between ``compact``'s cut and its new header: the old bases
+    and no records. The socket says more went both ways than that; the
+    exchange was over (a front compacts only then), so the next front takes
+    the socket's counts as the bases and owes nothing."""
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"
+    server, client = _pair()
+    with server, client:
+        record = ConnLog.create(tmp_path, "c-14")
+        header = record.path.stat().st_size
+        client.sendall(REQUEST)
+        time.sleep(0.05)
+        record.received(server.recv(100, socket.MSG_PEEK))
+        server.recv(100)
+        record.wrote(answer, connlog.F)
+        server.sendall(answer)
+        time.sleep(0.05)
+        os.truncate(record.path, header)
+        reopened, tx_base, records = ConnLog.reopen(tmp_path, "c-14")
+        assert (tx_base, records) == (0, [])  # the cut made, the new header not
+        p = plan(tx_base, records, kernel_count(server), read=kernel_read(server))
+        assert p.rebase == (len(answer), len(REQUEST))
+        assert (p.rx, p.skip, p.tail, p.done, p.stream) == (b"", 0, b"", 0, None)
+        reopened.rebase(*p.rebase)
+        # the next exchange is planned from the socket's counts
+        client.sendall(REQUEST)
+        time.sleep(0.05)
+        reopened.received(server.recv(100, socket.MSG_PEEK))
+        again, tx_base, records = ConnLog.reopen(tmp_path, "c-14")
+        p = plan(tx_base, records, kernel_count(server), rx_base=again.rx_base,
+                 read=kernel_read(server))  # fmt: skip
+        assert (p.rx, p.skip, p.rebase) == (REQUEST, len(REQUEST), None)
+        # a record the next front made itself, finding none: nothing to go on
+        with pytest.raises(LogError, match="never written down"):
+            plan(0, [], kernel_count(server), read=kernel_read(server) + 1, found=False)
+
+
 def test_bytes_written_down_but_still_in_the_socket_are_answered_once(tmp_path: Path) -> None:
     """The dead front peeked at a request and wrote it down, and died before
     it took it from the kernel: the next front takes it from the socket

@@ -181,11 +181,16 @@ class ConnLog:
         first: a front killed between the two leaves no records and the old
         base, which says nothing is missing (true: the kernel had it all)."""
         os.ftruncate(self._fd, _HEADER.size)
-        self.tx_base += self.tx
-        self.rx_base += self.rx
-        self.tx = self.rx = 0
-        os.pwrite(self._fd, _HEADER.pack(MAGIC, self.inode, self.tx_base, self.rx_base), 0)
         self._end = _HEADER.size
+        failpoints.hit("front.record.compact")
+        self.rebase(self.tx_base + self.tx, self.rx_base + self.rx)
+
+    def rebase(self, tx_base: int, rx_base: int) -> None:
+        """Write down the bytes that went each way before the records (the
+        records must be none: ``compact``, or a plan's ``rebase``)."""
+        self.tx_base, self.rx_base = tx_base, rx_base
+        self.tx = self.rx = 0
+        os.pwrite(self._fd, _HEADER.pack(MAGIC, self.inode, tx_base, rx_base), 0)
 
     @property
     def idle(self) -> bool:
@@ -266,6 +271,9 @@ class Plan:
     tail: bytes  # what the kernel never took: written first
     stream: Stream | None  # the answer after ``done``, if it is a stream under way
     refused: bool  # a refusal went out: close after the tail
+    # The record's (tx_base, rx_base) from the socket's own counts, where its
+    # front died compacting it (``plan``); None: its own are right.
+    rebase: tuple[int, int] | None = None
 
 
 def plan(
@@ -275,13 +283,24 @@ def plan(
     *,
     rx_base: int = 0,
     read: int | None = None,
+    found: bool = True,
 ) -> Plan:
     """How the next front finishes a connection, from its record and
     ``kernel``, the bytes the socket took from any front (``kernel_count``),
     and ``read``, the bytes any front took from it (``kernel_read``; None:
-    not known, nothing is skipped)."""
+    not known, nothing is skipped). ``found``: the record is one a front
+    that died wrote (False: the next front made it, finding none)."""
     rx = b"".join(p for k, p in records if k == R)
     skip = 0 if read is None else rx_base + len(rx) - read
+    if skip < 0 and found and not records and read is not None and kernel > tx_base:
+        # Nothing past the header, and the socket says more went both ways
+        # than it counts: only ``compact`` takes records away, so its front
+        # died compacting it (the cut made, the new header not), which it
+        # does once its client had every answer and nothing of a next
+        # request was read. Nothing is owed either way: the socket's counts
+        # are the new bases. (Bytes read with none written since the header
+        # are what a front that read before writing down would leave: refused.)
+        return Plan(b"", 0, 0, b"", None, False, rebase=(kernel, read))
     if skip < 0:
         raise LogError(f"{-skip} bytes were read from the socket and never written down")
     tx = b"".join(tx_bytes(k, p) for k, p in records)

@@ -233,15 +233,18 @@ class Front:
         """Finish what the front that died left on one connection."""
         sock = socket.socket(fileno=owned.detach())
         try:
-            inode = os.fstat(sock.fileno()).st_ino
+            inode, found = os.fstat(sock.fileno()).st_ino, True
             try:
                 record, tx_base, records = connlog.ConnLog.reopen(self._conns, cid, inode)
             except FileNotFoundError:  # accepted, nothing read yet
                 record, tx_base, records = connlog.ConnLog.create(self._conns, cid, inode), 0, []
+                found = False
             plan = connlog.plan(
                 tx_base, records, connlog.kernel_count(sock),
-                rx_base=record.rx_base, read=connlog.kernel_read(sock),
+                rx_base=record.rx_base, read=connlog.kernel_read(sock), found=found,
             )  # fmt: skip
+            if plan.rebase is not None:  # its front died compacting it
+                record.rebase(*plan.rebase)
         except (OSError, connlog.LogError) as exc:
             # Nothing to finish it from: its client sees the close.
             log_event(log, "adopt_connection_failed", logging.ERROR, id=cid, error=str(exc))
@@ -253,7 +256,7 @@ class Front:
         log_event(
             log, "adopted", id=cid, done=plan.done, tail=len(plan.tail), replay=len(plan.rx),
             skip=plan.skip, stream_tokens=len(plan.stream.token_ids) if plan.stream else None,
-            peer=_peer(sock),
+            rebased=plan.rebase is not None, peer=_peer(sock),
         )  # fmt: skip
         self._server.adopt(sock, record, plan)
 

@@ -94,6 +94,10 @@ POINTS: Final[Mapping[str, str]] = {
     "accept), between the file and its header: a front killed there leaves an empty "
     "record, which the next front takes as one of a connection nothing was read from, "
     "and answers it from its first byte (kill)",
+    "front.record.compact": "the front, as it cuts an idle connection's record back to "
+    "its header, between the cut and the new header: a front killed there leaves the old "
+    "bases and no records, and the next front takes the socket's own counts as the bases "
+    "and reads the client's next request (kill)",
     "engine.poison": "the OpenAI surface, as an engine starts a request: armed "
     "return(MARKER), the engine SIGKILLs itself on every request whose prompt holds "
     "MARKER, as a request that crashes whichever engine serves it would (a poison "
