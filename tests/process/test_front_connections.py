@@ -80,6 +80,16 @@ def _read_to_end(s: socket.socket, got: bytearray, gaps: list[float] | None = No
         got += data
 
 
+def _read_events(s: socket.socket, n: int) -> bytearray:
+    """Until the head and ``n`` events are out."""
+    got = bytearray()
+    while got.count(b"data: ") < n:
+        data = s.recv(65536)
+        assert data, f"the connection closed after {len(got)} bytes"
+        got += data
+    return got
+
+
 def _split(answer: bytes) -> tuple[list[bytes], bytes]:
     """The head's lines but its Date, and the body with its one answer id and
     ``created`` blanked: what two runs of one request have the same. Each
@@ -120,11 +130,7 @@ def test_a_stream_read_across_the_front_death_is_the_uninterrupted_one_byte_for_
 ) -> None:
     ref_head, ref_body = _split(_reference(pod, 128))
     with _open(pod, 128) as s:
-        got = bytearray()
-        while got.count(b"data: ") < 4:  # the head and a few events out
-            data = s.recv(65536)
-            assert data
-            got += data
+        got = _read_events(s, 4)
         old = _kill_front(pod)
         gaps: list[float] = []
         _read_to_end(s, got, gaps)
@@ -172,11 +178,7 @@ def test_a_stream_whose_copy_never_reached_the_keeper_is_finished_from_its_recor
     try:
         pod.wait_armed(180)
         with _open(pod, 128) as s:
-            got = bytearray()
-            while got.count(b"data: ") < 4:  # the head and a few events out
-                data = s.recv(65536)
-                assert data
-                got += data
+            got = _read_events(s, 4)
             old = _kill_front(pod)
             _read_to_end(s, got)
         _next_front(pod, old)

@@ -112,13 +112,11 @@ def test_a_record_names_its_socket_whatever_its_id(tmp_path: Path) -> None:
         ConnLog.create(tmp_path, "a-2", inode).received(REQUEST)
         ConnLog.create(tmp_path, "a-3")  # not said
         (tmp_path / "junk").write_bytes(b"xy")
-        names = ["junk", "a-3", "a-1", "a-2"]
-        assert connlog.record_of(tmp_path, names, inode) == tmp_path / "a-2"
-        assert connlog.record_of(tmp_path, names[:3], inode) is None
-        assert connlog.record_of(tmp_path, names, 0) is None  # unknown names none
+        names = ["junk", "a-3", "a-1", "a-2", "gone"]
+        assert connlog.inodes(tmp_path, names) == {inode: "a-2", inode + 1: "a-1"}
         r = ConnLog.reopen(tmp_path, "a-2")[0]
         r.compact()  # the header keeps it
-        assert connlog.record_of(tmp_path, names, inode) == tmp_path / "a-2"
+        assert connlog.inodes(tmp_path, ["a-2"]) == {inode: "a-2"}
 
 
 def test_a_refusal_is_written_again_never_answered_twice(tmp_path: Path) -> None:

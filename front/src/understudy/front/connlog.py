@@ -59,7 +59,7 @@ MAGIC = b"USC2"
 # magic, the socket's inode (0: not known), tx_base, rx_base. The inode names
 # the connection a record is of whatever id the keeper holds it under: a
 # front killed with a copy not yet sent leaves the connection to its witness,
-# which holds it under an id of its own (``record_of``).
+# which holds it under an id of its own (``inodes``).
 _HEADER = struct.Struct("<4sIQQ")
 _REC = struct.Struct("<cI")  # kind, payload length
 _META = struct.Struct("<H")
@@ -179,7 +179,8 @@ class ConnLog:
     def compact(self) -> None:
         """Idle, and the kernel took everything: cut the records. Truncated
         first: a front killed between the two leaves no records and the old
-        base, which says nothing is missing (true: the kernel had it all)."""
+        bases, and the next front takes the socket's own counts instead
+        (``plan``'s ``rebase``: the kernel had it all)."""
         os.ftruncate(self._fd, _HEADER.size)
         self._end = _HEADER.size
         failpoints.hit("front.record.compact")
@@ -203,23 +204,21 @@ class ConnLog:
             self.path.unlink()
 
 
-def record_of(directory: Path, names: Iterable[str], inode: int) -> Path | None:
-    """Among the records ``names``, the one of the socket with ``inode``
-    (None: none says so; a record that cannot be read says nothing)."""
-    if not 0 < inode <= _MAX_INODE:
-        return None
+def inodes(directory: Path, names: Iterable[str]) -> dict[int, str]:
+    """The records ``names`` by the inode of the socket each is of (a record
+    that cannot be read, or does not say, is left out)."""
+    found: dict[int, str] = {}
     for name in names:
-        path = directory / name
         try:
-            with path.open("rb") as f:
+            with (directory / name).open("rb") as f:
                 head = f.read(_HEADER.size)
         except OSError:
             continue
         if len(head) == _HEADER.size:
-            magic, of, _, _ = _HEADER.unpack(head)
-            if magic == MAGIC and of == inode:
-                return path
-    return None
+            magic, inode, _, _ = _HEADER.unpack(head)
+            if magic == MAGIC and inode:
+                found[inode] = name
+    return found
 
 
 def parse(data: bytes) -> tuple[int, list[tuple[bytes, bytes]], int]:

@@ -169,37 +169,40 @@ class Front:
         self._server.keep = self._keep
         self._server.on_closed = self._closed
         self._server.resume = self.forwarder.resume
-        self._find_records(adopted)
-        ids = {cid for cid, _ in adopted}
-        for stale in self._conns.iterdir():  # records of connections nobody kept
-            if stale.name not in ids:
-                with contextlib.suppress(OSError):
-                    stale.unlink()
+        names = {p.name for p in self._conns.iterdir()}
+        others = names - {cid for cid, _ in adopted}
+        others -= self._find_records(adopted, names, others)
+        for stale in others:  # records of connections nobody kept
+            with contextlib.suppress(OSError):
+                (self._conns / stale).unlink()
         return adopted
 
-    def _find_records(self, adopted: list[tuple[str, uds.OwnedFd]]) -> None:
+    def _find_records(
+        self, adopted: list[tuple[str, uds.OwnedFd]], names: set[str], others: set[str]
+    ) -> set[str]:
         """Name each kept connection's record by the id the keeper holds it
-        under. A front killed while its copy of a connection waited to be
-        sent (a keeper slow to read) had written the connection's record
-        under its own id, and its witness held the connection under another:
-        the record says which socket it is of."""
-        ids = {cid for cid, _ in adopted}
-        others = [p.name for p in self._conns.iterdir() if p.name not in ids]
-        for cid, owned in adopted:
-            if not others:
-                return
-            if (self._conns / cid).exists():
-                continue
-            found = connlog.record_of(self._conns, others, os.fstat(owned.fd).st_ino)
-            if found is None:
+        under, of the records ``names`` (``others``: no kept connection's);
+        the names renamed. A front killed while its copy of a connection
+        waited to be sent (a keeper slow to read) had written the
+        connection's record under its own id, and its witness held the
+        connection under another: the record says which socket it is of."""
+        unnamed = [(cid, owned) for cid, owned in adopted if cid not in names]
+        if not unnamed or not others:
+            return set()
+        by_inode = connlog.inodes(self._conns, others)
+        renamed: set[str] = set()
+        for cid, owned in unnamed:
+            name = by_inode.pop(os.fstat(owned.fd).st_ino, None)
+            if name is None:
                 continue
             try:
-                found.rename(self._conns / cid)
+                (self._conns / name).rename(self._conns / cid)
             except OSError as exc:
                 log_event(log, "record_unnamed", logging.WARNING, id=cid, error=str(exc))
                 continue
-            others.remove(found.name)
-            log_event(log, "record_found", id=cid, record=found.name)
+            renamed.add(name)
+            log_event(log, "record_found", id=cid, record=name)
+        return renamed
 
     def _keep(self, conn: socket.socket) -> connlog.ConnLog | None:
         """A connection just accepted: a copy to the keeper, then its record.

@@ -16,9 +16,10 @@ the table to the keeper, as ``hold`` messages on the dead front's own keeper
 socket (the keeper is still reading that socket's session, and reads it to
 its end before it answers the next front's ``adopt``), and exits. The keeper
 keeps the ones it does not hold yet (it compares sockets by inode), and the
-next front adopts them: a connection with no record is served from its first
-byte, and the kernel's byte counts refuse one that was read from
-(``connlog.plan``).
+next front adopts them: a connection whose record the front had written
+under its own id gets it back (the record names its socket's inode), one
+with no record is served from its first byte, and the kernel's byte counts
+refuse one that was read from (``connlog.plan``).
 
 Why a raw ``clone`` and so much care: ``exec`` unshares the table, so the
 witness must stay a copy of the front's Python process; and until the front
