@@ -225,6 +225,34 @@ def test_long_rows_score_by_vector_products_as_a_full_forward_would(
     assert np.abs(np.stack(steps) - full[start:]).max() < 1e-4
 
 
+def test_a_decode_attends_alike_through_the_kernel_and_numpy(
+    model: LlamaModel, packed: tuple[mmap.mmap, list[Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C kernel (where built) and numpy's forms give the same logits, up
+    to float32's rounding, short rows and long ones (the tiny model's heads
+    are 64 wide, one of the kernel's shapes)."""
+    if model.decode_attention is None:
+        pytest.skip("the package was installed without its C kernel (no compiler)")
+    monkeypatch.setattr(llama_model.decode_attention, "kernel", None)
+    buf, records = packed
+    numpy_form = LlamaModel(views_from(buf, records), model.config)
+    assert numpy_form.decode_attention is None
+    n = LONG_SCORES + 40
+    ids = [int(i) for i in np.random.default_rng(5).integers(3, model.config.vocab_size, n)]
+    caches = [KVCache(model.config, 1, n) for _ in range(2)]
+    for m, cache in zip((model, numpy_form), caches, strict=True):
+        m.prefill(ids[:8], cache, 0)
+    for p in (*range(8, 64), *range(LONG_SCORES - 2, n)):
+        if p == LONG_SCORES - 2:  # the positions between, by prefill
+            for m, cache in zip((model, numpy_form), caches, strict=True):
+                m.prefill_chunks(ids[:p], cache, 0, 64, 64)
+        got, want = (
+            m.decode([Row(0, p, ids[p])], c)
+            for m, c in zip((model, numpy_form), caches, strict=True)
+        )
+        assert np.abs(got - want).max() < 1e-4, p
+
+
 @pytest.mark.parametrize(
     "shape",
     [

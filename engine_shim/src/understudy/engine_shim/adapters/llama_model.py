@@ -36,13 +36,15 @@ Two paths fill the cache and give logits:
   that such a product gives a row the same bits at each of its places, in
   each group of rows; where it does not (another BLAS), every product is
   row by row (vector times matrix). Attention is per row over its own
-  sequence. (SmolLM2 in the engine, one core, numpy 2.4.6 with OpenBLAS
-  0.3.31, a step of 8 rows: on a Zen 3 EPYC, 129 ms in the products of 4
-  rows over 512 KiB blocks of each weight until 2026-12-04, which OpenBLAS
-  packed on every call, and 92 ms in products of one weight row each, (1,
-  in) @ (in, 8), 204,672 calls a step; on an AVX-512 Xeon, 2026-12-05,
-  one process alternating the two forms, 100 ms in those and 80 ms in
-  groups of 8 weight rows.)
+  sequence: in C where the package was built with its kernel
+  (`decode_attention`: each key and value read once), else in numpy.
+  (SmolLM2 in the engine, one core, numpy 2.4.6 with OpenBLAS 0.3.31, a step
+  of 8 rows: on a Zen 3 EPYC, 129 ms in the products of 4 rows over 512 KiB
+  blocks of each weight until 2026-12-04, which OpenBLAS packed on every
+  call, and 92 ms in products of one weight row each, (1, in) @ (in, 8),
+  204,672 calls a step; on an AVX-512 Xeon, 2026-12-05, one process
+  alternating the two forms, 100 ms in those and 80 ms in groups of 8 weight
+  rows.)
 
 A row's bits inside a bigger product are not those it has alone, nor at
 another place, for any number of rows: with OpenBLAS 0.3.31's Haswell
@@ -90,6 +92,7 @@ import numpy as np
 import numpy.typing as npt
 
 from understudy.engine_shim import chunks
+from understudy.engine_shim.adapters import decode_attention
 from understudy.engine_shim.adapters.packing import ALIGNMENT, WeightsError
 
 __all__ = [
@@ -589,6 +592,11 @@ class LlamaModel:
         self.decode_products: Final = products_keep_rows([*self._distinct_matrices(), self._head])
         """Whether a decode runs in products of rows (else row by row)."""
         self._decode_product: Final = _by_weight_rows if self.decode_products else _rowwise
+        native = decode_attention.kernel
+        takes = native is not None and native.takes(c.num_kv_heads, self._rep, c.head_dim)
+        self.decode_attention: Final = native if takes else None
+        """The C kernel a decode row attends through, or None: numpy's form
+        (`decode_attention`)."""
 
     def _check_tokens(self, tokens: Sequence[int]) -> npt.NDArray[np.int64]:
         ids = np.asarray(tokens, dtype=np.int64)
@@ -779,6 +787,7 @@ class LlamaModel:
         kvh, rep, d = c.num_kv_heads, self._rep, c.head_dim
         cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]
         lengths = positions + 1
+        native = self.decode_attention
         x = self._embed[ids]
         for li, layer in enumerate(self._layers):
             h = rms_norm(x, layer.attn_norm, self._eps)
@@ -794,9 +803,15 @@ class LlamaModel:
             cache.v[li][slots, :, positions] = self._decode_product(h, layer.wv).reshape(r, kvh, d)
             keys, values = cache.rk[li], cache.rv[li]
             context = np.empty((r, kvh, rep, d), dtype=np.float32)
+            if native is not None:  # concatenate's order follows its inputs'
+                q = np.ascontiguousarray(q)
             # Per row over its own sequence (the module docstring): a loop over
-            # the step's rows, each one product per KV head for its rep heads.
+            # the step's rows, each in the kernel or one product per KV head
+            # for its rep heads.
             for i, (slot, length) in enumerate(zip(slots, lengths, strict=True)):
+                if native is not None:
+                    native.attend(q[i], keys[slot], values[slot], int(length), context[i])
+                    continue
                 probs = _softmax(_decode_scores(q[i], keys[slot, :, :length]))
                 context[i] = probs @ values[slot, :, :length]
             x += self._decode_product(context.reshape(r, c.num_heads * d), layer.wo)

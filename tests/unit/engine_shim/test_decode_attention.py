@@ -1,0 +1,135 @@
+"""The decode attention kernel (C, through ctypes) against a float64 softmax
+attention, the properties a failover's determinism rests on (a row's bits go
+by its own positions only), and its refusals."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from understudy.engine_shim.adapters import decode_attention
+from understudy.engine_shim.adapters.decode_attention import ENV, Kernel
+
+F32 = npt.NDArray[np.float32]
+
+kernel = decode_attention.kernel
+needs_kernel = pytest.mark.skipif(
+    kernel is None, reason="the package was installed without its C kernel (no compiler)"
+)
+
+
+def test_the_kernel_is_built_where_ci_installs_the_package() -> None:
+    """hack/setup builds it (a C compiler is there): a build that failed is
+    skipped silently by setuptools (the extension is optional), so CI says it."""
+    if not os.environ.get("CI"):
+        pytest.skip("checked under CI=true, whose machine has a C compiler")
+    assert kernel is not None, "adapters/_decode_attention.c was not built: see hack/setup's log"
+
+
+def _arrays(
+    seed: int, kvh: int, rep: int, d: int, max_len: int, scale: float = 1.0
+) -> tuple[F32, F32, F32]:
+    rng = np.random.default_rng(seed)
+    q = (rng.standard_normal((kvh, rep, d)) * scale / np.sqrt(d)).astype(np.float32)
+    keys = rng.standard_normal((kvh, max_len, d)).astype(np.float32)
+    values = rng.standard_normal((kvh, max_len, d)).astype(np.float32)
+    return q, keys, values
+
+
+def _reference(q: F32, keys: F32, values: F32, length: int) -> npt.NDArray[np.float64]:
+    scores = q.astype(np.float64) @ keys[:, :length].astype(np.float64).transpose(0, 2, 1)
+    scores -= scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    out: npt.NDArray[np.float64] = probs @ values[:, :length].astype(np.float64)
+    return out
+
+
+def _attend(k: Kernel, q: F32, keys: F32, values: F32, length: int) -> F32:
+    out = np.full(q.shape, np.nan, dtype=np.float32)
+    k.attend(q, keys, values, length, out)
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("rep", [1, 3])
+@pytest.mark.parametrize("length", [1, 7, 8, 9, 63, 64, 65, 1000])
+def test_the_kernel_computes_softmax_attention(d: int, rep: int, length: int) -> None:
+    assert kernel is not None
+    q, keys, values = _arrays(length, 3, rep, d, 1024)
+    got = _attend(kernel, q, keys, values, length)
+    np.testing.assert_allclose(got, _reference(q, keys, values, length), rtol=0, atol=2e-6)
+
+
+@needs_kernel
+def test_scores_far_apart_give_no_nan_and_the_softmax_s_answer() -> None:
+    """Scores hundreds apart: every exponent far under -87 (the kernel's floor)."""
+    assert kernel is not None
+    q, keys, values = _arrays(5, 3, 3, 64, 512, scale=400.0)
+    got = _attend(kernel, q, keys, values, 500)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, _reference(q, keys, values, 500), rtol=0, atol=2e-6)
+
+
+@needs_kernel
+def test_a_rows_bits_go_by_its_own_positions_only() -> None:
+    """The same row over the same positions, in a longer cache, at another
+    address, with other numbers past its length: the same bits."""
+    assert kernel is not None
+    q, keys, values = _arrays(7, 3, 3, 64, 300)
+    alone = _attend(kernel, q, keys, values, 300)
+    big_k, big_v = (
+        np.random.default_rng(8).standard_normal((3, 2048, 64)).astype(np.float32) for _ in range(2)
+    )
+    big_k[:, :300], big_v[:, :300] = keys, values
+    assert np.array_equal(_attend(kernel, q.copy(), big_k, big_v, 300), alone)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "case",
+    ["q not contiguous", "keys transposed", "no positions", "past the cache", "float64", "out"],
+)
+def test_arrays_not_of_the_kernels_layout_are_refused_and_nothing_is_written(case: str) -> None:
+    assert kernel is not None
+    q, keys, values = _arrays(9, 3, 3, 64, 128)
+    out = np.zeros_like(q)
+    length = 100
+    if case == "q not contiguous":
+        q = np.ascontiguousarray(q.transpose(1, 0, 2)).transpose(1, 0, 2)
+    elif case == "keys transposed":
+        keys = np.ascontiguousarray(keys.transpose(0, 2, 1)).transpose(0, 2, 1)
+    elif case == "no positions":
+        length = 0
+    elif case == "past the cache":
+        length = 129
+    elif case == "float64":
+        keys = keys.astype(np.float64)  # type: ignore[assignment]
+    else:
+        out = np.zeros((3, 3, 32), dtype=np.float32)
+    with pytest.raises(ValueError, match="not the kernel's layout"):
+        kernel.attend(q, keys, values, length, out)
+    assert not out.any()
+
+
+@needs_kernel
+def test_shapes_it_does_not_take_are_left_to_numpy() -> None:
+    assert kernel is not None
+    assert kernel.takes(3, 3, 64) and kernel.takes(8, 4, 128)
+    assert not kernel.takes(3, 3, 32)  # head_dim: 64 and 128 only
+    assert not kernel.takes(1, 17, 64)  # more query heads per KV head than it holds
+
+
+def test_numpy_s_form_is_chosen_by_the_environment() -> None:
+    code = "from understudy.engine_shim.adapters import decode_attention as d; print(d.kernel)"
+    env = {**os.environ, ENV: "numpy"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "None"
