@@ -225,18 +225,18 @@ def test_long_rows_score_by_vector_products_as_a_full_forward_would(
     assert np.abs(np.stack(steps) - full[start:]).max() < 1e-4
 
 
-def test_a_decode_attends_alike_through_the_kernel_and_numpy(
+def test_a_decode_computes_alike_through_the_kernels_and_numpy(
     model: LlamaModel, packed: tuple[mmap.mmap, list[Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The C kernel (where built) and numpy's forms give the same logits, up
+    """The C kernels (where built) and numpy's forms give the same logits, up
     to float32's rounding, short rows and long ones (the tiny model's heads
-    are 64 wide, one of the kernel's shapes)."""
+    are 64 wide, one of the attention kernel's shapes)."""
     if model.decode_attention is None:
-        pytest.skip("the package was installed without its C kernel (no compiler)")
-    monkeypatch.setattr(llama_model.decode_attention, "kernel", None)
+        pytest.skip("the package was installed without its C kernels (no compiler)")
+    monkeypatch.setattr(llama_model.decode_kernels, "kernels", None)
     buf, records = packed
     numpy_form = LlamaModel(views_from(buf, records), model.config)
-    assert numpy_form.decode_attention is None
+    assert numpy_form.decode_attention is None and not numpy_form.native_products
     n = LONG_SCORES + 40
     ids = [int(i) for i in np.random.default_rng(5).integers(3, model.config.vocab_size, n)]
     caches = [KVCache(model.config, 1, n) for _ in range(2)]
@@ -454,20 +454,26 @@ def test_top_p_keeps_the_smallest_nucleus_and_temperature_sharpens() -> None:
     assert cold.count(0) > 495
 
 
-@pytest.mark.parametrize("kernel", ["products", "rows"])
+@pytest.mark.parametrize("kernel", ["native", "products", "rows"])
 def test_decode_in_weight_blocks_keeps_rows_independent_and_exact(
     model: LlamaModel, tok: ChatTokenizer, monkeypatch: pytest.MonkeyPatch, kernel: str
 ) -> None:
-    """Both ways a decode multiplies (in products per weight row, or row by
-    row over blocks of a weight's rows where a BLAS gives no products that
-    keep a row's bits; the output head of a real model is many blocks): a
-    row still does not depend on the rows beside it, and the logits are the
-    full forward's."""
+    """Every way a decode multiplies (in C, in products per group of weight
+    rows, or row by row over blocks of a weight's rows where a BLAS gives no
+    products that keep a row's bits; the output head of a real model is many
+    blocks): a row still does not depend on the rows beside it, and the
+    logits are the full forward's."""
     monkeypatch.setattr(llama_model, "ROWWISE_BLOCK_BYTES", 100 * 256 * 4)  # 100 rows a block
+    if kernel == "native":
+        if not model.native_products:
+            pytest.skip("no C kernels here, or a CPU without AVX2 and FMA")
+    else:
+        monkeypatch.setattr(llama_model.decode_kernels, "kernels", None)
     if kernel == "rows":
         monkeypatch.setattr(llama_model, "products_keep_rows", lambda weights: False)
     model = LlamaModel(model.tensors, model.config)
-    assert model.decode_products == (kernel == "products")
+    assert model.native_products == (kernel == "native")
+    assert model.decode_products == (kernel != "rows")
     prompts = [tok.encode(t) for t in ("alpha beta", "one two three four", "x")]
     cache = KVCache(model.config, len(prompts), 64)
     for slot, ids in enumerate(prompts):

@@ -36,8 +36,9 @@ Two paths fill the cache and give logits:
   that such a product gives a row the same bits at each of its places, in
   each group of rows; where it does not (another BLAS), every product is
   row by row (vector times matrix). Attention is per row over its own
-  sequence: in C where the package was built with its kernel
-  (`decode_attention`: each key and value read once), else in numpy.
+  sequence. Where the package was built with its C kernels
+  (`decode_kernels`), both the products and the attention run in them
+  instead: the same promise, kept by construction.
   (SmolLM2 in the engine, one core, numpy 2.4.6 with OpenBLAS 0.3.31, a step
   of 8 rows: on a Zen 3 EPYC, 129 ms in the products of 4 rows over 512 KiB
   blocks of each weight until 2026-12-04, which OpenBLAS packed on every
@@ -92,7 +93,7 @@ import numpy as np
 import numpy.typing as npt
 
 from understudy.engine_shim import chunks
-from understudy.engine_shim.adapters import decode_attention
+from understudy.engine_shim.adapters import decode_kernels
 from understudy.engine_shim.adapters.packing import ALIGNMENT, WeightsError
 
 __all__ = [
@@ -589,14 +590,23 @@ class LlamaModel:
         # A query block's diagonal square: position i attends to keys 0..i.
         self._causal = np.triu(np.full((QUERY_BLOCK,) * 2, -np.inf, dtype=np.float32), k=1)
         self._batch_parts: dict[int, bool] = {}  # batch_parts' probes, by chunk
-        self.decode_products: Final = products_keep_rows([*self._distinct_matrices(), self._head])
+        native = decode_kernels.kernels
+        matrices = [*self._distinct_matrices(), self._head]
+        self.native_products: Final = native is not None and native.takes_products(matrices)
+        """Whether a decode's products run in C (`decode_kernels`)."""
+        self.decode_products: Final = self.native_products or products_keep_rows(matrices)
         """Whether a decode runs in products of rows (else row by row)."""
-        self._decode_product: Final = _by_weight_rows if self.decode_products else _rowwise
-        native = decode_attention.kernel
+        self._decode_product: Final[Callable[[F32, F32], F32]] = (
+            native.products
+            if native is not None and self.native_products
+            else _by_weight_rows
+            if self.decode_products
+            else _rowwise
+        )
         takes = native is not None and native.takes(c.num_kv_heads, self._rep, c.head_dim)
         self.decode_attention: Final = native if takes else None
-        """The C kernel a decode row attends through, or None: numpy's form
-        (`decode_attention`)."""
+        """The C kernels a decode row attends through, or None: numpy's form
+        (`decode_kernels`)."""
 
     def _check_tokens(self, tokens: Sequence[int]) -> npt.NDArray[np.int64]:
         ids = np.asarray(tokens, dtype=np.int64)

@@ -1,5 +1,5 @@
 /* A decode row's attention over its own sequence, reading each key and value
- * once (llama_model's decode; loaded by decode_attention.py through ctypes).
+ * once (llama_model's decode; loaded by decode_kernels.py through ctypes).
  *
  * numpy's forms read a KV head's keys once per query head that shares it
  * (SmolLM2: 3), and its probabilities-times-values product again per query
@@ -176,3 +176,93 @@ CLONES int understudy_decode_attention(const float *q, const float *k, const flo
     free(scratch);
     return 0;
 }
+
+/* --- a decode's products ------------------------------------------------------
+ *
+ * y[m, o] = dot(x[m, :], w[o, :]) for m < rows, o < outs; x (rows, n) and w
+ * (outs, n) row-major, n a multiple of 8: every product of a decode step
+ * (llama_model's `_decode_product`), the weights read from memory once for
+ * all the step's rows. numpy's form hands BLAS one small product per group
+ * of 8 weight rows (204,672 calls a step for SmolLM2 in the form before it,
+ * 25,584 in this one) and pads the step's rows to 8.
+ *
+ * A row's bits by construction: every element is 8 lanes, each accumulated
+ * by FMA over its inputs in order, then one fixed horizontal sum; the same
+ * operations whatever the other rows, the row's place or the tile it falls
+ * in. Tiles of 4 rows x 3 weight rows keep 12 accumulators in AVX2
+ * registers, and the weight rows PREFETCH rows ahead are prefetched so that
+ * the arithmetic overlaps the weights' stream from memory. AVX2 and FMA
+ * only: elsewhere (`understudy_products_supported`) numpy's form. (The
+ * prototype, bench/decode_kernel.c, measured it first: docs/performance.md.) */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+#define PREFETCH 6
+#define AVX2 __attribute__((target("avx2,fma")))
+
+AVX2 static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+#define TILE(R, O)                                                                         \
+    AVX2 static void tile_##R##_##O(const float *x, const float *w, float *y, size_t n,    \
+                                    size_t ldy) {                                          \
+        __m256 acc[R][O];                                                                  \
+        for (int r = 0; r < R; r++)                                                        \
+            for (int o = 0; o < O; o++) acc[r][o] = _mm256_setzero_ps();                   \
+        for (size_t k = 0; k < n; k += 8) {                                                \
+            __m256 wv[O];                                                                  \
+            for (int o = 0; o < O; o++) wv[o] = _mm256_loadu_ps(w + o * n + k);            \
+            if ((k & 15) == 0)                                                             \
+                for (int o = 0; o < O; o++)                                                \
+                    _mm_prefetch((const char *)(w + (o + PREFETCH) * n + k), _MM_HINT_T0); \
+            for (int r = 0; r < R; r++) {                                                  \
+                __m256 xv = _mm256_loadu_ps(x + r * n + k);                                \
+                for (int o = 0; o < O; o++) acc[r][o] = _mm256_fmadd_ps(xv, wv[o], acc[r][o]); \
+            }                                                                              \
+        }                                                                                  \
+        for (int r = 0; r < R; r++)                                                        \
+            for (int o = 0; o < O; o++) y[r * ldy + o] = hsum256(acc[r][o]);               \
+    }
+
+TILE(4, 3)
+TILE(2, 3)
+TILE(1, 3)
+TILE(4, 1)
+TILE(2, 1)
+TILE(1, 1)
+
+#define ROWS(O)                                                                            \
+    do {                                                                                   \
+        size_t r = 0;                                                                      \
+        for (; r + 4 <= rows; r += 4)                                                      \
+            tile_4_##O(x + r * n, w + o * n, y + r * outs + o, n, outs);                   \
+        for (; r + 2 <= rows; r += 2)                                                      \
+            tile_2_##O(x + r * n, w + o * n, y + r * outs + o, n, outs);                   \
+        for (; r < rows; r++) tile_1_##O(x + r * n, w + o * n, y + r * outs + o, n, outs); \
+    } while (0)
+
+int understudy_products_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+AVX2 int understudy_products(const float *x, const float *w, float *y, size_t rows, size_t outs,
+                             size_t n) {
+    if (n % 8 || rows < 1) return -1;
+    size_t o = 0;
+    for (; o + 3 <= outs; o += 3) ROWS(3);
+    for (; o < outs; o++) ROWS(1);
+    return 0;
+}
+#else
+int understudy_products_supported(void) { return 0; }
+int understudy_products(const float *x, const float *w, float *y, size_t rows, size_t outs,
+                        size_t n) {
+    (void)x, (void)w, (void)y, (void)rows, (void)outs, (void)n;
+    return -1;
+}
+#endif

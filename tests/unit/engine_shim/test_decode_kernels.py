@@ -1,6 +1,7 @@
-"""The decode attention kernel (C, through ctypes) against a float64 softmax
-attention, the properties a failover's determinism rests on (a row's bits go
-by its own positions only), and its refusals."""
+"""The decode kernels (C, through ctypes): the attention against a float64
+softmax attention and the products against float64 products, the properties
+a failover's determinism rests on (a row's bits go by its own inputs only),
+and their refusals."""
 
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from understudy.engine_shim.adapters import decode_attention
-from understudy.engine_shim.adapters.decode_attention import ENV, Kernel
+from understudy.engine_shim.adapters import decode_kernels
+from understudy.engine_shim.adapters.decode_kernels import ENV, Kernels
 
 F32 = npt.NDArray[np.float32]
 
-kernel = decode_attention.kernel
+kernel = decode_kernels.kernels
 needs_kernel = pytest.mark.skipif(
-    kernel is None, reason="the package was installed without its C kernel (no compiler)"
+    kernel is None, reason="the package was installed without its C kernels (no compiler)"
 )
 
 
@@ -28,7 +29,7 @@ def test_the_kernel_is_built_where_ci_installs_the_package() -> None:
     skipped silently by setuptools (the extension is optional), so CI says it."""
     if not os.environ.get("CI"):
         pytest.skip("checked under CI=true, whose machine has a C compiler")
-    assert kernel is not None, "adapters/_decode_attention.c was not built: see hack/setup's log"
+    assert kernel is not None, "adapters/_decode.c was not built: see hack/setup's log"
 
 
 def _arrays(
@@ -50,7 +51,7 @@ def _reference(q: F32, keys: F32, values: F32, length: int) -> npt.NDArray[np.fl
     return out
 
 
-def _attend(k: Kernel, q: F32, keys: F32, values: F32, length: int) -> F32:
+def _attend(k: Kernels, q: F32, keys: F32, values: F32, length: int) -> F32:
     out = np.full(q.shape, np.nan, dtype=np.float32)
     k.attend(q, keys, values, length, out)
     return out
@@ -127,9 +128,53 @@ def test_shapes_it_does_not_take_are_left_to_numpy() -> None:
 
 
 def test_numpy_s_form_is_chosen_by_the_environment() -> None:
-    code = "from understudy.engine_shim.adapters import decode_attention as d; print(d.kernel)"
+    code = "from understudy.engine_shim.adapters import decode_kernels as d; print(d.kernels)"
     env = {**os.environ, ENV: "numpy"}
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "None"
+
+
+needs_products = pytest.mark.skipif(
+    kernel is None or not kernel.has_products, reason="no C kernels, or a CPU without AVX2 and FMA"
+)
+
+
+@needs_products
+@pytest.mark.parametrize("shape", [(576, 576), (1536, 576), (576, 1536), (5, 256), (1001, 64)])
+def test_products_are_float64_s_to_float32_s_rounding(shape: tuple[int, int]) -> None:
+    assert kernel is not None
+    rng = np.random.default_rng(shape[0])
+    weight = rng.standard_normal(shape).astype(np.float32)
+    x = rng.standard_normal((11, shape[1])).astype(np.float32)
+    got = kernel.products(x, weight)
+    want = x.astype(np.float64) @ weight.astype(np.float64).T
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.sqrt(shape[1]))
+
+
+@needs_products
+def test_a_rows_products_are_the_same_bits_in_any_step() -> None:
+    """A row alone, and at every place of steps of 2 to 11 rows (tiles of 4,
+    2 and 1 rows), against weights of 3 rows a tile and the rows left over."""
+    assert kernel is not None
+    rng = np.random.default_rng(4)
+    weight = rng.standard_normal((1001, 576)).astype(np.float32)
+    x = rng.standard_normal((11, 576)).astype(np.float32)
+    alone = np.concatenate([kernel.products(x[i : i + 1], weight) for i in range(11)])
+    for rows in range(2, 12):
+        for first in range(0, 12 - rows):
+            step = kernel.products(x[first : first + rows], weight)
+            assert np.array_equal(step, alone[first : first + rows]), (rows, first)
+
+
+@needs_products
+def test_products_refuse_what_they_do_not_take() -> None:
+    assert kernel is not None
+    weight = np.ones((8, 64), dtype=np.float32)
+    assert kernel.takes_products([weight])
+    assert not kernel.takes_products([np.ones((8, 60), dtype=np.float32)])  # not 8 floats wide
+    assert not kernel.takes_products([weight[:, ::2]])  # not contiguous
+    assert not kernel.takes_products([weight.astype(np.float64)])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="products"):
+        kernel.products(np.ones((2, 32), dtype=np.float32), weight)

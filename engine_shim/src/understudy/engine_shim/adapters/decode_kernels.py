@@ -1,0 +1,155 @@
+"""A decode step's attention and products in C, where the package was built with them.
+
+`llama_model.LlamaModel.decode` spends its step in two places numpy serves
+badly on a CPU (docs/performance.md):
+
+* **attention**, a row over its own sequence: numpy's forms read a KV head's
+  keys once per query head sharing it and its values again per query head
+  (SmolLM2: 3 each); `attend` reads each once, in chunks the L1 cache
+  holds, and takes the softmax in the same call. SmolLM2's 30 layers at
+  4,000 positions, one core: 15 ms against 24-30.
+* **products**, the step's rows times each weight: numpy's form hands BLAS
+  one small product per group of 8 weight rows; `products` streams each
+  weight once through tiles of 4 rows x 3 weight rows held in AVX2
+  registers (AVX2 and FMA CPUs only).
+
+Both keep a row's bits a function of the row alone, by construction (the C
+file's comments say how), which is what a failover's byte-identical
+continuation rests on.
+
+The kernels are an optional part of the package: setuptools builds them
+where a C compiler is found (``pip install``, ``hack/setup``) and installs
+the package without them where none is (the image's base has none). `kernels`
+is None then, or where ``UNDERSTUDY_DECODE_KERNELS=numpy`` asks for numpy's
+forms, and the model keeps those. Every engine of a pod runs one installed
+package on one CPU, so a failover's next engine computes a stream's rows the
+way the engine that began it did.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import logging
+import os
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["ENV", "Kernels", "kernels"]
+
+F32 = npt.NDArray[np.float32]
+
+ENV: Final = "UNDERSTUDY_DECODE_KERNELS"
+"""``numpy``: numpy's forms even where the kernels are built (a benchmark's
+baseline, or a pod whose engines must match one built without them)."""
+
+_MODULE: Final = "understudy.engine_shim.adapters._decode"
+
+log = logging.getLogger("understudy.engine_shim.decode_kernels")
+
+
+class Kernels:
+    """The C functions over ctypes."""
+
+    HEAD_DIMS: Final = (64, 128)
+    MAX_REP: Final = 16
+
+    def __init__(self, path: str) -> None:
+        lib = ctypes.CDLL(path)
+        ptr, size, i32 = ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int
+        attend = lib.understudy_decode_attention
+        attend.argtypes = [ptr, ptr, ptr, size, size, i32, i32, i32, ptr]
+        attend.restype = i32
+        products = lib.understudy_products
+        products.argtypes = [ptr, ptr, ptr, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t]
+        products.restype = i32
+        supported = lib.understudy_products_supported
+        supported.restype = i32
+        self._attend, self._products = attend, products
+        self.path: Final = path
+        self.has_products: Final = bool(supported())
+        """Whether this CPU runs `products` (AVX2 and FMA)."""
+
+    def takes(self, kv_heads: int, rep: int, head_dim: int) -> bool:
+        """Whether `attend` computes heads of this shape (else numpy's form)."""
+        return head_dim in self.HEAD_DIMS and 1 <= rep <= self.MAX_REP and kv_heads >= 1
+
+    def takes_products(self, weights: list[F32]) -> bool:
+        """Whether `products` runs on this CPU and takes every one of ``weights``
+        (float32, C-contiguous, rows a multiple of 8 floats wide)."""
+        return self.has_products and all(
+            w.dtype == np.float32 and w.ndim == 2 and w.flags.c_contiguous and w.shape[1] % 8 == 0
+            for w in weights
+        )
+
+    def attend(self, q: F32, keys: F32, values: F32, length: int, out: F32) -> None:
+        """``out`` (kv_heads, rep, d) = softmax(q kᵀ) v over the first ``length``
+        positions of ``keys`` and ``values`` (kv_heads, max_len, d), for ``q``
+        (kv_heads, rep, d), scaled already. Each head's positions must be
+        contiguous rows of d floats (a `KVCache` slot's are); q and out
+        C-contiguous."""
+        kvh, rep, d = q.shape
+        if not (
+            q.flags.c_contiguous
+            and out.flags.c_contiguous
+            and out.shape == q.shape
+            and keys.shape == values.shape
+            and keys.strides == values.strides
+            and keys.strides[1:] == (4 * d, 4)
+            and keys.shape[0] == kvh
+            and keys.shape[2] == d
+            and 1 <= length <= keys.shape[1]
+            and q.dtype == keys.dtype == values.dtype == out.dtype == np.float32
+        ):
+            raise ValueError(
+                f"decode attention: q {q.dtype}{q.shape}, keys and values {keys.dtype}"
+                f"{keys.shape} strides {keys.strides} and {values.strides}, out"
+                f" {out.dtype}{out.shape}, {length} positions: not the kernel's layout"
+            )
+        rc = self._attend(
+            q.ctypes.data,
+            keys.ctypes.data,
+            values.ctypes.data,
+            keys.strides[0] // 4,
+            length,
+            kvh,
+            rep,
+            d,
+            out.ctypes.data,
+        )
+        if rc != 0:
+            raise MemoryError(f"decode attention: the kernel refused {q.shape} over {length}")
+
+    def products(self, x: F32, weight: F32) -> F32:
+        """x (rows, in) @ weight.T, a row's bits its own (module docstring);
+        ``weight`` one `takes_products` took."""
+        rows, width = x.shape
+        if weight.shape[1] != width or x.dtype != np.float32 or rows < 1:
+            raise ValueError(f"products: x {x.dtype}{x.shape} against weight {weight.shape}")
+        x = np.ascontiguousarray(x)
+        out = np.empty((rows, weight.shape[0]), dtype=np.float32)
+        rc = self._products(
+            x.ctypes.data, weight.ctypes.data, out.ctypes.data, rows, weight.shape[0], width
+        )
+        if rc != 0:
+            raise ValueError(f"products: the kernel refused x {x.shape} against {weight.shape}")
+        return out
+
+
+def _load() -> Kernels | None:
+    if os.environ.get(ENV, "") == "numpy":
+        return None
+    spec = importlib.util.find_spec(_MODULE)
+    if spec is None or spec.origin is None:
+        return None
+    try:
+        return Kernels(spec.origin)
+    except (OSError, AttributeError) as exc:  # a stale or foreign build: numpy's forms
+        log.warning("decode kernels not loaded from %s: %s", spec.origin, exc)
+        return None
+
+
+kernels: Final = _load()
+"""The built kernels, or None (numpy's forms): module docstring."""
