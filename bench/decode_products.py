@@ -12,14 +12,13 @@ head, 540 MB of float32), at 1 and 8 rows:
 * ``per weight row``: the form from 8844117 until e81f46b, the rows
   padded to 8 and each weight row one ``(1, in) @ (in, 8)`` product of a
   stack that BLAS's matrix-vector kernel runs;
-* ``by weight rows``: the form the engine runs (``_by_weight_rows``), the
-  same padding and each group of 8 weight rows one ``(8, in) @ (in, 8)``
-  product; the ratio's baseline;
-* ``native prototype``: ``bench/decode_kernel.c`` (AVX2 and FMA, every
-  element summed in one fixed order), compiled here with ``cc`` into a
-  temporary directory; skipped, and said so, without a compiler or on a CPU
-  without AVX2 and FMA. No component builds or loads it: it measures what a
-  kernel of our own would give (docs/performance.md, 2026-12-04, night).
+* ``by weight rows``: numpy's form the engine runs without its C kernels
+  (``_by_weight_rows``), the same padding and each group of 8 weight rows
+  one ``(8, in) @ (in, 8)`` product; the ratio's baseline;
+* ``native``: the engine's C kernel (``decode_kernels.Kernels.products``,
+  AVX2 and FMA, every element summed in one fixed order), what the engine
+  runs where the package was built with it; skipped, and said so, where it
+  was not or on a CPU without AVX2 and FMA.
 
 Each form's invariance is checked too, on one weight of each shape: a row
 alone against the same row at every place of a step of 8 and of 16 rows.
@@ -37,12 +36,8 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads (see llama_model)
 
 import argparse
-import ctypes
 import mmap
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -53,7 +48,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import print_table, summary, warn_forced_openblas, write_results
 
-from understudy.engine_shim.adapters import models
+from understudy.engine_shim.adapters import decode_kernels, models
 from understudy.engine_shim.adapters.llama_model import LAYER_PARTS, LlamaConfig, _by_weight_rows
 from understudy.engine_shim.adapters.packing import pack_into, packed_size, views_from
 
@@ -89,28 +84,13 @@ def per_weight_row(x: F32, weight: F32) -> F32:
 
 
 def native_product() -> tuple[Product | None, str]:
-    """The prototype kernel, compiled here; (None, why) where it cannot run."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        return None, "no C compiler (cc) here"
-    out = Path(tempfile.mkdtemp(prefix="understudy-decode-kernel-")) / "decode_kernel.so"
-    source = Path(__file__).resolve().parent / "decode_kernel.c"
-    subprocess.run([cc, "-O3", "-fPIC", "-shared", "-o", str(out), str(source)], check=True)
-    lib = ctypes.CDLL(str(out))
-    if not lib.rows_dot_supported():
+    """The engine's C kernel (``decode_kernels``); (None, why) where it is not there."""
+    kernels = decode_kernels.kernels
+    if kernels is None:
+        return None, f"the package was built without its C kernels, or {decode_kernels.ENV}=numpy"
+    if not kernels.has_products:
         return None, "this CPU has no AVX2 and FMA"
-    lib.rows_dot.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_size_t] * 3
-    lib.rows_dot.restype = None
-
-    def product(x: F32, weight: F32) -> F32:
-        if weight.shape[1] % 8 or not weight.flags.c_contiguous:
-            raise ValueError("the prototype takes C-contiguous weights, widths a multiple of 8")
-        x = np.ascontiguousarray(x)
-        y = np.empty((x.shape[0], weight.shape[0]), dtype=np.float32)
-        lib.rows_dot(x.ctypes.data, weight.ctypes.data, y.ctypes.data, *x.shape[:1], *weight.shape)
-        return y
-
-    return product, f"compiled with {cc}"
+    return kernels.products, f"loaded from {kernels.path}"
 
 
 def packed_weights(model_dir: Path) -> tuple[mmap.mmap, list[F32]]:
@@ -172,9 +152,9 @@ def main() -> int:
         BASELINE: _by_weight_rows,
     }
     native, how = native_product()
-    print(f"native prototype: {how}" if native else f"native prototype skipped: {how}")
+    print(f"native: {how}" if native else f"native skipped: {how}")
     if native is not None:
-        forms["native prototype"] = native
+        forms["native"] = native
     results: dict[str, Any] = {}
     for name, product in forms.items():
         keeps = keeps_rows(product, weights)

@@ -193,7 +193,7 @@ CLONES int understudy_decode_attention(const float *q, const float *k, const flo
  * registers, and the weight rows PREFETCH rows ahead are prefetched so that
  * the arithmetic overlaps the weights' stream from memory. AVX2 and FMA
  * only: elsewhere (`understudy_products_supported`) numpy's form. (The
- * prototype, bench/decode_kernel.c, measured it first: docs/performance.md.) */
+ * prototype, measured first as bench/decode_kernel.c: docs/performance.md.) */
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -68,9 +69,11 @@ from understudy.engine_shim.kvlog import PoolSpec
 from understudy.engine_shim.kvpool import Checking, KvPool
 from understudy.engine_shim.step_thread import StepThread, send
 from understudy.gms.client import Allocation, GmsClient
+from understudy.wire.obs import log_event
 
 __all__ = ["Batcher", "LlamaEngine", "NotServing", "Request"]
 
+log = logging.getLogger("understudy.engine_shim.llama")
 
 META_KEY: Final = "llama"
 DEFAULT_MAX_NUM_SEQS: Final = 8
@@ -503,7 +506,13 @@ class LlamaEngine:
     ) -> Forward[Any]:
         """The model over the packed weights in ``memory`` (never a copy)."""
         host = memory.view() if isinstance(memory, Allocation) else memory
-        return LlamaModel(views_from(host, records), self.config)
+        model = LlamaModel(views_from(host, records), self.config)
+        # Which forms this engine decodes in: engines of one pod must agree
+        # (decode_kernels), and a slow node's log says why.
+        products = "c" if model.native_products else "numpy" if model.decode_products else "rows"
+        attention = "numpy" if model.decode_attention is None else "c"
+        log_event(log, "decode_forms", products=products, attention=attention)
+        return model
 
     def _new_cache(self, slots: int, max_len: int, pool: KvPool | None = None) -> Cache:
         """A cache of the engine's own, or the pool's arena (nothing allocated or copied)."""
