@@ -4,7 +4,8 @@
 # understudy-respawner distribution: docs/pod.md).
 #
 # Builds from any Debian bookworm rootfs with python3 (>= 3.11), python3-venv
-# and ca-certificates; the only network it needs is PyPI. hack/cluster builds
+# and ca-certificates; the network it needs is PyPI, and a Debian mirror for
+# the build stage's compiler (optional: below). hack/cluster builds
 # it with buildah on a local debootstrap base image:
 #   buildah bud --build-arg BASE_IMAGE=localhost/understudy-base:bookworm -t localhost/understudy:dev .
 #
@@ -13,8 +14,14 @@
 # the reference model's files; a slim sidecar image takes only its own, e.g.
 # --build-arg PACKAGES="understudy-lockserver" (8 MB of Python packages
 # instead of 330 MB).
+#
+# Two stages. The first builds the venv (/opt/understudy) with a C compiler,
+# so that the llama engine gets its decode kernels (engine_shim's optional
+# extension, adapters/_decode.c: docs/performance.md); where no Debian mirror
+# answers it goes on without one, and the engine decodes in numpy's forms. The
+# image is the base and that venv: no compiler, no uv, no sources.
 ARG BASE_IMAGE=debian:bookworm-slim
-FROM ${BASE_IMAGE}
+FROM ${BASE_IMAGE} AS build
 
 ARG PACKAGES=""
 # UV_SYSTEM_CERTS: trust the image's CA store (which may carry a corporate or
@@ -36,6 +43,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PATH=/opt/understudy/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     HOME=/tmp
 
+RUN (apt-get update -qq && apt-get install -y -qq --no-install-recommends gcc libc6-dev >/dev/null) \
+    || echo "no C compiler here: the llama engine will decode in numpy's forms"
 RUN python3 -m venv /opt/uv && /opt/uv/bin/pip install --quiet "uv==0.13.9"
 WORKDIR /src
 COPY . .
@@ -48,6 +57,15 @@ RUN --mount=type=cache,target=/tmp/.cache/uv \
  && rm -rf /src \
  && /opt/understudy/bin/understudy --help >/dev/null \
  && /opt/understudy/bin/understudy respawn --help >/dev/null
+
+FROM ${BASE_IMAGE}
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    VIRTUAL_ENV=/opt/understudy \
+    PATH=/opt/understudy/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    HOME=/tmp
+COPY --from=build /opt/understudy /opt/understudy
+RUN understudy --help >/dev/null && understudy respawn --help >/dev/null
 
 # Non-root, matching the pods' runAsUser (docs/operator.md). A passwd entry,
 # because kopf names its peering identity after getpass.getuser().

@@ -18,8 +18,8 @@ file's comments say how), which is what a failover's byte-identical
 continuation rests on.
 
 The kernels are an optional part of the package: setuptools builds them
-where a C compiler is found (``pip install``, ``hack/setup``) and installs
-the package without them where none is (the image's base has none). `kernels`
+where a C compiler is found (``pip install``, ``hack/setup``, the image's
+build stage) and installs the package without them where none is. `kernels`
 is None then, or where ``UNDERSTUDY_DECODE_KERNELS=numpy`` asks for numpy's
 forms, and the model keeps those. Every engine of a pod runs one installed
 package on one CPU, so a failover's next engine computes a stream's rows the
