@@ -36,16 +36,16 @@ Two paths fill the cache and give logits:
   that such a product gives a row the same bits at each of its places, in
   each group of rows; where it does not (another BLAS), every product is
   row by row (vector times matrix). Attention is per row over its own
-  sequence. Where the package was built with its C kernels
-  (`decode_kernels`), both the products and the attention run in them
-  instead: the same promise, kept by construction.
-  (SmolLM2 in the engine, one core, numpy 2.4.6 with OpenBLAS 0.3.31, a step
-  of 8 rows: on a Zen 3 EPYC, 129 ms in the products of 4 rows over 512 KiB
-  blocks of each weight until 2026-12-04, which OpenBLAS packed on every
-  call, and 92 ms in products of one weight row each, (1, in) @ (in, 8),
-  204,672 calls a step; on an AVX-512 Xeon, 2026-12-05, one process
-  alternating the two forms, 100 ms in those and 80 ms in groups of 8 weight
-  rows.)
+  sequence. (SmolLM2 in the engine, one core, numpy 2.4.6 with OpenBLAS
+  0.3.31, a step of 8 rows: on a Zen 3 EPYC, 129 ms in the products of 4
+  rows over 512 KiB blocks of each weight until 2026-12-04, which OpenBLAS
+  packed on every call, and 92 ms in products of one weight row each, (1,
+  in) @ (in, 8), 204,672 calls a step; on an AVX-512 Xeon, 2026-12-05,
+  one process alternating the two forms, 100 ms in those and 80 ms in
+  groups of 8 weight rows.) Where the package was built with its C kernels
+  (`decode_kernels`), the products and the attention run in them instead,
+  which keep the same promise by construction (60 ms a step of 8 rows on
+  an EPYC where numpy's forms took 124).
 
 A row's bits inside a bigger product are not those it has alone, nor at
 another place, for any number of rows: with OpenBLAS 0.3.31's Haswell
@@ -596,12 +596,9 @@ class LlamaModel:
         """Whether a decode's products run in C (`decode_kernels`)."""
         self.decode_products: Final = self.native_products or products_keep_rows(matrices)
         """Whether a decode runs in products of rows (else row by row)."""
+        numpy_form = _by_weight_rows if self.decode_products else _rowwise
         self._decode_product: Final[Callable[[F32, F32], F32]] = (
-            native.products
-            if native is not None and self.native_products
-            else _by_weight_rows
-            if self.decode_products
-            else _rowwise
+            native.products if native is not None and self.native_products else numpy_form
         )
         takes = native is not None and native.takes(c.num_kv_heads, self._rep, c.head_dim)
         self.decode_attention: Final = native if takes else None
