@@ -1,7 +1,9 @@
-/* A decode row's attention over its own sequence, reading each key and value
- * once (llama_model's decode; loaded by decode_kernels.py through ctypes).
+/* The llama engine's decode kernels (llama_model's decode; loaded by
+ * decode_kernels.py through ctypes): a row's attention over its own
+ * sequence, here, and a step's products, at the end of the file.
  *
- * numpy's forms read a KV head's keys once per query head that shares it
+ * The attention reads each key and value once, where numpy's forms read a
+ * KV head's keys once per query head that shares it
  * (SmolLM2: 3), and its probabilities-times-values product again per query
  * head: 24 ms for SmolLM2's 30 layers at 4,000 positions on one core of this
  * project's EPYC, where reading the 184 MB once takes about 10. Here the
