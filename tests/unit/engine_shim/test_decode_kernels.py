@@ -93,6 +93,24 @@ def test_a_rows_bits_go_by_its_own_positions_only() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("d", [64, 128])
+def test_a_positions_score_has_the_same_bits_in_a_group_of_8_or_at_the_end(d: int) -> None:
+    """The kernel sums 8 positions' scores at once and a sequence's last few
+    one by one, by the same tree: a row over ``length`` positions, then the
+    same row with positions past them that add nothing (scores so low that
+    e^x is the kernel's floor, values 0), so that its own last positions fall
+    in a group of 8: the same bits."""
+    assert kernel is not None
+    for length in range(1, 18):
+        q, keys, values = _arrays(length, 3, 3, d, 32)
+        q = np.abs(q)  # every score of the padding far below the others
+        keys[:, length:], values[:, length:] = -50.0, 0.0
+        padded = -(-(length + 1) // 8) * 8 + 8
+        alone = _attend(kernel, q, keys, values, length)
+        assert np.array_equal(_attend(kernel, q, keys, values, padded), alone), length
+
+
+@needs_kernel
 @pytest.mark.parametrize(
     "case",
     ["q not contiguous", "keys transposed", "no positions", "past the cache", "float64", "out"],
