@@ -8,13 +8,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import Future
 
 import numpy as np
 import numpy.typing as npt
 import pytest
 
+from understudy.engine_shim import kvlog, kvpool
 from understudy.engine_shim.adapters import decode_kernels
 from understudy.engine_shim.adapters.decode_kernels import ENV, Kernels
+from understudy.engine_shim.kvpool import KvPool
 
 F32 = npt.NDArray[np.float32]
 
@@ -196,3 +199,65 @@ def test_products_refuse_what_they_do_not_take() -> None:
     assert not kernel.takes_products([weight.astype(np.float64)])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="products"):
         kernel.products(np.ones((2, 32), dtype=np.float32), weight)
+
+
+# --- a claim's checksums, summed by the attention as it reads the blocks ---------
+
+
+def _pool(d: int) -> KvPool:
+    spec = kvlog.PoolSpec(
+        "m", layers=3, kv_heads=2, head_dim=d, dtype="float32", slots=2, max_len=96
+    )
+    pool = KvPool(memoryview(bytearray(spec.pool_bytes)), spec, 1)
+    rng = np.random.default_rng(d)
+    pool.k[...] = rng.standard_normal(pool.k.shape, dtype=np.float32)
+    pool.v[...] = rng.standard_normal(pool.v.shape, dtype=np.float32)
+    return pool
+
+
+@needs_kernel
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("length", [16, 47, 64, 65, 96])
+def test_the_attention_sums_the_pools_block_checksums_as_it_reads_them(d: int, length: int) -> None:
+    """A step's row over every layer, given the pool's `block_sums`: each
+    whole block's sum is the pool's own checksum of it (kvlog's
+    block_checksum), and the row's output is what it is without sums."""
+    assert kernel is not None
+    pool, slot = _pool(d), 1
+    blocks = length // 16
+    checking = kvpool.Checking(slot, blocks * 16, length, 0, 16, Future())
+    summed = pool.block_sums(checking)
+    q = np.random.default_rng(3).standard_normal((2, 2, d)).astype(np.float32) / 8
+    for layer in range(pool.spec.layers):
+        out = np.empty_like(q)
+        kernel.attend(q, pool.rk[layer, slot], pool.rv[layer, slot], length, out, summed, layer)
+        plain = _attend(kernel, q, pool.rk[layer, slot], pool.rv[layer, slot], length)
+        assert np.array_equal(out, plain)
+    assert summed.total.tolist() == [pool.checksum(slot, b, 16) for b in range(blocks)]
+    # one word changed: its block's sum differs, and only its block's
+    pool.v[2, slot, 1, 16 * (blocks - 1) + 3].view(np.uint32)[5] ^= 1
+    again = pool.block_sums(checking)
+    for layer in range(pool.spec.layers):
+        kernel.attend(q, pool.rk[layer, slot], pool.rv[layer, slot], length, out, again, layer)
+    assert again.total.tolist()[:-1] == summed.total.tolist()[:-1]
+    assert again.total[-1] != summed.total[-1]
+    assert again.total[-1] == pool.checksum(slot, blocks - 1, 16)
+
+
+@needs_kernel
+def test_block_sums_past_the_length_or_of_other_shapes_are_refused() -> None:
+    assert kernel is not None
+    pool = _pool(64)
+    q = np.zeros((2, 2, 64), dtype=np.float32)
+    out = np.full_like(q, np.nan)
+    past = pool.block_sums(kvpool.Checking(0, 48, 48, 0, 16, Future()))
+    with pytest.raises(ValueError, match="past 40 positions"):
+        kernel.attend(q, pool.rk[0, 0], pool.rv[0, 0], 40, out, past, 0)
+    other = pool.block_sums(kvpool.Checking(0, 32, 48, 0, 16, Future()))
+    with pytest.raises(ValueError, match="not for 2 heads of 128"):
+        bad = np.zeros((2, 2, 128), dtype=np.float32)
+        keys = np.zeros((2, 96, 128), dtype=np.float32)
+        kernel.attend(bad, keys, keys, 40, np.empty_like(bad), other, 0)
+    with pytest.raises(ValueError, match="at layer 3"):
+        kernel.attend(q, pool.rk[0, 0], pool.rv[0, 0], 40, out, other, 3)
+    assert np.isnan(out).all() and not other.total.any()

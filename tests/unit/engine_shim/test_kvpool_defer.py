@@ -65,3 +65,48 @@ def test_without_a_whole_block_below_the_start_nothing_is_deferred() -> None:
     pool = adopted(n=10)  # block 0, sealed in part: checked at the claim
     claim = pool.claim([*TOKENS[:10], 7], [0, 1], prompt=5, chunk=16, defer=True)
     assert (claim.start, claim.checking) == (10, None)
+
+
+# --- in_step: the engine's first step sums the blocks as it reads them ----------
+
+
+def test_in_step_the_steps_sums_settle_the_claim_and_no_thread_reads_them() -> None:
+    pool = adopted()
+    claim = pool.claim([*TOKENS, 7], [0, 1], prompt=10, chunk=16, defer=True, in_step=True)
+    assert claim.checking is not None
+    assert [b for b, _ in claim.checking.in_step] == [0, 1]
+    assert not claim.checking.first_bad.done()  # nothing runs until the step settles it
+    summed = pool.block_sums(claim.checking)
+    assert summed.total.tolist() == [0, 0]
+    expected = [pool.checksum(0, b, 16) for b in (0, 1)]
+    summed.total[:] = expected
+    pool.settle(claim.checking, summed.total)
+    assert pool.confirm(claim.checking) == 40
+    assert pool.stats.summed_in_step == 2 and pool.stats.corrupt_blocks == 0
+
+
+def test_in_step_sums_that_differ_move_the_start_back_to_the_bad_block() -> None:
+    pool = adopted(corrupt_position=20)  # block 1
+    claim = pool.claim([*TOKENS, 7], [0, 1], prompt=10, chunk=16, defer=True, in_step=True)
+    assert claim.checking is not None and claim.start == 40
+    summed = pool.block_sums(claim.checking)
+    summed.total[:] = [pool.checksum(0, b, 16) for b in (0, 1)]  # what the bytes hold now
+    pool.settle(claim.checking, summed.total)
+    assert pool.confirm(claim.checking) == 16
+    assert pool.index.held() == {0: 16}
+
+
+def test_in_step_without_a_step_confirm_reads_the_blocks_itself() -> None:
+    pool = adopted(corrupt_position=20)
+    claim = pool.claim([*TOKENS, 7], [0, 1], prompt=10, chunk=16, defer=True, in_step=True)
+    assert claim.checking is not None
+    assert pool.confirm(claim.checking) == 16  # the step failed before it settled
+    assert pool.stats.summed_in_step == 0
+
+
+def test_in_step_a_start_inside_the_prompt_is_checked_on_a_thread() -> None:
+    pool = adopted()
+    claim = pool.claim([*TOKENS, 7], [0, 1], prompt=41, chunk=32, defer=True, in_step=True)
+    assert claim.start == 32 and claim.checking is not None
+    assert claim.checking.in_step == ()  # a prefill follows: its attention sums nothing
+    assert pool.confirm(claim.checking) == 32

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from understudy.engine_shim import chunks, kvlog
+from understudy.engine_shim.adapters import decode_kernels
 from understudy.engine_shim.adapters.llama import PREFILL_CHUNK, LlamaEngine
 from understudy.engine_shim.generation import SamplingParams, Step
 from understudy.engine_shim.kvlog import RECORD_SIZE
@@ -171,7 +172,8 @@ async def test_a_corrupt_block_is_recomputed_never_served(pod: Pod) -> None:
 
 
 async def test_a_corrupt_generated_block_costs_only_what_follows_it(pod: Pod) -> None:
-    """The claim's checksums run beside its first step (deferred): a bad block
+    """The claim's checksums run beside its first step (deferred), or in it
+    (the attention kernel sums them as it reads the blocks): a bad block
     among the generated positions is found after that step, whose token is
     dropped, and the ids from that block on are fed again."""
     first = pod.next_engine()
@@ -185,6 +187,10 @@ async def test_a_corrupt_generated_block_costs_only_what_follows_it(pod: Pod) ->
     assert nxt.kv_pool is not None
     assert nxt.kv_pool.stats.corrupt_blocks == 1
     assert nxt.kv_pool.stats.reused_blocks == 2  # blocks 0 and 1: 32 positions kept
+    # Blocks 0-2, below the claim's start (49): summed by the step where the
+    # kernel runs (block 3, which the start falls inside, at the claim).
+    in_step = 3 if decode_kernels.kernels is not None else 0
+    assert nxt.kv_pool.stats.summed_in_step == in_step
 
 
 async def test_a_torn_record_costs_only_itself(pod: Pod) -> None:

@@ -53,7 +53,7 @@ from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.engine_shim.kvpool")
 
-__all__ = ["Checking", "Claim", "KvPool"]
+__all__ = ["BlockSums", "Checking", "Claim", "KvPool"]
 
 _HALF = RECORD_SIZE // 2
 # `KvPool.check_ahead`: the log's last records, per slot, whose slots it checks.
@@ -70,6 +70,9 @@ class Checking:
     prompt: int
     chunk: int
     first_bad: Future[tuple[int, int] | None]  # (block, its epoch), or None: all hold
+    # Summed by the engine's first step as it reads the blocks (`claim`'s
+    # ``in_step``), then `KvPool.settle`d: the seals to compare them with.
+    in_step: tuple[tuple[int, kvlog.Sealed], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +82,20 @@ class _Ahead:
 
     seals: dict[int, kvlog.Sealed]  # block -> its seal
     sums: Future[dict[int, int]] = field(default_factory=Future)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSums:
+    """The checksums of a row's first ``total.size`` whole blocks
+    (`kvlog.block_checksum`), summed by the engine's step as it reads them
+    (`KvPool.block_sums`; the llama engine's attention kernel): ``rows``
+    (2, layers, kv_heads, block_tokens) and ``cols`` (2, layers, kv_heads,
+    words) are the weights of keys then values (`kvlog.checksum_weights`),
+    ``total`` starts at 0."""
+
+    rows: npt.NDArray[np.uint64]
+    cols: npt.NDArray[np.uint64]
+    total: npt.NDArray[np.uint64]
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +173,7 @@ class Stats:
     reused_blocks: int = 0
     corrupt_blocks: int = 0
     checked: int = 0  # blocks whose checksums a claim computed
+    summed_in_step: int = 0  # of them, summed by an engine's step as it read them
     checked_ahead: int = 0  # blocks `KvPool.check_ahead` checked
     sealed: int = 0
     retired: int = 0
@@ -217,6 +235,12 @@ class KvPool:
         word = kvlog.word_dtype(spec.head_dim * spec.itemsize)
         self._words = (self.rk.view(word), self.rv.view(word))
         self._block_weights = block_weights(spec, self._words[0].shape[-1])
+        rows, cols = kvlog.checksum_weights(
+            2 * spec.layers * spec.kv_heads, spec.block_tokens, self._words[0].shape[-1]
+        )
+        # `block_sums`'s: keys then values, layer by layer, head by head.
+        shape = (2, spec.layers, spec.kv_heads, -1)
+        self._sum_weights = (rows.reshape(shape), cols.reshape(shape))
         self._chains: dict[int, list[bytes]] = {s: [] for s in range(spec.slots)}
         # The thread that maps the sealed pages (memadvise.warm), if any: a
         # deferred claim's checksums wait for it (`_check_later`).
@@ -330,6 +354,7 @@ class KvPool:
         chunk: int,
         *,
         defer: bool = False,
+        in_step: bool = False,
     ) -> Claim:
         """The free slot to run ``tokens`` in, and the position its computing starts at.
 
@@ -358,6 +383,13 @@ class KvPool:
         Deferred, the checksums run on the other core during the first step,
         which reads the same pages. Blocks `check_ahead` checked are not read
         again, deferred or not.
+
+        ``in_step`` (with ``defer``): the engine's first step sums those
+        checksums itself as its attention reads the blocks (`block_sums`,
+        then `settle`), where the claim's start is past the prompt (what
+        follows it is decoded, row by row over every position before it); no
+        thread reads them a second time beside the step. A claim whose start
+        is inside the prompt (a prefill follows) is checked on a thread.
         """
         if not free:
             raise ValueError("no free slot")
@@ -412,7 +444,10 @@ class KvPool:
                 seconds=round(time.monotonic() - t0, 4),  # the match, its checksums verified
             )
         checking = None
-        if later:
+        if later and in_step and start >= prompt:
+            seals = tuple(self._seals(slot, 0, later))
+            checking = Checking(slot, start, len(tokens), prompt, chunk, Future(), seals)
+        elif later:
             first_bad = self._check_later(slot, self._seals(slot, 0, later))
             checking = Checking(slot, start, len(tokens), prompt, chunk, first_bad)
         return Claim(slot, start, start // b, corrupt, checking)
@@ -424,10 +459,18 @@ class KvPool:
         found it would have; what the engine computed from the claim's start
         is to be dropped and computed again from this one."""
         t0 = time.monotonic()
+        if checking.in_step and not checking.first_bad.done():
+            self.settle(checking)  # no step summed them (it failed first): read them now
         bad = checking.first_bad.result()
         slot, b = checking.slot, self.spec.block_tokens
         if bad is None:
-            log_event(log, "kv_verified", slot=slot, waited=round(time.monotonic() - t0, 4))
+            log_event(
+                log,
+                "kv_verified",
+                slot=slot,
+                by="step" if checking.in_step else "thread",  # who summed the blocks
+                waited=round(time.monotonic() - t0, 4),
+            )
             return checking.start
         block, epoch = bad
         log_event(log, "kv_corrupt_block", logging.WARNING, slot=slot, block=block, epoch=epoch)
@@ -439,6 +482,27 @@ class KvPool:
         st.corrupt_blocks += 1
         log_event(log, "kv_reused", slot=slot, positions=start, of=checking.tokens, corrupt=1)
         return start
+
+    def block_sums(self, checking: Checking) -> BlockSums:
+        """What the engine's step sums ``checking``'s blocks into (an
+        ``in_step`` claim's): every block below its start, from 0."""
+        rows, cols = self._sum_weights
+        return BlockSums(rows, cols, np.zeros(checking.start // self.spec.block_tokens, np.uint64))
+
+    def settle(self, checking: Checking, total: npt.NDArray[np.uint64] | None = None) -> None:
+        """Settle an ``in_step`` claim's checksums: ``total``, as the step summed
+        them (`block_sums`), against its seals; or, given none (no step summed
+        them), the blocks read now. `confirm` then has its answer."""
+        if checking.first_bad.done():
+            return
+        seals = list(checking.in_step)
+        if total is None or total.size != len(seals):
+            bad = self._first_bad(checking.slot, seals)
+        else:
+            self.stats.checked += len(seals)
+            self.stats.summed_in_step += len(seals)
+            bad = next(((b, s.epoch) for b, s in seals if int(total[b]) != s.checksum), None)
+        checking.first_bad.set_result(bad)
 
     @property
     def reads_premapped(self) -> bool:

@@ -99,11 +99,78 @@ static inline __attribute__((always_inline)) v8 products_16(const v8 *q, const f
     return products_8(q, row) + products_8(q + 8, row + 64);
 }
 
+/* --- a claim's checksums, summed as the attention reads the blocks ------------
+ *
+ * A failover's first step reads every position the new engine adopted from
+ * the dead one; the claim must check those positions' blocks against their
+ * seals before the step's results count (kvpool's `claim`, `defer`). Summing
+ * them here, from the L1 cache right after a chunk's attention, spares the
+ * 184 MB second read of 4,000 positions of SmolLM2 that a thread beside the
+ * step made (docs/performance.md). The sums are kvlog's `block_checksum`
+ * (format version 2), a head's share of them: each position's row read as
+ * 64-bit words; the row's sum times its weight, plus each word's column sum
+ * over the block's positions times the column's weight, mod 2^64 (unsigned
+ * arithmetic wraps, as numpy's uint64 does), added into the block's total. */
+#define BLOCK 16
+#define MAX_WORDS 64
+
+struct sums {
+    ptrdiff_t blocks;                   /* whole blocks from position 0; 0: none */
+    uint64_t *total;                    /* blocks of them, added to */
+    const uint64_t *key_rows, *key_cols; /* this layer's: kv_heads x BLOCK, kv_heads x words */
+    const uint64_t *value_rows, *value_cols;
+};
+
+typedef uint64_t u4 __attribute__((vector_size(32)));
+
+/* Inlined into each clone of the attention (AVX2's adds 4 words at once), and
+ * with its head's width a constant there: a block's column sums stay in
+ * registers, and a row's sum is its 4-word lanes' sum. */
+static inline __attribute__((always_inline)) void block_sums(const float *rows, ptrdiff_t blocks,
+                                                             int words, const uint64_t *row_w,
+                                                             const uint64_t *col_w,
+                                                             uint64_t *total) {
+    for (ptrdiff_t b = 0; b < blocks; b++) {
+        const unsigned char *at = (const unsigned char *)(rows + b * BLOCK * 2 * words);
+        u4 cols[MAX_WORDS / 4];
+        for (int j = 0; j < words / 4; j++) cols[j] = (u4){0, 0, 0, 0};
+        uint64_t sum = 0;
+        for (int p = 0; p < BLOCK; p++, at += (size_t)words * 8) {
+            u4 even = {0, 0, 0, 0}, odd = {0, 0, 0, 0};
+            for (int j = 0; j < words / 4; j += 2) {
+                u4 x, y;
+                memcpy(&x, at + 32 * j, sizeof x);
+                memcpy(&y, at + 32 * j + 32, sizeof y);
+                even += x;
+                odd += y;
+                cols[j] += x;
+                cols[j + 1] += y;
+            }
+            u4 row = even + odd;
+            sum += row_w[p] * (row[0] + row[1] + row[2] + row[3]);
+        }
+        for (int j = 0; j < words / 4; j++)
+            for (int l = 0; l < 4; l++) sum += col_w[4 * j + l] * cols[j][l];
+        total[b] += sum;
+    }
+}
+
+/* A chunk's share of the sums (chunks start at multiples of BLOCK). */
+static inline __attribute__((always_inline)) void chunk_sums(const float *rows, ptrdiff_t c,
+                                                             ptrdiff_t end, int d,
+                                                             const struct sums *ck,
+                                                             const uint64_t *row_w,
+                                                             const uint64_t *col_w) {
+    ptrdiff_t upto = ck->blocks * BLOCK < end ? ck->blocks * BLOCK : end;
+    if (c < upto) block_sums(rows + c * d, (upto - c) / BLOCK, d / 2, row_w, col_w, ck->total + c / BLOCK);
+}
+
 /* One KV head, head_dim B * 8: the scores of its rep query heads into
  * scratch (rep rows of length), their softmax, then out (rep rows of B * 8). */
 #define HEAD(B)                                                                              \
     static inline __attribute__((always_inline)) void head_##B(const float *q, const float *k, const float *v,              \
-                                ptrdiff_t length, int rep, float *scratch, float *out) {     \
+                                ptrdiff_t length, int rep, float *scratch, float *out,       \
+                                const struct sums *ck, int h) {                              \
         enum { D = (B) * 8 };                                                                \
         float best[MAX_REP], total[MAX_REP];                                                 \
         for (int r = 0; r < rep; r++) best[r] = -INFINITY;                                   \
@@ -134,6 +201,8 @@ static inline __attribute__((always_inline)) v8 products_16(const v8 *q, const f
                 }                                                                            \
                 best[r] = m;                                                                 \
             }                                                                                \
+            if (ck != NULL)                                                                  \
+                chunk_sums(k, c, end, D, ck, ck->key_rows + h * BLOCK, ck->key_cols + h * (D / 2)); \
         }                                                                                    \
         for (int r = 0; r < rep; r++) {                                                      \
             float *s = scratch + r * length;                                                 \
@@ -171,6 +240,8 @@ static inline __attribute__((always_inline)) v8 products_16(const v8 *q, const f
                 }                                                                            \
                 for (int j = 0; j < (B); j++) o[r][j] = a[j];                                \
             }                                                                                \
+            if (ck != NULL)                                                                  \
+                chunk_sums(v, c, end, D, ck, ck->value_rows + h * BLOCK, ck->value_cols + h * (D / 2)); \
         }                                                                                    \
         for (int r = 0; r < rep; r++) {                                                      \
             v8 inv = splat(1.0f / total[r]);                                                 \
@@ -182,15 +253,18 @@ HEAD(8)
 HEAD(16)
 
 /* q: kv_heads x rep x head_dim; k, v: kv_heads heads head_stride floats
- * apart, each length x head_dim; out like q. Returns 0, or -1 for a shape
- * this kernel does not take (head_dim other than 64 or 128, rep over 16, no
- * positions) or no memory for its scratch: the caller's numpy form then. */
+ * apart, each length x head_dim; out like q; ck: NULL, or the checksums to
+ * add the first ck->blocks blocks' words to (each head's keys and values).
+ * Returns 0, or -1 for a shape this kernel does not take (head_dim other than
+ * 64 or 128, rep over 16, no positions, sums past the length) or no memory
+ * for its scratch: the caller's numpy form then. */
 CLONES int understudy_decode_attention(const float *q, const float *k, const float *v,
                                        ptrdiff_t head_stride, ptrdiff_t length, int kv_heads,
-                                       int rep, int head_dim, float *out) {
+                                       int rep, int head_dim, float *out, const struct sums *ck) {
     if ((head_dim != 64 && head_dim != 128) || rep < 1 || rep > MAX_REP || length < 1 ||
         kv_heads < 1)
         return -1;
+    if (ck != NULL && (ck->blocks < 0 || ck->blocks * BLOCK > length)) return -1;
     float *scratch = malloc(sizeof(float) * (size_t)rep * (size_t)length);
     if (scratch == NULL) return -1;
     for (int h = 0; h < kv_heads; h++) {
@@ -198,9 +272,9 @@ CLONES int understudy_decode_attention(const float *q, const float *k, const flo
         const float *kh = k + h * head_stride, *vh = v + h * head_stride;
         float *oh = out + (ptrdiff_t)h * rep * head_dim;
         if (head_dim == 64)
-            head_8(qh, kh, vh, length, rep, scratch, oh);
+            head_8(qh, kh, vh, length, rep, scratch, oh, ck, h);
         else
-            head_16(qh, kh, vh, length, rep, scratch, oh);
+            head_16(qh, kh, vh, length, rep, scratch, oh, ck, h);
     }
     free(scratch);
     return 0;

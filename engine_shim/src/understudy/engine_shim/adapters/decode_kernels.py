@@ -17,6 +17,11 @@ Both keep a row's bits a function of the row alone, by construction (the C
 file's comments say how), which is what a failover's byte-identical
 continuation rests on.
 
+`attend` also sums the KV pool's block checksums of the positions it reads,
+when given a `BlockSums`: a failover's first step checks the blocks it
+adopted as it reads them, instead of a thread reading them a second time
+beside it (kvpool's ``claim``, ``in_step``).
+
 The kernels are an optional part of the package: setuptools builds them
 where a C compiler is found (``pip install``, ``hack/setup``, the image's
 build stage) and installs the package without them where none is. `kernels`
@@ -37,9 +42,14 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["ENV", "Kernels", "kernels"]
+from understudy.engine_shim.kvpool import BlockSums
+
+__all__ = ["BLOCK", "ENV", "Kernels", "kernels"]
 
 F32 = npt.NDArray[np.float32]
+
+BLOCK: Final = 16
+"""The positions of a block whose checksums `attend` sums (the C file's)."""
 
 ENV: Final = "UNDERSTUDY_DECODE_KERNELS"
 """``numpy``: numpy's forms even where the kernels are built (a benchmark's
@@ -48,6 +58,17 @@ baseline, or a pod whose engines must match one built without them)."""
 _MODULE: Final = "understudy.engine_shim.adapters._decode"
 
 log = logging.getLogger("understudy.engine_shim.decode_kernels")
+
+
+class _Sums(ctypes.Structure):
+    _fields_ = [
+        ("blocks", ctypes.c_ssize_t),
+        ("total", ctypes.c_void_p),
+        ("key_rows", ctypes.c_void_p),
+        ("key_cols", ctypes.c_void_p),
+        ("value_rows", ctypes.c_void_p),
+        ("value_cols", ctypes.c_void_p),
+    ]
 
 
 class Kernels:
@@ -60,7 +81,7 @@ class Kernels:
         lib = ctypes.CDLL(path)
         ptr, size, i32 = ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int
         attend = lib.understudy_decode_attention
-        attend.argtypes = [ptr, ptr, ptr, size, size, i32, i32, i32, ptr]
+        attend.argtypes = [ptr, ptr, ptr, size, size, i32, i32, i32, ptr, ctypes.POINTER(_Sums)]
         attend.restype = i32
         products = lib.understudy_products
         products.argtypes = [ptr, ptr, ptr, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t]
@@ -84,12 +105,22 @@ class Kernels:
             for w in weights
         )
 
-    def attend(self, q: F32, keys: F32, values: F32, length: int, out: F32) -> None:
+    def attend(
+        self,
+        q: F32,
+        keys: F32,
+        values: F32,
+        length: int,
+        out: F32,
+        sums: BlockSums | None = None,
+        layer: int = 0,
+    ) -> None:
         """``out`` (kv_heads, rep, d) = softmax(q kᵀ) v over the first ``length``
         positions of ``keys`` and ``values`` (kv_heads, max_len, d), for ``q``
         (kv_heads, rep, d), scaled already. Each head's positions must be
         contiguous rows of d floats (a `KVCache` slot's are); q and out
-        C-contiguous."""
+        C-contiguous. With ``sums``, the words of every head's keys and values
+        of its blocks are added to their checksums, with ``layer``'s weights."""
         kvh, rep, d = q.shape
         if not (
             q.flags.c_contiguous
@@ -108,6 +139,8 @@ class Kernels:
                 f"{keys.shape} strides {keys.strides} and {values.strides}, out"
                 f" {out.dtype}{out.shape}, {length} positions: not the kernel's layout"
             )
+        if sums is not None and sums.total.size * BLOCK > length:
+            raise ValueError(f"block sums of {sums.total.size} blocks past {length} positions")
         rc = self._attend(
             q.ctypes.data,
             keys.ctypes.data,
@@ -118,6 +151,7 @@ class Kernels:
             rep,
             d,
             out.ctypes.data,
+            None if sums is None else ctypes.byref(_sums(sums, layer, kvh, d)),
         )
         if rc != 0:
             raise MemoryError(f"decode attention: the kernel refused {q.shape} over {length}")
@@ -136,6 +170,35 @@ class Kernels:
         if rc != 0:
             raise ValueError(f"products: the kernel refused x {x.shape} against {weight.shape}")
         return out
+
+
+def _sums(sums: BlockSums, layer: int, kv_heads: int, head_dim: int) -> _Sums:
+    """The C struct of ``sums`` at ``layer``, its arrays checked: the kernel
+    writes into ``total`` and reads the weights by these shapes."""
+    layers = sums.rows.shape[1]
+    if not (
+        0 <= layer < layers
+        and sums.rows.shape == (2, layers, kv_heads, BLOCK)
+        and sums.cols.shape == (2, layers, kv_heads, head_dim // 2)
+        and sums.total.ndim == 1
+        and sums.total.flags.writeable
+        and all(a.dtype == np.uint64 for a in (sums.rows, sums.cols, sums.total))
+        and all(a.flags.c_contiguous for a in (sums.rows, sums.cols, sums.total))
+    ):
+        raise ValueError(
+            f"block sums: rows {sums.rows.dtype}{sums.rows.shape}, cols {sums.cols.dtype}"
+            f"{sums.cols.shape}, total {sums.total.dtype}{sums.total.shape} at layer {layer}:"
+            f" not for {kv_heads} heads of {head_dim}"
+        )
+    rows, cols = sums.rows[:, layer], sums.cols[:, layer]
+    return _Sums(
+        sums.total.size,
+        sums.total.ctypes.data,
+        rows[0].ctypes.data,
+        cols[0].ctypes.data,
+        rows[1].ctypes.data,
+        cols[1].ctypes.data,
+    )
 
 
 def _load() -> Kernels | None:

@@ -66,7 +66,7 @@ from understudy.engine_shim.generation import (
     finish_of,
 )
 from understudy.engine_shim.kvlog import PoolSpec
-from understudy.engine_shim.kvpool import Checking, KvPool
+from understudy.engine_shim.kvpool import BlockSums, Checking, KvPool
 from understudy.engine_shim.step_thread import StepThread, send
 from understudy.gms.client import Allocation, GmsClient
 from understudy.wire.obs import log_event
@@ -247,7 +247,10 @@ class Batcher(StepThread[Request]):
             req.slot = self._free.pop()
             return
         tokens = req.prompt + req.resume
-        claim = self.pool.claim(tokens, self._free, len(req.prompt), PREFILL_CHUNK, defer=True)
+        in_step = self.model.sums_blocks(self.pool.spec.block_tokens)
+        claim = self.pool.claim(
+            tokens, self._free, len(req.prompt), PREFILL_CHUNK, defer=True, in_step=in_step
+        )
         self._free.remove(claim.slot)
         req.slot, req.position, req.checking = claim.slot, claim.start, claim.checking
 
@@ -331,16 +334,32 @@ class Batcher(StepThread[Request]):
             req.feed = [token]
         send(req, Step(token, reason))
 
+    def _sums_in_step(
+        self, firsts: Sequence[tuple[Request, int]]
+    ) -> dict[int, tuple[Checking, BlockSums]]:
+        """By row: the claims whose checksums this step sums as that row's
+        attention reads their blocks (a continuation's first step; `KvPool.claim`'s
+        ``in_step``), and what it sums them into."""
+        if self.pool is None:
+            return {}
+        return {
+            row: (req.checking, self.pool.block_sums(req.checking))
+            for req, row in firsts
+            if req.checking is not None and req.checking.in_step
+        }
+
     def _decode(self, requests: Sequence[Request]) -> None:
         rows: list[Row] = []
         done: list[tuple[Request, int]] = []  # fed completely: its logits' row
         fed: list[tuple[Request, int]] = []  # fed this step, from which position
         budget = max(DECODE_BUDGET, self.cache.slots)
+        firsts: list[tuple[Request, int]] = []  # each request's first row this step
         # One-token feeds (streams generating) first, then the resumed ids.
         for req in sorted(requests, key=lambda r: len(r.feed) > 1):
             take = req.feed[:budget]
             if not take:
                 break
+            firsts.append((req, len(rows)))
             rows.extend(Row(req.slot, req.position + i, t) for i, t in enumerate(take))
             fed.append((req, req.position))
             req.position += len(take)
@@ -351,8 +370,12 @@ class Batcher(StepThread[Request]):
                 done.append((req, len(rows) - 1))
         if not rows:
             return
-        logits = self.model.decode(rows, self.cache)
+        checks = self._sums_in_step(firsts)
+        logits = self.model.decode(rows, self.cache, {row: s for row, (_, s) in checks.items()})
         self.steps += 1
+        for checking, summed in checks.values():
+            assert self.pool is not None  # only a pool's claims have checks
+            self.pool.settle(checking, summed.total)
         # The positions just written are in the cache: seal what they completed
         # (a part-fed continuation too, so a death mid-feed loses only this step),
         # unless they were computed on a claim that did not hold.
@@ -572,7 +595,10 @@ class LlamaEngine:
         self.kv_pool = pool
         if reader is None:
             pool.warming = memadvise.warm([(pool.sealed_spans(), memadvise.MADV_POPULATE_READ)])
-        pool.check_ahead()
+        # Where the first step sums the continuations' blocks as it reads them,
+        # a thread reading them ahead would only compete with it for memory.
+        if self.model is None or not self.model.sums_blocks(pool.spec.block_tokens):
+            pool.check_ahead()
 
     def close(self) -> None:
         self.sleep()

@@ -18,13 +18,14 @@ stream continued by another engine of the same back-end is the same bits.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from understudy.engine_shim.adapters.llama_model import Prompt, Row
+from understudy.engine_shim.kvpool import BlockSums
 
 __all__ = ["Cache", "Forward"]
 
@@ -67,4 +68,8 @@ class Forward(Protocol[C_contra]):
         progress: Callable[[], None] | None = None,
     ) -> list[F32]: ...
 
-    def decode(self, rows: Sequence[Row], cache: C_contra) -> F32: ...
+    def sums_blocks(self, block_tokens: int) -> bool: ...
+
+    def decode(
+        self, rows: Sequence[Row], cache: C_contra, sums: Mapping[int, BlockSums] | None = None
+    ) -> F32: ...

@@ -95,6 +95,7 @@ import numpy.typing as npt
 from understudy.engine_shim import chunks
 from understudy.engine_shim.adapters import decode_kernels
 from understudy.engine_shim.adapters.packing import ALIGNMENT, WeightsError
+from understudy.engine_shim.kvpool import BlockSums
 
 __all__ = [
     "LONG_SCORES",
@@ -776,13 +777,22 @@ class LlamaModel:
             out[b0:b1] = context.reshape(kvh, rows, rep, d).transpose(1, 0, 2, 3)
         return out.reshape(n, heads, d)
 
-    def decode(self, rows: Sequence[Row], cache: KVCache) -> F32:
+    def sums_blocks(self, block_tokens: int) -> bool:
+        """Whether `decode` can sum a KV pool's block checksums (blocks of
+        ``block_tokens`` positions) as its attention reads them: where the
+        attention kernel runs."""
+        return self.decode_attention is not None and block_tokens == decode_kernels.BLOCK
+
+    def decode(
+        self, rows: Sequence[Row], cache: KVCache, sums: Mapping[int, BlockSums] | None = None
+    ) -> F32:
         """Append ``rows`` to their sequences' caches; the logits after each row.
 
         Rows of one slot must come in position order, each one position after
         the last the cache holds; a row attends to its own sequence up to and
         including itself. Each row's result is independent of the others
-        (module docstring).
+        (module docstring). ``sums``: by row, the blocks of its sequence whose
+        checksums its attention adds up as it reads them (`sums_blocks`).
         """
         c = self.config
         r = len(rows)
@@ -795,6 +805,9 @@ class LlamaModel:
         cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]
         lengths = positions + 1
         native = self.decode_attention
+        sums = sums or {}
+        if sums and native is None:
+            raise ValueError("block sums asked of a decode without the attention kernel")
         x = self._embed[ids]
         for li, layer in enumerate(self._layers):
             h = rms_norm(x, layer.attn_norm, self._eps)
@@ -817,7 +830,9 @@ class LlamaModel:
             # for its rep heads.
             for i, (slot, length) in enumerate(zip(slots, lengths, strict=True)):
                 if native is not None:
-                    native.attend(q[i], keys[slot], values[slot], int(length), context[i])
+                    native.attend(
+                        q[i], keys[slot], values[slot], int(length), context[i], sums.get(i), li
+                    )
                     continue
                 probs = _softmax(_decode_scores(q[i], keys[slot, :, :length]))
                 context[i] = probs @ values[slot, :, :length]

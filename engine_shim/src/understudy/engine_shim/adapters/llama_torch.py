@@ -45,6 +45,7 @@ from understudy.engine_shim.adapters.llama_model import (
     rope_tables,
 )
 from understudy.engine_shim.adapters.packing import TensorRecord, WeightsError
+from understudy.engine_shim.kvpool import BlockSums
 
 __all__ = ["PREFILL_CHUNK", "TorchCache", "TorchModel", "host_tensors", "typed"]
 
@@ -285,9 +286,18 @@ class TorchModel:
         context = (probs @ values).view(kvh, n, rep, d)
         return context.permute(1, 0, 2, 3).reshape(n, heads, d)
 
-    def decode(self, rows: Sequence[Row], cache: TorchCache) -> F32:
+    def sums_blocks(self, block_tokens: int) -> bool:
+        """No: a claim's checksums are read on a thread beside the step."""
+        return False
+
+    def decode(
+        self, rows: Sequence[Row], cache: TorchCache, sums: Mapping[int, BlockSums] | None = None
+    ) -> F32:
         """`llama_model.LlamaModel.decode`: append ``rows`` to their sequences'
-        caches; the logits after each row, each independent of the others."""
+        caches; the logits after each row, each independent of the others.
+        Sums no blocks (`sums_blocks`)."""
+        if sums:
+            raise ValueError("the torch back-end sums no blocks in its steps")
         c = self.config
         r = len(rows)
         ids = self._ids([row.token for row in rows])
