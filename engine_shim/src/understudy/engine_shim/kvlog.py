@@ -518,10 +518,14 @@ class Index:
                 best = got
         return best
 
-    def prefixes(self, tokens: Sequence[int], slots: Iterable[int]) -> list[Match]:
+    def prefixes(
+        self, tokens: Sequence[int], slots: Iterable[int], hashes: Sequence[bytes] | None = None
+    ) -> list[Match]:
         """For each of ``slots``, how much of a prefix of ``tokens`` its sealed
-        blocks hold (`match`'s measure; 0 positions for none)."""
-        hashes = chains(tokens, self.spec.block_tokens)
+        blocks hold (`match`'s measure; 0 positions for none). ``hashes``:
+        ``chains(tokens, block_tokens)``, where the caller has them."""
+        if hashes is None:
+            hashes = chains(tokens, self.spec.block_tokens)
         return [self._prefix(slot, tokens, hashes) for slot in slots]
 
     def held(self) -> dict[int, int]:

@@ -1,6 +1,8 @@
 /* The llama engine's decode kernels (llama_model's decode; loaded by
  * decode_kernels.py through ctypes): a row's attention over its own
- * sequence, here, and a step's products, at the end of the file.
+ * sequence, here, with the KV pool's block checksums of what it reads when
+ * asked (a failover's first step), and a step's products, at the end of the
+ * file.
  *
  * The attention reads each key and value once, where numpy's forms read a
  * KV head's keys once per query head that shares it
