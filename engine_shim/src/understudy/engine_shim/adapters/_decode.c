@@ -55,7 +55,7 @@ static inline __attribute__((always_inline)) float hsum(v8 a) {
  * score has the same bits in a group of 8 or alone, at a sequence's end):
  * three levels of adding lanes l and l + 4, then l and l + 2, then l and
  * l + 1 of each pair's halves, instead of 8 horizontal sums one lane at a time
- * (a third of the attention's arithmetic at 4,000 positions). */
+ * (SmolLM2's attention at 4,000 positions: 14.6-14.8 ms from 15.3). */
 static inline __attribute__((always_inline)) v8 fold(v8 a, v8 b, i8 lo, i8 hi) {
     return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
 }
