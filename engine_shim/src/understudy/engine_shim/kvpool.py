@@ -118,14 +118,26 @@ def arena(memory: memoryview, spec: PoolSpec) -> tuple[npt.NDArray[Any], npt.NDA
     return arena[:count].reshape(spec.cache_shape), arena[count:].reshape(spec.cache_shape)
 
 
-def block_weights(spec: PoolSpec, words: int) -> npt.NDArray[np.uint64]:
+def sum_weights(
+    spec: PoolSpec, words: int
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+    """`kvlog.checksum_weights` by piece: row weights ``(2, layers, kv_heads,
+    block_tokens)`` and column weights ``(2, layers, kv_heads, words)``, keys
+    then values, as the arena holds them (what a step sums with, `BlockSums`)."""
+    pieces = 2 * spec.layers * spec.kv_heads
+    rows, cols = kvlog.checksum_weights(pieces, spec.block_tokens, words)
+    shape = (2, spec.layers, spec.kv_heads, -1)
+    return rows.reshape(shape), cols.reshape(shape)
+
+
+def block_weights(
+    rows: npt.NDArray[np.uint64], cols: npt.NDArray[np.uint64]
+) -> npt.NDArray[np.uint64]:
     """Each word's weight in its whole block's checksum, ``(2, layers,
-    kv_heads, block_tokens * words)``: keys then values, as the arena holds
-    them; its row's weight plus its column's (`kvlog.checksum_weights`)."""
-    b = spec.block_tokens
-    rows, cols = kvlog.checksum_weights(2 * spec.layers * spec.kv_heads, b, words)
-    weights = rows[:, :, None] + cols[:, None, :]  # (pieces, positions, words)
-    return weights.reshape(2, spec.layers, spec.kv_heads, b * words)
+    kv_heads, block_tokens * words)``, from `sum_weights`' ``rows`` and
+    ``cols``: its row's weight plus its column's."""
+    weights = rows[..., :, None] + cols[..., None, :]  # (..., positions, words)
+    return weights.reshape(*rows.shape[:3], -1)
 
 
 def sealed_extents(index: kvlog.Index) -> dict[int, int]:
@@ -234,13 +246,8 @@ class KvPool:
         # The same bytes as the checksum's words: (layers, slots, heads, max_len, words).
         word = kvlog.word_dtype(spec.head_dim * spec.itemsize)
         self._words = (self.rk.view(word), self.rv.view(word))
-        self._block_weights = block_weights(spec, self._words[0].shape[-1])
-        rows, cols = kvlog.checksum_weights(
-            2 * spec.layers * spec.kv_heads, spec.block_tokens, self._words[0].shape[-1]
-        )
-        # `block_sums`'s: keys then values, layer by layer, head by head.
-        shape = (2, spec.layers, spec.kv_heads, -1)
-        self._sum_weights = (rows.reshape(shape), cols.reshape(shape))
+        self._sum_weights = sum_weights(spec, self._words[0].shape[-1])  # `block_sums`'s
+        self._block_weights = block_weights(*self._sum_weights)
         self._chains: dict[int, list[bytes]] = {s: [] for s in range(spec.slots)}
         # The thread that maps the sealed pages (memadvise.warm), if any: a
         # deferred claim's checksums wait for it (`_check_later`).
