@@ -34,6 +34,8 @@ from kvfailover import (
 from localpod import LocalPod
 from procs import wait_for
 
+from understudy.engine_shim.adapters.vllm_kvmove import mover
+
 pytestmark = [pytest.mark.process, pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 GAP_BOUND_S = 15.0  # kill to the next token, on a loaded 2-core machine
@@ -102,3 +104,7 @@ def test_a_corrupted_block_is_detected_recomputed_and_the_answer_is_identical(
     assert re.search(r"kv_corrupt_block .*block=2\b", log), log[-3000:]
     # Blocks 0 and 1 are trusted; block 2 and everything after it recomputed.
     assert re.search(r"kv_reused .*positions=32 .*corrupt=1", log), log[-3000:]
+    # Found as the load copied the blocks (vllm_kvmove), after vLLM had been
+    # told they were there: vLLM computed them again from a load error.
+    if mover is not None:
+        assert re.search(r"kv_loaded .*by=c summed=True", log), log[-3000:]

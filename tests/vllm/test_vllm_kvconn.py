@@ -58,16 +58,23 @@ def test_a_layout_the_pool_does_not_know_is_refused() -> None:
     ids=["consecutive", "scattered", "runs"],
 )
 @pytest.mark.parametrize("span", [(0, 1000), (5, 300), (130, 131), (256, 512), (3, 1020)])
+@pytest.mark.parametrize("moves", ["C", "torch"])
 def test_a_save_then_a_load_moves_exactly_the_positions_asked(
-    block_ids: list[int], span: tuple[int, int]
+    block_ids: list[int], span: tuple[int, int], moves: str
 ) -> None:
     """Positions ``start..end-1`` of a request go from vLLM's blocks into the
     pool slot and back into other blocks, each to its place, and nothing else
-    is written: whole blocks, consecutive ids copied as one run, and parts."""
+    is written: whole blocks, consecutive ids copied as one run, and parts;
+    through the C moves (`vllm_kvmove`) and through torch's copies."""
     from understudy.engine_shim import kvlog
+    from understudy.engine_shim.adapters import vllm_kvmove
     from understudy.engine_shim.adapters.vllm_kvconn import _Copier
     from understudy.engine_shim.adapters.vllm_kvplan import Move
     from understudy.engine_shim.kvpool import KvPool
+
+    if moves == "C" and vllm_kvmove.mover is None:
+        pytest.skip("the package was built without its C kernels")
+    mover = vllm_kvmove.mover if moves == "C" else None
 
     spec = kvlog.PoolSpec(
         model="m", layers=3, kv_heads=2, head_dim=64, dtype="float32", slots=2, max_len=1024
@@ -77,8 +84,10 @@ def test_a_save_then_a_load_moves_exactly_the_positions_asked(
     target = [torch.zeros((16, 2, 128, 128)) for _ in range(3)]
     start, end = span
     move = Move("r", 1, tuple(block_ids), start, end)
-    _Copier(pool, source).save(move)
-    _Copier(pool, target).load(move)
+    saving, loading = _Copier(pool, source, mover), _Copier(pool, target, mover)
+    assert saving.mover is loading.mover is mover  # the C moves take vLLM-CPU's caches
+    saving.save(move)
+    loading.load(move)
     for layer in range(3):
         src, dst = kv_views(source[layer], 2, 64), kv_views(target[layer], 2, 64)
         for pos in range(start, end):

@@ -191,3 +191,29 @@ def test_checksums_of_many_blocks_at_once_are_each_blocks_checksum(spec: kvlog.P
         ]
         assert p.checksums(slot, wanted) == expected
         assert [p.checksum(slot, *w) for w in wanted] == expected
+
+
+def test_a_load_carries_its_claims_checksums_and_a_cut_saves_from_the_bad_block() -> None:
+    """The next engine's claim is deferred: its load carries the checksums
+    to settle (summed as the worker copies, or read). A block that fails
+    cuts the request back: what is saved next starts at that block."""
+    memory = bytearray(SPEC.pool_bytes)
+    first = Planner(pool(memory, 1), SPEC.max_len)
+    first.matched("a", IDS, 0)
+    write_and_seal(first.pool, first.step([("a", 0, 50, [1], IDS)]).saves[0])
+    first.pool.v[1, 0, 0, 20] += 1.0  # block 1, after its seal
+    nxt = Planner(pool(memory, 2), SPEC.max_len)
+    resumed = [*IDS, 7]
+    found, claim = nxt.matched("b", resumed, 0)
+    assert claim is not None and claim.checking is not None and found == 50
+    nxt.allocated("b", 50)
+    plan = nxt.step([("b", 50, 1, [4], resumed)])
+    assert [(m.start, m.end, m.checking) for m in plan.loads] == [(0, 50, claim.checking)]
+    assert [(m.start, m.end) for m in plan.saves] == [(50, 51)]
+    nxt.pool.settle(claim.checking)  # the worker's, where its copy summed nothing
+    trusted = nxt.pool.confirm(claim.checking)
+    assert trusted == 16
+    nxt.cut("b", trusted)
+    # vLLM computes again from its block holding position 16 (here: 0)
+    plan = nxt.step([("b", 0, 51, [4], resumed)])
+    assert plan.loads == [] and [(m.start, m.end) for m in plan.saves] == [(16, 51)]

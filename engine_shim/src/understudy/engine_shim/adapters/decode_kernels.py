@@ -37,16 +37,18 @@ import ctypes
 import importlib.util
 import logging
 import os
-from typing import Final
+from collections.abc import Callable
+from typing import Final, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from understudy.engine_shim.kvpool import BlockSums
 
-__all__ = ["BLOCK", "ENV", "Kernels", "kernels"]
+__all__ = ["BLOCK", "ENV", "Kernels", "Sums", "built", "kernels", "sums_of"]
 
 F32 = npt.NDArray[np.float32]
+_T = TypeVar("_T")
 
 BLOCK: Final = 16
 """The positions of a block whose checksums `attend` sums (the C file's)."""
@@ -60,7 +62,9 @@ _MODULE: Final = "understudy.engine_shim.adapters._decode"
 log = logging.getLogger("understudy.engine_shim.decode_kernels")
 
 
-class _Sums(ctypes.Structure):
+class Sums(ctypes.Structure):
+    """The C file's ``struct sums``: a `BlockSums` at a layer (`sums_of`)."""
+
     _fields_ = [
         ("blocks", ctypes.c_ssize_t),
         ("total", ctypes.c_void_p),
@@ -81,7 +85,7 @@ class Kernels:
         lib = ctypes.CDLL(path)
         ptr, size, i32 = ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int
         attend = lib.understudy_decode_attention
-        attend.argtypes = [ptr, ptr, ptr, size, size, i32, i32, i32, ptr, ctypes.POINTER(_Sums)]
+        attend.argtypes = [ptr, ptr, ptr, size, size, i32, i32, i32, ptr, ctypes.POINTER(Sums)]
         attend.restype = i32
         products = lib.understudy_products
         products.argtypes = [ptr, ptr, ptr, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t]
@@ -151,7 +155,7 @@ class Kernels:
             rep,
             d,
             out.ctypes.data,
-            None if sums is None else ctypes.byref(_sums(sums, layer, kvh, d)),
+            None if sums is None else ctypes.byref(sums_of(sums, layer, kvh, d)),
         )
         if rc != 0:
             raise MemoryError(f"decode attention: the kernel refused {q.shape} over {length}")
@@ -172,7 +176,7 @@ class Kernels:
         return out
 
 
-def _sums(sums: BlockSums, layer: int, kv_heads: int, head_dim: int) -> _Sums:
+def sums_of(sums: BlockSums, layer: int, kv_heads: int, head_dim: int) -> Sums:
     """The C struct of ``sums`` at ``layer``, its arrays checked: the kernel
     writes into ``total`` and reads the weights by these shapes."""
     layers = sums.rows.shape[1]
@@ -191,7 +195,7 @@ def _sums(sums: BlockSums, layer: int, kv_heads: int, head_dim: int) -> _Sums:
             f" not for {kv_heads} heads of {head_dim}"
         )
     rows, cols = sums.rows[:, layer], sums.cols[:, layer]
-    return _Sums(
+    return Sums(
         sums.total.size,
         sums.total.ctypes.data,
         rows[0].ctypes.data,
@@ -201,18 +205,19 @@ def _sums(sums: BlockSums, layer: int, kv_heads: int, head_dim: int) -> _Sums:
     )
 
 
-def _load() -> Kernels | None:
-    if os.environ.get(ENV, "") == "numpy":
-        return None
-    spec = importlib.util.find_spec(_MODULE)
+def built(module: str, wrap: Callable[[str], _T]) -> _T | None:
+    """``wrap`` of the C library the package built as ``module``, or None
+    where it was built without it, or the build is stale or foreign (the
+    caller's Python forms then)."""
+    spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
         return None
     try:
-        return Kernels(spec.origin)
-    except (OSError, AttributeError) as exc:  # a stale or foreign build: numpy's forms
-        log.warning("decode kernels not loaded from %s: %s", spec.origin, exc)
+        return wrap(spec.origin)
+    except (OSError, AttributeError) as exc:
+        log.warning("C kernels not loaded from %s: %s", spec.origin, exc)
         return None
 
 
-kernels: Final = _load()
+kernels: Final = None if os.environ.get(ENV, "") == "numpy" else built(_MODULE, Kernels)
 """The built kernels, or None (numpy's forms): module docstring."""

