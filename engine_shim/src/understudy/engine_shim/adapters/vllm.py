@@ -669,14 +669,16 @@ class VllmEngine:
         maps what the pool sealed (unless ``reader``, the pool as this engine
         mapped it read-only while it slept, has them already) and backs the
         cache blocks vLLM will hand out next with as many blocks
-        (``memadvise.warm``): a continuation's claim reads the one and its
-        load writes the other."""
+        (``memadvise.warm``): a continuation's load reads the one (summing
+        the claim's checksums as it copies, where the C moves are built;
+        else a check-ahead thread reads them first) and writes the other."""
         assert self.kv_spec is not None
         pool = KvPool(memory, self.kv_spec, epoch, adopt=self.kv_adopt, reader=reader)
-        pool.check_ahead()
         link = self._kv_link
         if not link.attach(pool) or link.copier is None or link.caches is None:
             return
+        if link.copier.mover is None:  # else a continuation's load sums its blocks as it copies
+            pool.check_ahead()
         size = link.copier.block_size
         wanted = sum(-(-(n + 1) // size) for n in pool.index.held().values())
         blocks = vllm_kv.next_free_blocks(self._engine, wanted)
