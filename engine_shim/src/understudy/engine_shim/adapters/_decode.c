@@ -447,7 +447,7 @@ CLONES int understudy_kv_move(float *keys, float *values, ptrdiff_t layer_stride
         end > table_len * bs)
         return -1;
     if (ck != NULL && (into_pool || start % BLOCK || bs % BLOCK || dim % 16 || dim / 2 > MAX_WORDS ||
-                       ck->blocks * BLOCK > end))
+                       ck->blocks < 0 || ck->blocks * BLOCK > end))
         return -1;
     for (ptrdiff_t j = start / bs; j < (end + bs - 1) / bs; j++)
         if (table[j] < 0 || table[j] >= cache_blocks) return -1;
@@ -458,14 +458,14 @@ CLONES int understudy_kv_move(float *keys, float *values, ptrdiff_t layer_stride
             float *v = values + l * layer_stride + h * head_stride;
             for (ptrdiff_t p = start; p < end;) {
                 ptrdiff_t off = p % bs, n = bs - off < end - p ? bs - off : end - p;
-                float *ck_ = caches[l] + table[p / bs] * block + h * 2 * half;
-                float *cv = ck_ + half + off * dim;
+                float *kc = caches[l] + table[p / bs] * block + h * 2 * half; /* its keys, then values */
+                float *vc = kc + half + off * dim;
                 if (into_pool) {
-                    transpose(ck_ + off, bs, k + p * dim, dim, dim, n);
-                    memcpy(v + p * dim, cv, sizeof(float) * (size_t)(n * dim));
+                    transpose(kc + off, bs, k + p * dim, dim, dim, n);
+                    memcpy(v + p * dim, vc, sizeof(float) * (size_t)(n * dim));
                 } else {
-                    transpose(k + p * dim, dim, ck_ + off, bs, n, dim);
-                    memcpy(cv, v + p * dim, sizeof(float) * (size_t)(n * dim));
+                    transpose(k + p * dim, dim, kc + off, bs, n, dim);
+                    memcpy(vc, v + p * dim, sizeof(float) * (size_t)(n * dim));
                 }
                 ptrdiff_t upto = ck == NULL ? 0 : ck->blocks * BLOCK < p + n ? ck->blocks * BLOCK : p + n;
                 if (p < upto) { /* p is a block's first position: start and bs are whole blocks */

@@ -84,6 +84,7 @@ class Mover:
             and caches.shape == (layers,)
             and 0 <= start <= end <= max_len
             and (not into_pool or (keys.flags.writeable and values.flags.writeable))
+            and (sums is None or sums.rows.shape[1] == layers)
         ):
             raise ValueError(
                 f"KV move: pool {keys.dtype}{keys.shape} strides {keys.strides}, "
