@@ -303,7 +303,13 @@ def _check_counts(drill: dict[str, Any], end: float, range_s: int) -> None:
         measured = drill["summary"][key]["p99"]
         lo, hi = _bucket(measured, bounds)
         elo, ehi = _bucket(estimate, bounds)
-        tolerance = max(hi - lo, ehi - elo) + slack
+        # Each is known to its bucket only (the estimate is interpolated
+        # inside its own), and two values a few ms apart across a bucket's
+        # edge (the drill times kill -> grant, the front route lost -> grant)
+        # read up to both buckets' widths apart: a hang's 0.98 s measured
+        # against 1.49 estimated in (1, 1.5] (CI, 2026-12-05), where one
+        # width (0.5) had been allowed.
+        tolerance = (hi - lo) + (ehi - elo) + slack
         print(f"{key} p99: drill {measured * 1000:.1f} ms, Prometheus {estimate * 1000:.1f} ms")
         assert abs(estimate - measured) <= tolerance, (key, estimate, measured, (lo, hi))
     print(f"drill summary: {json.dumps(drill['summary'])}")
