@@ -158,34 +158,18 @@ def test_sums_for_a_save_or_from_inside_a_block_or_past_the_end_are_refused() ->
     keys, values, caches, addresses = setup()
     sums = pool.block_sums(kvpool.Checking(0, 64, 64, 0, 16, Future()))
     table = list(range(8))
-    fewer = pool.block_sums(kvpool.Checking(0, 64, 64, 0, 16, Future()))
-    fewer = kvpool.BlockSums(fewer.rows[:, :1].copy(), fewer.cols[:, :1].copy(), fewer.total)
-    with pytest.raises(ValueError, match="not the move's layout"):  # weights of 1 layer of 3
-        mover.move(
-            keys[:, 0],
-            values[:, 0],
-            addresses,
-            BLOCKS,
-            BS,
-            table,
-            0,
-            64,
-            into_pool=False,
-            sums=fewer,
-        )
-    for start, end, into_pool in ((0, 64, True), (8, 64, False), (0, 48, False)):
-        with pytest.raises(ValueError, match="KV move"):
+    fewer = kvpool.BlockSums(sums.rows[:, :1].copy(), sums.cols[:, :1].copy(), sums.total)
+    cases = [
+        (0, 64, False, fewer, "not the move's layout"),  # weights of 1 layer of 3
+        (0, 64, True, sums, "KV move"),  # a save
+        (8, 64, False, sums, "KV move"),  # from inside a block
+        (0, 48, False, sums, "KV move"),  # blocks past the end
+    ]
+    for start, end, into_pool, given, match in cases:
+        with pytest.raises(ValueError, match=match):
+            k, v = keys[:, 0], values[:, 0]
             mover.move(
-                keys[:, 0],
-                values[:, 0],
-                addresses,
-                BLOCKS,
-                BS,
-                table,
-                start,
-                end,
-                into_pool=into_pool,
-                sums=sums,
+                k, v, addresses, BLOCKS, BS, table, start, end, into_pool=into_pool, sums=given
             )
     assert not any(c.any() for c in caches) and not sums.total.any()
     assert np.count_nonzero(keys[:, 0]) == keys[:, 0].size  # the save wrote nothing either
