@@ -149,7 +149,9 @@ def get_json(port: int, path: str) -> Any:
         conn.close()
 
 
-def start_pod(engine: str, model: str, mode: str, max_len: int, base: int) -> Pod:
+def start_pod(
+    engine: str, model: str, mode: str, max_len: int, base: int, extra: list[str]
+) -> Pod:
     run = Path(tempfile.mkdtemp(prefix="us-kvb-", dir="/dev/shm"))
     # Without the pool a 4,000-position prompt is one llama worker iteration
     # of minutes here: not a hung engine (vLLM's prefill is chunked).
@@ -165,6 +167,7 @@ def start_pod(engine: str, model: str, mode: str, max_len: int, base: int) -> Po
         "--engine-arg=--max-num-seqs=1", f"--engine-arg=--max-model-len={max_len}",
         *MODES[mode],
         *stuck,
+        *(f"--engine-arg={a}" for a in extra),
     ]  # fmt: skip
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     log = open(run / "bench-up.log", "ab")  # noqa: SIM115
@@ -290,7 +293,7 @@ def prompt_ids(model: str, n: int) -> list[int]:
 def run_mode(args: argparse.Namespace, mode: str, base: int) -> list[Round]:
     rounds: list[Round] = []
     max_len = max(args.contexts) + args.max_tokens + 64
-    pod = start_pod(args.engine, args.model, mode, max_len, base)
+    pod = start_pod(args.engine, args.model, mode, max_len, base, args.engine_arg)
     try:
         for context in args.contexts:
             prompt = prompt_ids(args.model, context)
@@ -457,6 +460,10 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--modes", default="on,noadopt", help=f"of {', '.join(MODES)}")
     parser.add_argument("--base-port", type=int, default=29400)
+    parser.add_argument(
+        "--engine-arg", action="append", default=[], metavar="ARG",
+        help="passed to every engine (repeatable), e.g. --engine-arg=--kv-release=reclaimable",
+    )  # fmt: skip
     parser.add_argument("--figure", help="also draw the result as an SVG here")
     parser.add_argument("--figure-from", help="only draw the figure, from this results JSON")
     args = parser.parse_args()
@@ -504,6 +511,7 @@ def save(args: argparse.Namespace, rounds: list[Round], load_before: Any) -> dic
         "kv_failover" if args.engine == "llama" else f"kv_failover_{args.engine}",
         {
             "engine": args.engine,
+            "engine_args": args.engine_arg,
             "model": args.model,
             "contexts": args.contexts,
             "kill_after": args.kill_after,

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from understudy.engine_shim import kvlog
-from understudy.engine_shim.adapters.vllm_kvplan import Move, Planner
+from understudy.engine_shim.adapters.vllm_kvplan import Move, Planner, Ready
+from understudy.engine_shim.adapters.vllm_kvpreload import Target, targets
 from understudy.engine_shim.kvpool import KvPool
 
 SPEC = kvlog.PoolSpec(
@@ -217,3 +218,36 @@ def test_a_load_carries_its_claims_checksums_and_a_cut_saves_from_the_bad_block(
     # vLLM computes again from its block holding position 16 (here: 0)
     plan = nxt.step([("b", 0, 51, [4], resumed)])
     assert plan.loads == [] and [(m.start, m.end) for m in plan.saves] == [(16, 51)]
+
+
+def test_loads_ahead_land_where_each_continuation_is_guessed_to() -> None:
+    """A continuation's prompt is its slot's positions and one id more: it
+    takes ceil((held + 1) / block) blocks, the held ones fill the first."""
+    free = [10, 11, 12, 13, 14, 15]
+    got = targets([3, 1, 2], {1: 32, 2: 40, 3: 15}, free, 16)
+    assert got == [Target(3, (10,), 15), Target(1, (11, 12), 32)]  # 2 would not fit
+    assert targets([1], {}, free, 16) == []  # a slot holding nothing
+    assert targets([3], {3: 15}, [], 16) == []
+
+
+def test_a_load_takes_what_was_loaded_ahead_only_from_position_0_into_the_same_blocks() -> None:
+    memory = bytearray(SPEC.pool_bytes)
+    first = Planner(pool(memory, 1), SPEC.max_len)
+    first.matched("a", IDS, 0)
+    write_and_seal(first.pool, first.step([("a", 0, 50, [1], IDS)]).saves[0])
+    resumed = [*IDS, 7]
+    sums = np.arange(3, dtype=np.uint64)
+    for blocks, given, ready, want in [
+        ([4], 0, {0: Ready((4,), 50, sums)}, 50),  # its own blocks
+        ([5], 0, {0: Ready((4,), 50, sums)}, 0),  # other blocks
+        ([4], 0, {1: Ready((4,), 50, sums)}, 0),  # another slot's
+        ([4], 0, {0: Ready((4,), 40, None)}, 40),  # fewer positions: the rest is copied
+        ([4], 0, None, 0),  # nothing loaded ahead
+        ([4], 16, {0: Ready((4,), 50, sums)}, 0),  # vLLM's own cache held a prefix
+    ]:
+        nxt = Planner(pool(bytearray(memory), 2), SPEC.max_len)
+        found, _ = nxt.matched("b", resumed, given)
+        nxt.allocated("b", found)
+        (load,) = nxt.step([("b", 50, 1, blocks, resumed)], ready).loads
+        assert (load.start, load.end, load.ready) == (given, 50, want), (blocks, given, ready)
+        assert load.sums is (None if want == 0 else ready[0].sums)  # type: ignore[index]

@@ -5,8 +5,8 @@ each platform's standby makes, and in what order.
 - CPU: the engine core stays; its prefix cache is forgotten *before* the KV
   cache's pages go back to the kernel (a prefix hit on a released block would
   read zeros or a stale block); the pages really leave the process's working
-  set (RSS less what the kernel may take, ``LazyFree``), freed at once by
-  default (``--kv-release now``) or reclaimably; wake builds nothing and,
+  set (RSS less what the kernel may take, ``LazyFree``), freed reclaimably
+  by default (``--kv-release reclaimable``) or at once; wake builds nothing and,
   with ``--kv-at-wake populate``, commits them again.
 - GPU (UNVERIFIED on a GPU): vLLM's own ``sleep(level=1)`` and ``wake_up()``,
   nothing of ours on the KV cache.

@@ -294,19 +294,13 @@ class KvPool:
         check takes ~8 ms, done while the engine turns Active and the
         continuation comes back.
 
-        The slots: those with a seal among the log's last `AHEAD_RECORDS`
-        records per slot, newest first. A decode step seals at most two
-        records per sequence, so these are the sequences in flight at the
-        death; older prefixes, which may never be claimed, wait for a claim.
-        What it finds is only compared at a claim (`_sums_ahead`): a block
-        that a claim retires while the thread reads it (the engine writes
-        there next) is never taken from it.
+        The slots: `in_flight`, newest first; older prefixes, which may
+        never be claimed, wait for a claim. What it finds is only compared
+        at a claim (`_sums_ahead`): a block that a claim retires while the
+        thread reads it (the engine writes there next) is never taken from
+        it.
         """
-        newest: dict[int, int] = {}
-        for (slot, _), sealed in self.index.sealed.items():
-            newest[slot] = max(newest.get(slot, 0), sealed.gen)
-        after = max(newest.values(), default=0) - AHEAD_RECORDS * self.spec.slots
-        order = sorted((s for s, gen in newest.items() if gen > after), key=lambda s: -newest[s])
+        order = self.in_flight()
         if not order:
             return
         for slot in order:
@@ -334,6 +328,17 @@ class KvPool:
 
         self.ahead = threading.Thread(target=run, name="kv-check-ahead", daemon=True)
         self.ahead.start()
+
+    def in_flight(self) -> list[int]:
+        """The slots the dead engine sealed last, newest first: those with a
+        seal among the log's last `AHEAD_RECORDS` records per slot. A decode
+        step seals at most two records per sequence, so these are the
+        sequences in flight at the death, which continuations claim first."""
+        newest: dict[int, int] = {}
+        for (slot, _), sealed in self.index.sealed.items():
+            newest[slot] = max(newest.get(slot, 0), sealed.gen)
+        after = max(newest.values(), default=0) - AHEAD_RECORDS * self.spec.slots
+        return sorted((s for s, gen in newest.items() if gen > after), key=lambda s: -newest[s])
 
     def _sums_ahead(
         self, slot: int, seals: list[tuple[int, kvlog.Sealed]], *, wait: bool = True
@@ -496,8 +501,13 @@ class KvPool:
     def block_sums(self, checking: Checking) -> BlockSums:
         """What the engine's step sums ``checking``'s blocks into (an
         ``in_step`` claim's): every block below its start, from 0."""
+        return self.sums_of_blocks(checking.start // self.spec.block_tokens)
+
+    def sums_of_blocks(self, blocks: int) -> BlockSums:
+        """What a read of a slot's first ``blocks`` whole blocks sums their
+        checksums into (`block_sums`; a load ahead of its claim's)."""
         rows, cols = self._sum_weights
-        return BlockSums(rows, cols, np.zeros(checking.start // self.spec.block_tokens, np.uint64))
+        return BlockSums(rows, cols, np.zeros(blocks, np.uint64))
 
     def settle(self, checking: Checking, total: npt.NDArray[np.uint64] | None = None) -> None:
         """Settle an ``in_step`` claim's checksums: ``total``, as the step summed

@@ -49,7 +49,14 @@ from typing import TYPE_CHECKING, Any, Final
 from aiohttp import web
 
 from understudy.engine_shim import kvlog, memadvise, openai_api
-from understudy.engine_shim.adapters import models, tiny_llama, vllm_kv, vllm_kvconn, vllm_loader
+from understudy.engine_shim.adapters import (
+    models,
+    tiny_llama,
+    vllm_kv,
+    vllm_kvconn,
+    vllm_kvpreload,
+    vllm_loader,
+)
 from understudy.engine_shim.adapters.base import AdapterError, Engine, KvPoolRequest, UsesKvPool
 from understudy.engine_shim.adapters.model_cache import cache_dir
 from understudy.engine_shim.generation import (
@@ -250,7 +257,7 @@ def _our_args(args: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="vllm engine", add_help=False, exit_on_error=False)
     parser.add_argument("--max-pending", type=int, default=openai_api.MAX_PENDING)
     parser.add_argument("--kv-at-wake", choices=KV_AT_WAKE, default="lazy")
-    parser.add_argument("--kv-release", choices=KV_RELEASE, default="now")
+    parser.add_argument("--kv-release", choices=KV_RELEASE, default="reclaimable")
     parser.add_argument("--huge-pages", choices=("on", "off"), default="on")
     parser.add_argument("--kv-pool", choices=("on", "off"), default="on")
     parser.add_argument("--kv-adopt", choices=("on", "off"), default="on")
@@ -671,7 +678,10 @@ class VllmEngine:
         cache blocks vLLM will hand out next with as many blocks
         (``memadvise.warm``): a continuation's load reads the one (summing
         the claim's checksums as it copies, where the C moves are built;
-        else a check-ahead thread reads them first) and writes the other."""
+        else a check-ahead thread reads them first) and writes the other.
+        Then, with the C moves, the slots the dead engine was serving are
+        copied into the blocks their continuations will get, until the first
+        step (`vllm_kvpreload`): a continuation that got them loads nothing."""
         assert self.kv_spec is not None
         pool = KvPool(memory, self.kv_spec, epoch, adopt=self.kv_adopt, reader=reader)
         link = self._kv_link
@@ -679,12 +689,15 @@ class VllmEngine:
             return
         if link.copier.mover is None:  # else a continuation's load sums its blocks as it copies
             pool.check_ahead()
-        size = link.copier.block_size
-        wanted = sum(-(-(n + 1) // size) for n in pool.index.held().values())
+        size, held = link.copier.block_size, pool.index.held()
+        wanted = sum(-(-(n + 1) // size) for n in held.values())
         blocks = vllm_kv.next_free_blocks(self._engine, wanted)
         fill = (vllm_kv.block_spans(link.caches, blocks), memadvise.MADV_POPULATE_WRITE)
         sealed = (pool.sealed_spans(), memadvise.MADV_POPULATE_READ)
         self._warming = memadvise.warm([fill] if pool.reads_premapped else [sealed, fill])
+        if not vllm_kv.zeroes_new_blocks(self._engine):
+            ahead = vllm_kvpreload.targets(pool.in_flight(), held, blocks, size)
+            link.preload(ahead, after=self._warming)
 
     def close(self) -> None:
         self._kv_link.detach()

@@ -10,17 +10,18 @@ its stand-in, with the same effect through the kernel:
 
 - ``release``: the cache's whole pages given back, one of two ways (the
   engine's ``--kv-release``):
-  - ``reclaimable`` (``MADV_FREE``): the kernel takes the pages
-    when it needs memory, first of all (they are discarded, never swapped),
-    and until then they stay where they are. They leave the working set at
-    once (the cgroup counts them as inactive file memory: kubelet's working
-    set, usage less inactive file, drops by the cache's size), and a page
-    the kernel has not taken is there at wake with no fault. A failover at
-    4,000 tokens backs 180 MiB of vLLM's blocks first: 72-185 ms with fresh
-    pages on a machine whose hypervisor takes freed 2 MiB blocks back,
-    16-32 ms with these (docs/vllm.md).
-  - ``now`` (``MADV_DONTNEED``, the default): the kernel frees them at once
-    (the process's RSS and PSS drop by the cache's size).
+  - ``reclaimable`` (``MADV_FREE``, the default): the kernel takes the
+    pages when it needs memory, first of all (they are discarded, never
+    swapped), and until then they stay where they are. They leave the
+    working set at once (the cgroup counts them as inactive file memory:
+    kubelet's working set, usage less inactive file, drops by the cache's
+    size), and a page the kernel has not taken is there at wake with no
+    fault. A failover at 4,000 tokens writes 180 MiB of vLLM's blocks at
+    once: backing them took 25-110 ms with fresh pages on a machine whose
+    hypervisor takes freed 2 MiB blocks back, under 3 ms with these, and
+    the load into them 28-35 ms against 30-68 (docs/vllm.md).
+  - ``now`` (``MADV_DONTNEED``): the kernel frees them at once (the
+    process's RSS and PSS drop by the cache's size).
 
   Either way the mapping stays, and a page touched again reads as zeros
   (taken) or as what it held (not taken): vLLM writes every position before
@@ -126,6 +127,18 @@ def next_free_blocks(engine: Any, n: int) -> list[int]:
         out.append(int(block.block_id))
         block = getattr(block, "next_free_block", None)
     return out
+
+
+def zeroes_new_blocks(engine: Any) -> bool:
+    """Whether ``engine``'s worker zeroes the blocks its scheduler hands out
+    before the step that uses them (vLLM does where its cache mixes
+    precisions, or holds Mamba state): what is written into them ahead
+    would be lost. True where vLLM's internals are not as in vLLM 0.32."""
+    try:
+        scheduler = engine.engine_core.engine_core.scheduler
+        return bool(scheduler.needs_kv_cache_zeroing)
+    except AttributeError:
+        return True
 
 
 def block_spans(caches: Sequence[Any], block_ids: Iterable[int]) -> list[tuple[int, int]]:

@@ -47,19 +47,22 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 import uuid
 import warnings
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
+import numpy.typing as npt
 
 from understudy.engine_shim.adapters.vllm_kvmove import Mover, mover
 from understudy.engine_shim.adapters.vllm_kvplan import Move, Planner, StepPlan
-from understudy.engine_shim.kvpool import BlockSums, KvPool
+from understudy.engine_shim.adapters.vllm_kvpreload import Preload, Target
+from understudy.engine_shim.kvpool import BlockSums, Checking, KvPool
 from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.engine_shim.vllm_kv")
@@ -227,6 +230,18 @@ class _Copier:
                         theirs.copy_(pool)
 
 
+def _first(
+    sums: npt.NDArray[np.uint64] | None, checking: Checking | None
+) -> npt.NDArray[np.uint64] | None:
+    """The checksums of the blocks below ``checking``'s start, from ``sums``
+    (a load ahead's, of a slot's first blocks); None where they do not
+    cover them."""
+    if sums is None or checking is None:
+        return None
+    blocks = len(checking.in_step)
+    return sums[:blocks] if sums.size >= blocks else None
+
+
 def kv_views(cache: Any, heads: int, head_dim: int) -> tuple[Any, Any]:
     """Keys and values of one layer's cache as ``[block, head, offset, dim]`` views."""
     shape = tuple(cache.shape)
@@ -277,6 +292,7 @@ class Scheduling:
     def __init__(self, planner: Planner | None = None) -> None:
         self.planner = planner
         self.requests: dict[str, Any] = {}  # vLLM's Request objects with a slot
+        self.preload: Preload | None = None  # until the first step after the wake
 
     def matched(self, request: Any, computed: int) -> int:
         planner = self.planner
@@ -293,6 +309,9 @@ class Scheduling:
             self.planner.allocated(request.request_id, external)
 
     def plan(self, scheduler_output: Any, manager: Any) -> StepPlan:
+        # Before this step's forward pass writes any block: the load ahead ends.
+        preload, self.preload = self.preload, None
+        ready = preload.finish() if preload is not None else None
         planner = self.planner
         if planner is None or manager is None:
             return StepPlan()
@@ -303,7 +322,7 @@ class Scheduling:
                 blocks = manager.get_block_ids(rid)[0]
                 ids = request.all_token_ids
                 scheduled.append((rid, request.num_computed_tokens, count, blocks, ids))
-        return planner.step(scheduled)
+        return planner.step(scheduled, ready)
 
     def finished(self, request: Any) -> None:
         self.requests.pop(request.request_id, None)
@@ -351,8 +370,22 @@ class Link:
 
     def detach(self) -> None:
         """No pool (asleep, or closed): both sides do nothing until the next attach."""
+        if self.scheduling.preload is not None:  # its copies end before the cache is released
+            self.scheduling.preload.finish()
         self.copier, self.scheduling = None, Scheduling()
         self.invalid, self.cut = set(), frozenset()
+
+    def preload(self, targets: list[Target], after: threading.Thread | None = None) -> None:
+        """Load ``targets`` ahead (`vllm_kvpreload`), where the C moves copy
+        and sum: torch's copies sum nothing, and their claims' checks run
+        on a thread of their own already."""
+        copier, planner = self.copier, self.planner
+        if copier is None or copier.mover is None or planner is None or not targets:
+            return
+        pool = planner.pool
+        self.scheduling.preload = Preload(
+            targets, copier.load, pool.sums_of_blocks, pool.spec.block_tokens, after
+        )
 
     def register(self, kv_caches: dict[str, Any]) -> None:
         """vLLM's KV tensors, one per attention layer, in the model's layer order,
@@ -387,11 +420,17 @@ class Link:
         cut = set()
         for m in plan.loads:
             t0 = time.monotonic()
-            sums = copier.sums_as_it_loads(m)
-            copier.load(m, sums)
+            if m.ready:  # loaded ahead: the rest only, its sums from then
+                if m.end > m.start + m.ready:
+                    copier.load(replace(m, start=m.start + m.ready, ready=0, checking=None))
+                total = _first(m.sums, m.checking)
+            else:
+                sums = copier.sums_as_it_loads(m)
+                copier.load(m, sums)
+                total = None if sums is None else sums.total
             if m.checking is not None:  # the claim's checksums: summed, or read now
                 pool = planner.pool
-                pool.settle(m.checking, None if sums is None else sums.total)
+                pool.settle(m.checking, total)
                 trusted = pool.confirm(m.checking)
                 if trusted < m.checking.start:  # vLLM computes again from the bad block
                     planner.cut(m.req_id, trusted)
@@ -402,7 +441,8 @@ class Link:
                 log, "kv_loaded", req=m.req_id, positions=m.end - m.start,
                 seconds=round(time.monotonic() - t0, 4),
                 by="c" if copier.mover is not None else "torch",
-                summed=sums is not None,  # the claim's checksums, as it copied
+                summed=total is not None,  # the claim's checksums, as it copied
+                ahead=m.ready,  # positions loaded ahead, at wake
             )  # fmt: skip
         self.cut = frozenset(cut)
 

@@ -21,6 +21,12 @@ without touching memory:
   failed is ``cut`` back to its last good block, in the pool and here, and
   the worker reports the vLLM blocks it loaded from there on as load
   errors, which vLLM computes again (``kv_load_failure_policy=recompute``).
+- **A load ahead** (``vllm_kvpreload``): at wake, before any continuation
+  comes back, the engine copies the slots the dead engine was serving into
+  the blocks vLLM hands out next, summing their checksums. The first step
+  after the wake stops it; a load of that step whose request got those very
+  blocks from position 0 finds its positions in place (`Ready`), and copies
+  only what lies past them.
 - **Every scheduled step of a request with a slot saves** the positions the
   pool does not hold yet, up to where the step leaves the request (pool ←
   vLLM's blocks, after the forward pass), and the worker seals them.
@@ -34,12 +40,27 @@ in-process), one after the other, so the plan needs no lock.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
 
 from understudy.engine_shim.kvpool import Checking, Claim, KvPool
 
-__all__ = ["Move", "Planner", "StepPlan"]
+__all__ = ["Move", "Planner", "Ready", "StepPlan"]
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """A slot loaded ahead: its positions ``0..positions-1`` in vLLM's blocks
+    ``block_ids`` (position ``p`` in ``block_ids[p // block_size]``), and
+    the checksums of its whole blocks as the copy summed them (None: not
+    summed)."""
+
+    block_ids: tuple[int, ...]
+    positions: int
+    sums: npt.NDArray[np.uint64] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +77,10 @@ class Move:
     end: int
     tokens: tuple[int, ...] = ()
     checking: Checking | None = None  # a load's: the claim's checksums, to settle
+    # A load's positions from ``start`` already in its blocks (loaded ahead),
+    # and the checksums that load summed (`Ready`).
+    ready: int = 0
+    sums: npt.NDArray[np.uint64] | None = None
 
 
 @dataclass(slots=True)
@@ -119,10 +144,12 @@ class Planner:
     def step(
         self,
         scheduled: Sequence[tuple[str, int, int, Sequence[int], Sequence[int]]],
+        ready: Mapping[int, Ready] | None = None,
     ) -> StepPlan:
         """This step's loads and saves. ``scheduled``: for every request the
         step runs, ``(req_id, computed before the step, positions scheduled,
-        its block ids, its ids so far)``."""
+        its block ids, its ids so far)``; ``ready``: the slots loaded ahead
+        (by slot), which a load from position 0 into the same blocks takes."""
         plan = StepPlan()
         for req_id, computed, count, block_ids, tokens in scheduled:
             held = self._held.get(req_id)
@@ -130,10 +157,14 @@ class Planner:
                 continue
             blocks = tuple(block_ids)
             if self._pending.pop(req_id, None) is not None and held.load > 0:
-                start, checking = held.given, held.checking
-                plan.loads.append(
-                    Move(req_id, held.slot, blocks, start, start + held.load, checking=checking)
-                )
+                start, end, checking = held.given, held.given + held.load, held.checking
+                got = (ready or {}).get(held.slot)
+                if got is not None and start == 0 and blocks[: len(got.block_ids)] == got.block_ids:
+                    move = Move(req_id, held.slot, blocks, start, end, checking=checking,
+                                ready=min(got.positions, end), sums=got.sums)  # fmt: skip
+                else:
+                    move = Move(req_id, held.slot, blocks, start, end, checking=checking)
+                plan.loads.append(move)
                 held.load, held.checking = 0, None
             end = min(computed + count, self.max_len)
             if end > held.saved:

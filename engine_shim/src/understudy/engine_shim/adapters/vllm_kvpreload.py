@@ -1,0 +1,126 @@
+"""A failover's KV loaded ahead: the dead engine's sequences copied into
+vLLM's cache while the next engine wakes, before their continuations come.
+
+A continuation's load (``vllm_kvconn.Link.run``) copies the positions the
+pool holds into the blocks vLLM allocated for it, before the step's forward
+pass: at 4,000 positions of SmolLM2, 184 MB and ~25 ms on the failover's
+path. Yet the engine knows at wake which slots the dead engine was serving
+(`KvPool.in_flight`) and which blocks vLLM will hand out next (its free
+queue, in order: ``vllm_kv.next_free_blocks``), and the continuations come
+back only after the wake. So `Preload` copies each in-flight slot into the
+blocks its continuation would get, on a thread of its own, summing the
+checksums of its blocks as it copies (the C moves), while the engine turns
+Active and the front resends.
+
+It is a guess, and the guess is only taken where it held:
+
+- The first step after the wake stops it (``finish``, from the scheduler
+  side's ``build_connector_meta``, before that step's forward pass: no
+  forward pass ever writes a block the thread is writing), and what it
+  finished (`Ready`, by slot) goes to that step's plan only.
+- A load of that step takes a slot's `Ready` only if it starts at position
+  0 into the very blocks that were loaded (``Planner.step``); any other
+  request that got them, or a later step, finds the blocks as vLLM would
+  (written before read) and its load copies as before.
+- Nothing else writes those blocks or the slot's positions in between: vLLM
+  does not zero the blocks it hands out where its cache is of one precision
+  (where it would, ``vllm_kv.zeroes_new_blocks``, nothing is loaded ahead),
+  and the pool's positions change only after a claim, which comes with or
+  after the step that stops this.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from understudy.engine_shim.adapters.vllm_kvplan import Move, Ready
+from understudy.engine_shim.kvpool import BlockSums
+from understudy.wire.obs import log_event
+
+log = logging.getLogger("understudy.engine_shim.vllm_kv")
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A slot's positions ``0..positions-1`` to copy into ``block_ids``."""
+
+    slot: int
+    block_ids: tuple[int, ...]
+    positions: int
+
+
+def targets(
+    slots: Sequence[int], held: Mapping[int, int], free: Sequence[int], block_size: int
+) -> list[Target]:
+    """Where each of ``slots`` (in the order their continuations are guessed
+    to come) would land: a continuation's prompt is the slot's ``held``
+    positions and the token sampled last, so vLLM hands it the next
+    ``ceil((held + 1) / block_size)`` blocks of ``free``; the held positions
+    fill the first ``ceil(held / block_size)`` of them. Stops where ``free``
+    runs out."""
+    out, at = [], 0
+    for slot in slots:
+        n = held.get(slot, 0)
+        need, takes = -(-n // block_size), -(-(n + 1) // block_size)
+        if n == 0 or at + takes > len(free):
+            break
+        out.append(Target(slot, tuple(free[at : at + need]), n))
+        at += takes
+    return out
+
+
+class Preload:
+    """Copy ``targets`` one slot after another on a thread (started here,
+    after ``after`` ends: the warming of the same pages), with ``load(move,
+    sums)`` (the copier's) and ``sums(blocks)`` (the pool's
+    `KvPool.sums_of_blocks`; None: none summed)."""
+
+    def __init__(
+        self,
+        targets: Sequence[Target],
+        load: Callable[[Move, BlockSums | None], None],
+        sums: Callable[[int], BlockSums] | None,
+        block_tokens: int,
+        after: threading.Thread | None = None,
+    ) -> None:
+        self._targets = list(targets)
+        self._load, self._sums, self._block_tokens = load, sums, block_tokens
+        self._after = after
+        self._stop = threading.Event()
+        self._done: dict[int, Ready] = {}
+        self._copying_s = 0.0
+        self._thread = threading.Thread(target=self._run, name="kv-preload", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        if self._after is not None:
+            self._after.join()
+        t0 = time.monotonic()
+        for t in self._targets:
+            if self._stop.is_set():
+                break
+            sums = None if self._sums is None else self._sums(t.positions // self._block_tokens)
+            try:
+                self._load(Move("preload", t.slot, t.block_ids, 0, t.positions), sums)
+            except Exception as exc:  # a guess: the continuation's own load copies
+                log_event(log, "kv_preload_failed", logging.WARNING, slot=t.slot, error=exc)
+                break
+            total = None if sums is None else sums.total
+            self._done[t.slot] = Ready(t.block_ids, t.positions, total)
+        self._copying_s = time.monotonic() - t0
+
+    def finish(self) -> dict[int, Ready]:
+        """Stop after the slot being copied, wait for it; the slots copied."""
+        t0 = time.monotonic()
+        self._stop.set()
+        self._thread.join()
+        log_event(
+            log, "kv_preloaded", slots=len(self._done), of=len(self._targets),
+            positions=sum(r.positions for r in self._done.values()),
+            seconds=round(self._copying_s, 4), waited=round(time.monotonic() - t0, 4),
+        )  # fmt: skip
+        return dict(self._done)
