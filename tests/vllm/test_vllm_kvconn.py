@@ -142,18 +142,19 @@ def test_each_engine_hands_its_own_link_through_vllms_config() -> None:
 
 
 @pytest.mark.parametrize(
-    ("blocks", "corrupt"),
-    [(range(7, 14), False), (range(7, 14), True), (range(20, 27), False)],
-    ids=["taken", "taken-corrupt", "other-blocks"],
+    ("n", "at", "corrupt"),
+    [(100, 7, False), (100, 7, True), (100, 90, False), (1100, 7, False), (1100, 7, True)],
+    ids=["taken", "taken-corrupt", "other-blocks", "pieces", "pieces-corrupt"],
 )
-def test_a_load_ahead_is_taken_only_into_its_own_blocks(blocks: range, corrupt: bool) -> None:
+def test_a_load_ahead_is_taken_only_into_its_own_blocks(n: int, at: int, corrupt: bool) -> None:
     """The next engine copies the dead one's slot into the blocks vLLM hands
     out next, before the continuation comes (`vllm_kvpreload`). A
     continuation that got those blocks loads nothing and settles its claim
     with the checksums the copy summed (a block changed after its seal is
     found, and vLLM computes from it again); one that got other blocks
     copies into them as without it. Either way its blocks hold what the pool
-    does."""
+    does. A slot longer than a piece (`vllm_kvpreload.PIECE`) is copied in
+    pieces, the first step copying those left beside the thread."""
     from understudy.engine_shim import kvlog
     from understudy.engine_shim.adapters import vllm_kvmove, vllm_kvpreload
     from understudy.engine_shim.adapters.vllm_kvconn import Link
@@ -162,43 +163,75 @@ def test_a_load_ahead_is_taken_only_into_its_own_blocks(blocks: range, corrupt: 
     if vllm_kvmove.mover is None:
         pytest.skip("the package was built without its C kernels")
     spec = kvlog.PoolSpec(
-        model="m", layers=3, kv_heads=2, head_dim=64, dtype="float32", slots=2, max_len=256
+        model="m", layers=3, kv_heads=2, head_dim=64, dtype="float32", slots=2, max_len=1280
     )
     memory = bytearray(spec.pool_bytes)
-    source = [torch.rand((32, 2, 16, 128)) + 1 for _ in range(3)]  # never 0
-    ids = list(range(300, 400))
+    source = [torch.rand((160, 2, 16, 128)) + 1 for _ in range(3)]  # never 0
+    ids = list(range(300, 300 + n))
     first = Link(caches=source)
     assert first.attach(KvPool(memoryview(memory), spec, 1)) and first.planner is not None
     first.planner.matched("a", ids, 0)
-    served = list(range(0, 7))
-    first.run(first.planner.step([("a", 0, 100, served, ids)]), save=True)
+    served = list(range(-(-n // 16)))
+    first.run(first.planner.step([("a", 0, n, served, ids)]), save=True)
     if corrupt:
         first.planner.pool.v[1, 0, 1, 40] += 1.0  # block 2, after its seal
     # The engine dies; the next one maps the pool and guesses blocks 7...
-    target = [torch.zeros((32, 2, 16, 128)) for _ in range(3)]
+    target = [torch.zeros((160, 2, 16, 128)) for _ in range(3)]
     nxt = Link(caches=target)
     pool = KvPool(memoryview(memory), spec, 2)
     assert nxt.attach(pool) and nxt.planner is not None
-    ahead = vllm_kvpreload.targets(pool.in_flight(), pool.index.held(), range(7, 32), 16)
-    assert ahead == [vllm_kvpreload.Target(0, tuple(range(7, 14)), 100)]
+    guessed = tuple(range(7, 7 + len(served)))
+    ahead = vllm_kvpreload.targets(pool.in_flight(), pool.index.held(), range(7, 160), 16)
+    assert ahead == [vllm_kvpreload.Target(0, guessed, n)]
     nxt.preload(ahead)
     preload = nxt.scheduling.preload
     assert preload is not None
     ready = preload.finish()  # the first step's scheduling
+    assert list(ready) == [0]
     resumed = [*ids, 5]
-    assert nxt.planner.matched("b", resumed, 0)[0] == 100
-    nxt.planner.allocated("b", 100)
-    plan = nxt.planner.step([("b", 100, 1, list(blocks), resumed)], ready)
-    taken = blocks[0] == 7
-    assert [(m.start, m.end, m.ready) for m in plan.loads] == [(0, 100, 100 if taken else 0)]
+    assert nxt.planner.matched("b", resumed, 0)[0] == n
+    nxt.planner.allocated("b", n)
+    blocks = list(range(at, at + len(served) + 1))
+    plan = nxt.planner.step([("b", n, 1, blocks, resumed)], ready)
+    taken = at == 7
+    assert [(m.start, m.end, m.ready) for m in plan.loads] == [(0, n, n if taken else 0)]
     nxt.run(plan, save=False)
-    assert nxt.load_errors() == (set(range(9, 14)) if corrupt else set())
+    assert nxt.load_errors() == (set(blocks[2 : len(served)]) if corrupt else set())
     for layer in range(3):
         src, dst = kv_views(source[layer], 2, 64), kv_views(target[layer], 2, 64)
-        for pos in range(100):
+        for pos in range(n):
             for s, d in zip(src, dst, strict=True):
                 want = s[served[pos // 16], :, pos % 16]
                 if corrupt and pos == 40 and s is src[1] and layer == 1:
                     want = want.clone()
                     want[1] += 1.0  # what the pool holds: the changed values
                 assert torch.equal(d[blocks[pos // 16], :, pos % 16], want), (layer, pos)
+
+
+def test_a_first_step_before_the_load_ahead_began_finds_nothing_loaded() -> None:
+    """The first step stops the load ahead: a slot not begun is never begun
+    (its continuation copies it), and nothing writes vLLM's blocks after."""
+    import threading
+
+    from understudy.engine_shim import kvlog
+    from understudy.engine_shim.adapters import vllm_kvmove, vllm_kvpreload
+    from understudy.engine_shim.adapters.vllm_kvconn import _Copier
+    from understudy.engine_shim.kvpool import KvPool
+
+    if vllm_kvmove.mover is None:
+        pytest.skip("the package was built without its C kernels")
+    spec = kvlog.PoolSpec(
+        model="m", layers=2, kv_heads=2, head_dim=64, dtype="float32", slots=2, max_len=1024
+    )
+    pool = KvPool(memoryview(bytearray(spec.pool_bytes)), spec, 1)
+    pool.k[:] = 1.0
+    target = [torch.zeros((80, 2, 16, 128)) for _ in range(2)]
+    copier = _Copier(pool, target)
+    warm = threading.Event()
+    warming = threading.Thread(target=warm.wait)  # the pages' warming, not done yet
+    warming.start()
+    ahead = [vllm_kvpreload.Target(0, tuple(range(63)), 1000)]
+    preload = vllm_kvpreload.Preload(ahead, copier.load, pool.sums_of_blocks, 16, warming)
+    threading.Timer(0.2, warm.set).start()
+    assert preload.finish() == {}
+    assert all(int(torch.count_nonzero(t)) == 0 for t in target)

@@ -371,7 +371,7 @@ class Link:
     def detach(self) -> None:
         """No pool (asleep, or closed): both sides do nothing until the next attach."""
         if self.scheduling.preload is not None:  # its copies end before the cache is released
-            self.scheduling.preload.finish()
+            self.scheduling.preload.finish(help=False)
         self.copier, self.scheduling = None, Scheduling()
         self.invalid, self.cut = set(), frozenset()
 

@@ -34,8 +34,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Final
 
 from understudy.engine_shim.adapters.vllm_kvplan import Move, Ready
 from understudy.engine_shim.kvpool import BlockSums
@@ -73,11 +75,18 @@ def targets(
     return out
 
 
+# A slot is copied in pieces of this many positions (whole blocks of the
+# pool's, so that each piece sums its own blocks): the first step, which waits
+# for the slot under way, copies the pieces left beside the thread.
+PIECE: Final = 512
+
+
 class Preload:
     """Copy ``targets`` one slot after another on a thread (started here,
     after ``after`` ends: the warming of the same pages), with ``load(move,
     sums)`` (the copier's) and ``sums(blocks)`` (the pool's
-    `KvPool.sums_of_blocks`; None: none summed)."""
+    `KvPool.sums_of_blocks`; None: none summed), in pieces of `PIECE`
+    positions."""
 
     def __init__(
         self,
@@ -88,39 +97,73 @@ class Preload:
         after: threading.Thread | None = None,
     ) -> None:
         self._targets = list(targets)
-        self._load, self._sums, self._block_tokens = load, sums, block_tokens
+        self._load, self._block_tokens = load, block_tokens
+        piece = max(1, PIECE // block_tokens) * block_tokens  # whole blocks
         self._after = after
-        self._stop = threading.Event()
-        self._done: dict[int, Ready] = {}
+        self._lock = threading.Lock()
+        # The pieces not begun, in order: (target, first position, end).
+        self._pieces = deque(
+            (t, p, min(p + piece, t.positions))
+            for t in targets
+            for p in range(0, t.positions, piece)
+        )
+        self._left = {t.slot: -(-t.positions // piece) for t in targets}  # pieces not done
+        self._sums = {
+            t.slot: None if sums is None else sums(t.positions // block_tokens) for t in targets
+        }
+        self._begun: set[int] = set()  # slots with a piece taken
+        self._failed: set[int] = set()
         self._copying_s = 0.0
         self._thread = threading.Thread(target=self._run, name="kv-preload", daemon=True)
         self._thread.start()
+
+    def _copy(self) -> bool:
+        """Copy the next piece; False if none is left."""
+        with self._lock:
+            if not self._pieces:
+                return False
+            t, start, end = self._pieces.popleft()
+            self._begun.add(t.slot)
+        # The pieces of a slot sum its blocks into one array, each into its
+        # own blocks' entries: two threads never add into the same one.
+        whole = self._sums[t.slot]
+        blocks = end // self._block_tokens
+        sums = None if whole is None else replace(whole, total=whole.total[:blocks])
+        try:
+            self._load(Move("preload", t.slot, t.block_ids, start, end), sums)
+        except Exception as exc:  # a guess: the continuation's own load copies
+            log_event(log, "kv_preload_failed", logging.WARNING, slot=t.slot, error=exc)
+            with self._lock:
+                self._failed.add(t.slot)
+        with self._lock:
+            self._left[t.slot] -= 1
+        return True
 
     def _run(self) -> None:
         if self._after is not None:
             self._after.join()
         t0 = time.monotonic()
-        for t in self._targets:
-            if self._stop.is_set():
-                break
-            sums = None if self._sums is None else self._sums(t.positions // self._block_tokens)
-            try:
-                self._load(Move("preload", t.slot, t.block_ids, 0, t.positions), sums)
-            except Exception as exc:  # a guess: the continuation's own load copies
-                log_event(log, "kv_preload_failed", logging.WARNING, slot=t.slot, error=exc)
-                break
-            total = None if sums is None else sums.total
-            self._done[t.slot] = Ready(t.block_ids, t.positions, total)
+        while self._copy():
+            pass
         self._copying_s = time.monotonic() - t0
 
-    def finish(self) -> dict[int, Ready]:
-        """Stop after the slot being copied, wait for it; the slots copied."""
+    def finish(self, *, help: bool = True) -> dict[int, Ready]:
+        """No slot begun from now on; the ones under way copied to their end,
+        beside the thread, where ``help`` (else dropped); the slots copied."""
         t0 = time.monotonic()
-        self._stop.set()
+        with self._lock:
+            self._pieces = deque(x for x in self._pieces if help and x[0].slot in self._begun)
+        while self._copy():
+            pass
         self._thread.join()
+        done = {}
+        for t in self._targets:
+            if self._left[t.slot] == 0 and t.slot not in self._failed:
+                sums = self._sums[t.slot]
+                done[t.slot] = Ready(t.block_ids, t.positions, None if sums is None else sums.total)
         log_event(
-            log, "kv_preloaded", slots=len(self._done), of=len(self._targets),
-            positions=sum(r.positions for r in self._done.values()),
+            log, "kv_preloaded", slots=len(done), of=len(self._targets),
+            positions=sum(r.positions for r in done.values()),
             seconds=round(self._copying_s, 4), waited=round(time.monotonic() - t0, 4),
         )  # fmt: skip
-        return dict(self._done)
+        return done
