@@ -149,9 +149,7 @@ def get_json(port: int, path: str) -> Any:
         conn.close()
 
 
-def start_pod(
-    engine: str, model: str, mode: str, max_len: int, base: int, extra: list[str]
-) -> Pod:
+def start_pod(engine: str, model: str, mode: str, max_len: int, base: int, extra: list[str]) -> Pod:
     run = Path(tempfile.mkdtemp(prefix="us-kvb-", dir="/dev/shm"))
     # Without the pool a 4,000-position prompt is one llama worker iteration
     # of minutes here: not a hung engine (vLLM's prefill is chunked).

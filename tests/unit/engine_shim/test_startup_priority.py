@@ -10,7 +10,12 @@ import time
 import pytest
 
 from understudy.engine_shim.cli import STARTUP_DEFER_S, defer_if_restarted
-from understudy.engine_shim.mainloop import STARTUP_NICE, run_yielding
+from understudy.engine_shim.mainloop import (
+    STARTUP_NICE,
+    lowered_policy,
+    may_restore,
+    run_yielding,
+)
 from understudy.wire import respawn
 
 
@@ -22,7 +27,7 @@ def test_the_work_runs_lower_and_the_caller_and_later_threads_do_not() -> None:
     before = _priority()
     seen: list[tuple[int, int]] = []
     run_yielding(lambda: seen.append(_priority()), "start-up")
-    assert seen == [(os.SCHED_BATCH, max(before[1], STARTUP_NICE))]
+    assert seen == [(lowered_policy(), max(before[1], STARTUP_NICE))]
     assert _priority() == before
     later: list[tuple[int, int]] = []  # a thread the caller starts after (the batcher)
     thread = threading.Thread(target=lambda: later.append(_priority()))
@@ -67,7 +72,7 @@ def test_after_its_time_the_work_runs_at_the_callers_priority_again() -> None:
         seen.extend(child)
 
     run_yielding(work, "start-up", most_s=0.2)
-    lowered = (os.SCHED_BATCH, max(before[1], STARTUP_NICE))
+    lowered = (lowered_policy(), max(before[1], STARTUP_NICE))
     assert seen[0] == lowered
     if os.geteuid() == 0:
         assert seen[1:] == [before, before]
@@ -95,7 +100,7 @@ def test_with_a_clock_the_yield_is_timed_from_it_and_the_call_waits_for_it() -> 
     """A spare's imports (engine cli): they yield for as long as the spare
     waits for its turn, however long, and ``most_s`` counts from the turn."""
     before = _priority()
-    lowered = (os.SCHED_BATCH, max(before[1], STARTUP_NICE))
+    lowered = (lowered_policy(), max(before[1], STARTUP_NICE))
     seen: list[tuple[int, int]] = []
     done = threading.Event()
     turn = threading.Event()
@@ -135,3 +140,16 @@ def test_a_restarts_deferral_counts_from_its_death(monkeypatch: pytest.MonkeyPat
     assert slept == []
     waited = defer_if_restarted(slept.append, since=now - STARTUP_DEFER_S / 4)
     assert STARTUP_DEFER_S / 2 < waited <= STARTUP_DEFER_S * 3 / 4 and slept == [waited]
+
+
+def test_idle_only_where_the_priority_can_be_put_back() -> None:
+    """SCHED_IDLE gives the Active engine's threads the CPU the instant they
+    wake; a process without CAP_SYS_NICE could never leave it (sched(7)), so
+    it yields with SCHED_BATCH at nice 10 instead."""
+    root = "Name:\tpython\nCapInh:\t0000000000000000\nCapEff:\t000001ffffffffff\n"
+    pod = "Name:\tpython\nCapEff:\t00000000a80425fb\n"  # a container's defaults
+    assert may_restore(root) and lowered_policy(root) == os.SCHED_IDLE
+    assert not may_restore(pod) and lowered_policy(pod) == os.SCHED_BATCH
+    assert not may_restore("Name:\tpython\n")
+    with open("/proc/self/status") as f:
+        assert lowered_policy() == lowered_policy(f.read())

@@ -47,12 +47,11 @@ PHASE_BUCKETS = (
 )  # fmt: skip
 # Init (re-arm or a cold load): a second to the longest startup budget.
 _INIT_BUCKETS = (0.25, 0.5, 1, 1.5, 2, 3, 5, 7.5, 10, 15, 20, 30, 60, 120, 300, 600, 1800)
-# The start-up of a restarted engine runs at this nice value (and SCHED_BATCH):
-# on a CPU the Active engine also wants, it gets ~10% (CFS weight 110 against
-# 1024), not half. Not SCHED_IDLE: that starves it outright wherever the CPUs
-# are busy, and the standby must still be ready in seconds, before the next
-# death.
+# The start-up of a restarted engine runs at this nice value, SCHED_BATCH or
+# SCHED_IDLE (`lowered_policy`): on a CPU the Active engine also wants, it gets
+# ~10% (CFS weight 110 against 1024), not half.
 STARTUP_NICE: Final = 10
+CAP_SYS_NICE: Final = 23  # capabilities(7)
 # ... for this long at most; then back to the caller's priority where the
 # process may raise it (run_yielding). Under a saturated CPU ~10% is too
 # little for a start-up of seconds of CPU: vLLM's (~15 s of CPU on SmolLM2)
@@ -63,6 +62,40 @@ STARTUP_NICE: Final = 10
 STARTUP_YIELD_S: Final = 5.0
 # (A restarted engine also starts a second late, before its imports:
 # cli.STARTUP_DEFER_S.)
+
+
+def may_restore(status: str | None = None) -> bool:
+    """Whether this process may put its threads' priority back: CAP_SYS_NICE
+    in its effective set (``status``: the text of /proc/self/status)."""
+    if status is None:
+        try:
+            with open("/proc/self/status") as f:
+                status = f.read()
+        except OSError:
+            return False
+    for line in status.splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> CAP_SYS_NICE & 1)
+    return False
+
+
+def lowered_policy(status: str | None = None) -> int:
+    """The scheduling policy of the work `run_yielding` runs.
+
+    SCHED_IDLE where the process may take its threads out of it again
+    (`may_restore`; sched(7): leaving SCHED_IDLE needs CAP_SYS_NICE): a
+    thread of the Active engine that wakes preempts an idle-policy thread at
+    once, where one at SCHED_BATCH and nice 10 ran on to the end of its
+    slice. vLLM-CPU's forward pass is an OpenMP team on both cores, whose
+    threads wait on each other at every barrier: in a failover at 4,000
+    tokens, a spare importing vLLM at nice 10 took 72-75 ms of a core
+    during first steps of 131-152 ms (ftrace, 2026-12-05, night), and with
+    SCHED_IDLE none of 12 first steps took over 111 ms where 3 of 6 had
+    taken 190-222 (docs/performance.md). Its start-up waits for idle CPU
+    only for `run_yielding`'s ``most_s``, and a standby is still ready in
+    seconds. Where the priority cannot be put back, SCHED_BATCH: idle for
+    the whole start-up would starve it wherever the CPUs are busy."""
+    return os.SCHED_IDLE if may_restore(status) else os.SCHED_BATCH
 
 
 def run_yielding(
@@ -92,10 +125,11 @@ def run_yielding(
     """
     failure: list[BaseException] = []
     before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    policy = lowered_policy()
 
     def run() -> None:
         try:
-            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+            os.sched_setscheduler(0, policy, os.sched_param(0))
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
         except (OSError, AttributeError) as exc:  # not Linux, or refused: go on unchanged
             log_event(log, "startup_priority_unchanged", logging.WARNING, reason=exc)
