@@ -250,4 +250,10 @@ def test_a_load_takes_what_was_loaded_ahead_only_from_position_0_into_the_same_b
         nxt.allocated("b", found)
         (load,) = nxt.step([("b", 50, 1, blocks, resumed)], ready).loads
         assert (load.start, load.end, load.ready) == (given, 50, want), (blocks, given, ready)
-        assert load.sums is (None if want == 0 else ready[0].sums)  # type: ignore[index]
+        summed = None if want == 0 or ready is None else ready[0].sums
+        if summed is None:
+            assert load.sums is None
+        else:  # those of the blocks its claim settles (below position 50: 3), as summed
+            assert load.sums is not None
+            assert np.array_equal(load.sums, summed[:3])
+            assert np.shares_memory(load.sums, summed)

@@ -57,12 +57,11 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
-import numpy.typing as npt
 
 from understudy.engine_shim.adapters.vllm_kvmove import Mover, mover
 from understudy.engine_shim.adapters.vllm_kvplan import Move, Planner, StepPlan
 from understudy.engine_shim.adapters.vllm_kvpreload import Preload, Target
-from understudy.engine_shim.kvpool import BlockSums, Checking, KvPool
+from understudy.engine_shim.kvpool import BlockSums, KvPool
 from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.engine_shim.vllm_kv")
@@ -230,18 +229,6 @@ class _Copier:
                         theirs.copy_(pool)
 
 
-def _first(
-    sums: npt.NDArray[np.uint64] | None, checking: Checking | None
-) -> npt.NDArray[np.uint64] | None:
-    """The checksums of the blocks below ``checking``'s start, from ``sums``
-    (a load ahead's, of a slot's first blocks); None where they do not
-    cover them."""
-    if sums is None or checking is None:
-        return None
-    blocks = len(checking.in_step)
-    return sums[:blocks] if sums.size >= blocks else None
-
-
 def kv_views(cache: Any, heads: int, head_dim: int) -> tuple[Any, Any]:
     """Keys and values of one layer's cache as ``[block, head, offset, dim]`` views."""
     shape = tuple(cache.shape)
@@ -371,7 +358,7 @@ class Link:
     def detach(self) -> None:
         """No pool (asleep, or closed): both sides do nothing until the next attach."""
         if self.scheduling.preload is not None:  # its copies end before the cache is released
-            self.scheduling.preload.finish(help=False)
+            self.scheduling.preload.finish(complete=False)
         self.copier, self.scheduling = None, Scheduling()
         self.invalid, self.cut = set(), frozenset()
 
@@ -423,7 +410,7 @@ class Link:
             if m.ready:  # loaded ahead: the rest only, its sums from then
                 if m.end > m.start + m.ready:
                     copier.load(replace(m, start=m.start + m.ready, ready=0, checking=None))
-                total = _first(m.sums, m.checking)
+                total = m.sums
             else:
                 sums = copier.sums_as_it_loads(m)
                 copier.load(m, sums)

@@ -41,7 +41,7 @@ in-process), one after the other, so the plan needs no lock.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -78,7 +78,8 @@ class Move:
     tokens: tuple[int, ...] = ()
     checking: Checking | None = None  # a load's: the claim's checksums, to settle
     # A load's positions from ``start`` already in its blocks (loaded ahead),
-    # and the checksums that load summed (`Ready`).
+    # and the checksums that load summed of the blocks ``checking`` settles
+    # (None: they are read then).
     ready: int = 0
     sums: npt.NDArray[np.uint64] | None = None
 
@@ -158,12 +159,12 @@ class Planner:
             blocks = tuple(block_ids)
             if self._pending.pop(req_id, None) is not None and held.load > 0:
                 start, end, checking = held.given, held.given + held.load, held.checking
+                move = Move(req_id, held.slot, blocks, start, end, checking=checking)
                 got = (ready or {}).get(held.slot)
                 if got is not None and start == 0 and blocks[: len(got.block_ids)] == got.block_ids:
-                    move = Move(req_id, held.slot, blocks, start, end, checking=checking,
-                                ready=min(got.positions, end), sums=got.sums)  # fmt: skip
-                else:
-                    move = Move(req_id, held.slot, blocks, start, end, checking=checking)
+                    move = replace(
+                        move, ready=min(got.positions, end), sums=_below(got.sums, checking)
+                    )
                 plan.loads.append(move)
                 held.load, held.checking = 0, None
             end = min(computed + count, self.max_len)
@@ -192,3 +193,15 @@ class Planner:
     def _free(self) -> list[int]:
         taken = {h.slot for h in self._held.values()}
         return [s for s in range(self.pool.spec.slots) if s not in taken]
+
+
+def _below(
+    sums: npt.NDArray[np.uint64] | None, checking: Checking | None
+) -> npt.NDArray[np.uint64] | None:
+    """Of a load ahead's ``sums`` (a slot's first blocks), those of the blocks
+    below ``checking``'s start, which it settles; None where they do not
+    cover them."""
+    if sums is None or checking is None:
+        return None
+    blocks = len(checking.in_step)
+    return sums[:blocks] if sums.size >= blocks else None

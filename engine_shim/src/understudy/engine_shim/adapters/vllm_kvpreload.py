@@ -147,12 +147,12 @@ class Preload:
             pass
         self._copying_s = time.monotonic() - t0
 
-    def finish(self, *, help: bool = True) -> dict[int, Ready]:
+    def finish(self, *, complete: bool = True) -> dict[int, Ready]:
         """No slot begun from now on; the ones under way copied to their end,
-        beside the thread, where ``help`` (else dropped); the slots copied."""
+        beside the thread, where ``complete`` (else dropped); the slots copied."""
         t0 = time.monotonic()
         with self._lock:
-            self._pieces = deque(x for x in self._pieces if help and x[0].slot in self._begun)
+            self._pieces = deque(x for x in self._pieces if complete and x[0].slot in self._begun)
         while self._copy():
             pass
         self._thread.join()
