@@ -35,6 +35,7 @@ without a page fault per page of a fresh mapping.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -130,13 +131,16 @@ def sum_weights(
     return rows.reshape(shape), cols.reshape(shape)
 
 
-def block_weights(
-    rows: npt.NDArray[np.uint64], cols: npt.NDArray[np.uint64]
-) -> npt.NDArray[np.uint64]:
+@functools.lru_cache(maxsize=8)
+def block_weights(spec: PoolSpec, words: int) -> npt.NDArray[np.uint64]:
     """Each word's weight in its whole block's checksum, ``(2, layers,
-    kv_heads, block_tokens * words)``, from `sum_weights`' ``rows`` and
-    ``cols``: its row's weight plus its column's."""
+    kv_heads, block_tokens * words)``, from `sum_weights`: its row's weight
+    plus its column's. Made once per spec (read-only), and only where blocks
+    are summed apart from a step (`KvPool.checksums`): 0.7 MB for SmolLM2,
+    1-2 ms of a waking engine's adoption when each pool made its own."""
+    rows, cols = sum_weights(spec, words)
     weights = rows[..., :, None] + cols[..., None, :]  # (..., positions, words)
+    weights.flags.writeable = False
     return weights.reshape(*rows.shape[:3], -1)
 
 
@@ -247,7 +251,6 @@ class KvPool:
         word = kvlog.word_dtype(spec.head_dim * spec.itemsize)
         self._words = (self.rk.view(word), self.rv.view(word))
         self._sum_weights = sum_weights(spec, self._words[0].shape[-1])  # `block_sums`'s
-        self._block_weights = block_weights(*self._sum_weights)
         self._chains: dict[int, list[bytes]] = {s: [] for s in range(spec.slots)}
         # The thread that maps the sealed pages (memadvise.warm), if any: a
         # deferred claim's checksums wait for it (`_check_later`).
@@ -663,7 +666,8 @@ class KvPool:
         per layer took 20 (in process, 5 each)."""
         spec, b, n = self.spec, self.spec.block_tokens, hi - lo
         total = np.zeros(n, dtype=np.uint64)
-        for arr, weights in zip(self._words, self._block_weights, strict=True):
+        weights_kv = block_weights(spec, self._words[0].shape[-1])
+        for arr, weights in zip(self._words, weights_kv, strict=True):
             run = arr[:, slot, :, lo * b : hi * b]
             run = run.reshape(spec.layers, spec.kv_heads, n, b * arr.shape[-1])
             total += np.einsum("lhnk,lhk->n", run, weights, dtype=np.uint64)
