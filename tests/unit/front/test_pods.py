@@ -40,6 +40,7 @@ EVENTS: dict[Kind, pods.Event] = {
     Kind.READY: Probed("a", True, sent_at=6.0),
     Kind.UNREADY: Probed("a", False, sent_at=6.0),
     Kind.BEFORE_DEATH: Probed("a", True, sent_at=4.0),
+    Kind.GONE: Probed("a", True, sent_at=6.0),  # to a pod listed as terminating
     Kind.BROKE: Broke("a", "reset"),
     Kind.SILENT: Silent("a", 1.2),
     Kind.TERMINATING: Terminating("a", until=27.0),
@@ -51,15 +52,17 @@ def test_the_events_cover_every_kind() -> None:
     assert set(EVENTS) == set(Kind)
 
 
-# Only a dead pod has a past for a probe to predate.
-PAIRS = [(ph, k) for ph in Phase for k in Kind if k is not Kind.BEFORE_DEATH or ph is Phase.DEAD]
+# Only a dead pod has a past for a probe to predate, or is gone for good.
+DEAD_ONLY = (Kind.BEFORE_DEATH, Kind.GONE)
+PAIRS = [(ph, k) for ph in Phase for k in Kind if k not in DEAD_ONLY or ph is Phase.DEAD]
 
 
 @pytest.mark.parametrize(("phase", "k"), PAIRS)
 def test_every_phase_and_kind_lands_where_the_table_says_or_is_refused(
     phase: Phase, k: Kind
 ) -> None:
-    p = pod(phase, dead_at=5.0 if phase is Phase.DEAD else None)
+    li = replace(A, terminating=True) if k is Kind.GONE else A
+    p = pod(phase, li, dead_at=5.0 if phase is Phase.DEAD else None)
     assert pods.kind(p, EVENTS[k]) is k
     entry = pods.TRANSITIONS.get((phase, k))
     if entry is None:
@@ -186,6 +189,15 @@ def test_a_terminating_pod_takes_nothing_new_and_moves_what_it_has_at_its_grace_
     [late] = pods.overdue(f, 22.0)
     f, actions = pods.feed(f, late, 22.0)
     assert actions == [Dead("a", "removed")] and f.pods["a"].phase is Phase.DEAD
+    # Its front still answers until the kubelet stops it: it stays out (a
+    # revival here routed new requests to it, and left "leaving" or "dead"
+    # for a window as short as the grace plus one probe).
+    f, actions = pods.feed(f, Probed("a", True, 22.1), 22.15)
+    assert actions == [] and f.pods["a"].phase is Phase.DEAD and pods.routable(f) == 1
+    # Listed as serving again (the rollout undone), the next answer revives it.
+    f, _ = pods.listed(f, [A, B], 23.0, grace_s=20.0)
+    f, actions = pods.feed(f, Probed("a", True, 23.1), 23.15)
+    assert actions == [Routed("a", 2)] and pods.routable(f) == 2
 
 
 def test_a_leaving_pod_that_breaks_or_falls_silent_dies_at_once() -> None:

@@ -24,7 +24,8 @@ connections given up on. A pod that leaves the list (``listed``) is dead too.
 A pod listed as terminating (a rollout, a drain, a scale-down: its
 EndpointSlice condition) is LEAVING: it takes nothing new, its requests
 finish there, and those still there when its grace ends (``Overdue``) move,
-as its death would move them, before the kubelet kills it.
+as its death would move them, before the kubelet kills it. Dead then, it
+stays dead while it is listed so, whatever its front still answers.
 
 Which pod: the ready one with the fewest requests in flight (``pick``), ties
 taken in turn.
@@ -294,6 +295,9 @@ class Kind(enum.Enum):
     READY = "Probed (ready)"
     UNREADY = "Probed (not ready)"
     BEFORE_DEATH = "Probed (sent before it died)"  # says nothing of it now
+    # Dead and listed as terminating (its grace ended, or it died leaving):
+    # answering does not bring it back, or it would take new requests again.
+    GONE = "Probed (dead, and on its way out)"
     BROKE = "Broke"
     SILENT = "Silent"
     TERMINATING = "Terminating"
@@ -305,6 +309,8 @@ def kind(p: Pod, e: Event) -> Kind:
         case Probed(ready=ready, sent_at=sent_at):
             if p.dead_at is not None and sent_at <= p.dead_at:
                 return Kind.BEFORE_DEATH
+            if p.dead_at is not None and p.listing.terminating:
+                return Kind.GONE
             return Kind.READY if ready else Kind.UNREADY
         case Broke():
             return Kind.BROKE
@@ -374,8 +380,9 @@ def _to(handler: Callable[[Pod, Any, float], Result], *phases: Phase) -> Entry:
 
 
 # (phase, kind) -> (handler, the phases it may lead to). A dead pod comes back
-# only by answering a probe sent after its death; a pod never heard from is
-# not silent (it never spoke), only unknown.
+# only by answering a probe sent after its death, and not while it is listed
+# as terminating; a pod never heard from is not silent (it never spoke), only
+# unknown.
 TRANSITIONS: dict[tuple[Phase, Kind], Entry] = {
     (N, K.READY): _to(_ready, R),
     (N, K.UNREADY): _to(_unready, U),
@@ -402,6 +409,7 @@ TRANSITIONS: dict[tuple[Phase, Kind], Entry] = {
     (D, K.READY): _to(_revived, R),
     (D, K.UNREADY): _to(_revived, U),
     (D, K.BEFORE_DEATH): _to(_ignore, D),
+    (D, K.GONE): _to(_ignore, D),
     (D, K.BROKE): _to(_ignore, D),
     (D, K.SILENT): _to(_ignore, D),
 }
