@@ -102,7 +102,7 @@ def main() -> int:
     results = {}
     print(f"\n{args.model}: prefill {args.prefill}, {args.steps} decode steps; bound {BOUND:g}")
     print(f"{'KV stored as':14} {'p50':>9} {'p99':>9} {'max':>9}  {'greedy differs':>15}")
-    for name in ("float16", "bfloat16"):
+    for name in (n for n, rounding in ROUNDINGS.items() if rounding is not None):
         per_step = np.abs(logits[name] - base).max(axis=-1)
         s = summary([float(d) for d in per_step])
         differs = int((logits[name].argmax(-1) != base.argmax(-1)).sum())
