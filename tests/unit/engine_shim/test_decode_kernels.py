@@ -6,9 +6,13 @@ and their refusals."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
-from concurrent.futures import Future
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
@@ -16,7 +20,13 @@ import pytest
 
 from understudy.engine_shim import kvlog, kvpool
 from understudy.engine_shim.adapters import decode_kernels
-from understudy.engine_shim.adapters.decode_kernels import ENV, Kernels
+from understudy.engine_shim.adapters.decode_kernels import (
+    ENV,
+    THREADS_ENV,
+    Kernels,
+    cpu_share,
+    threads_wanted,
+)
 from understudy.engine_shim.kvpool import KvPool
 
 F32 = npt.NDArray[np.float32]
@@ -140,6 +150,128 @@ def test_arrays_not_of_the_kernels_layout_are_refused_and_nothing_is_written(cas
     assert not out.any()
 
 
+# --- a row in parts, on more than one core ------------------------------------------
+
+
+@pytest.fixture
+def kernel_threads() -> Iterator[Callable[[int], None]]:
+    """Sets the kernel's threads (one setting per process) for a test, and
+    puts the number back after it."""
+    assert kernel is not None
+    before = kernel.threads
+    yield lambda n: None if kernel is None else kernel.set_threads(n)
+    kernel.set_threads(before)
+
+
+@needs_kernel
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("length", [513, 1024, 1025, 3001, 4000])
+def test_a_row_in_parts_is_softmax_attention_and_its_bits_go_by_no_thread_count(
+    d: int, length: int, kernel_threads: Callable[[int], None]
+) -> None:
+    """Past 512 positions a row goes in parts of 512, each part's softmax
+    against its own maximum, rescaled at the end: the float64 softmax's
+    answer, with the same bits on 1, 2 or 3 threads (which part a thread
+    takes changes from call to call)."""
+    assert kernel is not None
+    q, keys, values = _arrays(length, 3, 3, d, 4096, scale=4.0)
+    kernel_threads(1)
+    alone = _attend(kernel, q, keys, values, length)
+    want = _reference(q, keys, values, length)  # a sharp softmax (scale 4): outputs up to 3
+    np.testing.assert_allclose(alone, want, rtol=2e-6, atol=2e-6)
+    for threads in (2, 3, 2):
+        kernel_threads(threads)
+        for _ in range(3):
+            assert np.array_equal(_attend(kernel, q, keys, values, length), alone), threads
+
+
+@needs_kernel
+def test_parts_far_apart_give_the_softmax_s_answer() -> None:
+    """A part whose scores are hundreds under another's: its weight floors at
+    e^-87 and it adds nothing, as in one softmax."""
+    assert kernel is not None
+    q, keys, values = _arrays(11, 3, 3, 64, 2048)
+    keys[:, 700:900] = q.mean(axis=1)[:, None, :] * 400.0  # positions of one part far above
+    got = _attend(kernel, q, keys, values, 2000)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, _reference(q, keys, values, 2000), rtol=0, atol=2e-6)
+
+
+@needs_kernel
+def test_rows_from_two_threads_at_once_are_each_their_own(
+    kernel_threads: Callable[[int], None],
+) -> None:
+    """Two Python threads in the kernel at once (ctypes lets go of the GIL):
+    one has the workers, the other computes its row alone; both rows are the
+    ones each computes by itself."""
+    assert kernel is not None
+    kernel_threads(2)
+    inputs = [_arrays(seed, 3, 3, 64, 4096) for seed in (21, 22)]
+    want = [_attend(kernel, q, k, v, 4000) for q, k, v in inputs]
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(20):
+            got = list(pool.map(lambda a: _attend(kernel, *a, 4000), inputs))  # type: ignore[arg-type]
+            assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+@needs_kernel
+def test_a_forked_child_computes_with_workers_of_its_own(
+    kernel_threads: Callable[[int], None],
+) -> None:
+    """The parent's workers do not exist in a forked child: it starts its own
+    (one more thread of its own after its first row) and computes the same
+    bits (a hang here would be a child waiting on a lock a worker held at the
+    fork)."""
+    assert kernel is not None
+    kernel_threads(2)
+    q, keys, values = _arrays(31, 3, 3, 64, 4096)
+    want = _attend(kernel, q, keys, values, 4000)  # the parent's workers are running
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        before = len(os.listdir("/proc/self/task"))
+        same = all(np.array_equal(_attend(kernel, q, keys, values, 4000), want) for _ in range(5))
+        started = len(os.listdir("/proc/self/task")) - before
+        os._exit(0 if same and started == 1 else 1 if same else 2)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child did not finish its rows in 60 s")
+    assert os.waitstatus_to_exitcode(done[1]) == 0, "1: no worker started; 2: other bits"
+
+
+@needs_kernel
+def test_the_threads_are_set_and_clamped(kernel_threads: Callable[[int], None]) -> None:
+    assert kernel is not None
+    assert kernel.set_threads(3) == kernel.threads == 3
+    assert kernel.set_threads(100) == 8
+    with pytest.raises(ValueError, match="1 or more"):
+        kernel.set_threads(0)
+    assert kernel.threads == 8
+
+
+def test_the_default_threads_are_the_cpu_share_up_to_two(tmp_path: Path) -> None:
+    cpus = len(os.sched_getaffinity(0))
+    cpu_max = tmp_path / "cpu.max"
+    for text, share in [
+        ("max 100000\n", cpus),
+        ("150000 100000\n", 1),  # limits.cpu 1.5: one whole core
+        ("50000 100000\n", 1),  # under one core: still one thread
+        (f"{100000 * (cpus + 4)} 100000\n", cpus),  # a limit past the affinity
+        ("garbage\n", cpus),
+    ]:
+        cpu_max.write_text(text)
+        assert cpu_share(cpu_max) == share, text
+    assert cpu_share(tmp_path / "absent") == cpus
+    assert threads_wanted({}) == min(2, cpu_share())
+    assert threads_wanted({THREADS_ENV: "3"}) == 3
+    for bad in ("0", "-1", "two", "1.5"):
+        with pytest.raises(ValueError, match=f"{THREADS_ENV}="):
+            threads_wanted({THREADS_ENV: bad})
+
+
 @needs_kernel
 def test_shapes_it_does_not_take_are_left_to_numpy() -> None:
     assert kernel is not None
@@ -204,9 +336,9 @@ def test_products_refuse_what_they_do_not_take() -> None:
 # --- a claim's checksums, summed by the attention as it reads the blocks ---------
 
 
-def _pool(d: int) -> KvPool:
+def _pool(d: int, max_len: int = 96) -> KvPool:
     spec = kvlog.PoolSpec(
-        "m", layers=3, kv_heads=2, head_dim=d, dtype="float32", slots=2, max_len=96
+        "m", layers=3, kv_heads=2, head_dim=d, dtype="float32", slots=2, max_len=max_len
     )
     pool = KvPool(memoryview(bytearray(spec.pool_bytes)), spec, 1)
     rng = np.random.default_rng(d)
@@ -217,13 +349,19 @@ def _pool(d: int) -> KvPool:
 
 @needs_kernel
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("length", [16, 47, 64, 65, 96])
-def test_the_attention_sums_the_pools_block_checksums_as_it_reads_them(d: int, length: int) -> None:
+@pytest.mark.parametrize("length", [16, 47, 64, 65, 96, 1100])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_attention_sums_the_pools_block_checksums_as_it_reads_them(
+    d: int, length: int, threads: int, kernel_threads: Callable[[int], None]
+) -> None:
     """A step's row over every layer, given the pool's `block_sums`: each
     whole block's sum is the pool's own checksum of it (kvlog's
-    block_checksum), and the row's output is what it is without sums."""
+    block_checksum), and the row's output is what it is without sums. Over
+    1,100 positions (three parts) on two threads too, each adding its parts'
+    blocks."""
     assert kernel is not None
-    pool, slot = _pool(d), 1
+    kernel_threads(threads)
+    pool, slot = _pool(d, max_len=max(96, length)), 1
     blocks = length // 16
     checking = kvpool.Checking(slot, blocks * 16, length, 0, 16, Future())
     summed = pool.block_sums(checking)

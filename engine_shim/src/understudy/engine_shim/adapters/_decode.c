@@ -12,7 +12,9 @@
  * project's EPYC, where reading the 184 MB once takes about 10. Here the
  * positions go in chunks small enough for the L1 cache: a chunk's keys meet
  * every query head of their KV head before the next chunk is read, and so
- * do its values (docs/performance.md).
+ * do its values (docs/performance.md). Past PART positions a row goes in parts,
+ * on more than one core where the engine has them (below, "a row's attention
+ * in parts").
  *
  * A row's bits depend only on its inputs, on any x86-64 or other CPU this
  * compiles for: every sum is 8 lanes accumulated in the order of the inputs,
@@ -168,21 +170,24 @@ static inline __attribute__((always_inline)) void chunk_sums(const float *rows, 
     if (c < upto) block_sums(rows + c * d, (upto - c) / BLOCK, d / 2, row_w, col_w, ck->total + c / BLOCK);
 }
 
-/* One KV head, head_dim B * 8: the scores of its rep query heads into
- * scratch (rep rows of length), their softmax, then out (rep rows of B * 8). */
-#define HEAD(B)                                                                              \
-    static inline __attribute__((always_inline)) void head_##B(const float *q, const float *k, const float *v,              \
-                                ptrdiff_t length, int rep, float *scratch, float *out,       \
-                                const struct sums *ck, int h) {                              \
+/* One KV head, head_dim B * 8, over positions c0..c1-1 (a part): the scores of
+ * its rep query heads into scratch (rep rows of c1 - c0), their softmax
+ * against the part's own maximum, then into st, per query head, the part's
+ * weighted values (B * 8 floats), its maximum and its sum of e^x. */
+#define SPAN(B)                                                                              \
+    static inline __attribute__((always_inline)) void span_##B(const float *q, const float *k, const float *v, \
+                                ptrdiff_t c0, ptrdiff_t c1, int rep, float *scratch,         \
+                                float *st, const struct sums *ck, int h) {                   \
         enum { D = (B) * 8 };                                                                \
-        float best[MAX_REP], total[MAX_REP];                                                 \
+        ptrdiff_t n = c1 - c0;                                                               \
+        float best[MAX_REP];                                                                 \
         for (int r = 0; r < rep; r++) best[r] = -INFINITY;                                   \
-        for (ptrdiff_t c = 0; c < length; c += CHUNK) {                                      \
-            ptrdiff_t end = c + CHUNK < length ? c + CHUNK : length;                         \
+        for (ptrdiff_t c = c0; c < c1; c += CHUNK) {                                         \
+            ptrdiff_t end = c + CHUNK < c1 ? c + CHUNK : c1;                                 \
             for (int r = 0; r < rep; r++) {                                                  \
                 v8 qv[B];                                                                    \
                 for (int j = 0; j < (B); j++) qv[j] = load(q + r * D + 8 * j);               \
-                float *s = scratch + r * length, m = best[r];                                \
+                float *s = scratch + r * n - c0, m = best[r];                                \
                 v8 top = splat(m);                                                           \
                 ptrdiff_t p = c;                                                             \
                 for (; p + 8 <= end; p += 8) {                                               \
@@ -208,32 +213,33 @@ static inline __attribute__((always_inline)) void chunk_sums(const float *rows, 
                 chunk_sums(k, c, end, D, ck, ck->key_rows + h * BLOCK, ck->key_cols + h * (D / 2)); \
         }                                                                                    \
         for (int r = 0; r < rep; r++) {                                                      \
-            float *s = scratch + r * length;                                                 \
+            float *s = scratch + r * n;                                                      \
             v8 acc = splat(0.0f), m = splat(best[r]);                                        \
             ptrdiff_t p = 0;                                                                 \
-            for (; p + 8 <= length; p += 8) {                                                \
+            for (; p + 8 <= n; p += 8) {                                                     \
                 v8 e = exp_neg(load(s + p) - m);                                             \
                 store(s + p, e);                                                             \
                 acc += e;                                                                    \
             }                                                                                \
-            if (p < length) {                                                                \
+            if (p < n) {                                                                     \
                 float tail[8] = {0};                                                         \
-                for (ptrdiff_t i = p; i < length; i++) tail[i - p] = s[i] - best[r];         \
+                for (ptrdiff_t i = p; i < n; i++) tail[i - p] = s[i] - best[r];              \
                 v8 e = exp_neg(load(tail));                                                  \
-                for (ptrdiff_t i = p; i < length; i++) {                                     \
+                for (ptrdiff_t i = p; i < n; i++) {                                          \
                     s[i] = e[i - p];                                                         \
                     acc[i - p] += e[i - p];                                                  \
                 }                                                                            \
             }                                                                                \
-            total[r] = hsum(acc);                                                            \
+            st[r * (D + 2) + D] = best[r];                                                   \
+            st[r * (D + 2) + D + 1] = hsum(acc);                                             \
         }                                                                                    \
         v8 o[MAX_REP][B];                                                                    \
         for (int r = 0; r < rep; r++)                                                        \
             for (int j = 0; j < (B); j++) o[r][j] = splat(0.0f);                             \
-        for (ptrdiff_t c = 0; c < length; c += CHUNK) {                                      \
-            ptrdiff_t end = c + CHUNK < length ? c + CHUNK : length;                         \
+        for (ptrdiff_t c = c0; c < c1; c += CHUNK) {                                         \
+            ptrdiff_t end = c + CHUNK < c1 ? c + CHUNK : c1;                                 \
             for (int r = 0; r < rep; r++) {                                                  \
-                const float *s = scratch + r * length;                                       \
+                const float *s = scratch + r * n - c0;                                       \
                 v8 a[B];                                                                     \
                 for (int j = 0; j < (B); j++) a[j] = o[r][j];                                \
                 for (ptrdiff_t p = c; p < end; p++) {                                        \
@@ -246,14 +252,214 @@ static inline __attribute__((always_inline)) void chunk_sums(const float *rows, 
             if (ck != NULL)                                                                  \
                 chunk_sums(v, c, end, D, ck, ck->value_rows + h * BLOCK, ck->value_cols + h * (D / 2)); \
         }                                                                                    \
-        for (int r = 0; r < rep; r++) {                                                      \
-            v8 inv = splat(1.0f / total[r]);                                                 \
-            for (int j = 0; j < (B); j++) store(out + r * D + 8 * j, o[r][j] * inv);         \
-        }                                                                                    \
+        for (int r = 0; r < rep; r++)                                                        \
+            for (int j = 0; j < (B); j++) store(st + r * (D + 2) + 8 * j, o[r][j]);          \
     }
 
-HEAD(8)
-HEAD(16)
+SPAN(8)
+SPAN(16)
+
+/* --- a row's attention in parts, on more than one core --------------------------
+ *
+ * At 4,000 positions SmolLM2's 30 layers read 184 MB of keys and values a
+ * step, and one core of this project's Intel machine reads memory at about
+ * 10 GB/s where two read at 20 (docs/performance.md): the attention was 25 of
+ * a step's 80 ms there, the weights' products the other 55 whatever the
+ * context. So a row's positions go in parts of PART, each part's softmax
+ * against its own maximum, and the parts are summed at the end, rescaled to
+ * the row's maximum (split-K, as FlashDecoding does on a GPU). The parts are
+ * a function of the length alone and are summed in their own order, so a
+ * row's bits do not depend on how many threads computed them, or which part
+ * each took: a failover's next engine continues a stream with the same bits
+ * on one thread or two. A row of one part (up to PART positions) is the
+ * plain softmax, as before the parts.
+ *
+ * Threads: the caller and `wanted` - 1 workers of this library's own, asleep
+ * until a row of more than one part is posted; each takes the next part left
+ * (one atomic word: the job's generation, its parts and the next part), so
+ * a worker that wakes late or not at all only leaves the caller more parts,
+ * and never touches another job's. A second caller at the same time (another
+ * Python thread) computes its row alone. The parts' checksum sums touch
+ * disjoint blocks (PART is whole blocks), so no two threads add to one. */
+#define PART 512
+#define MAX_THREADS 8
+
+struct job {
+    const float *q, *k, *v;
+    ptrdiff_t head_stride, length, parts;
+    int kv_heads, rep, head_dim;
+    const struct sums *ck;
+    float *scratch; /* parts x rep x PART */
+    float *state;   /* parts x kv_heads x rep x (head_dim + 2): span's st */
+};
+
+CLONES static void run_part(const struct job *j, ptrdiff_t part) {
+    ptrdiff_t c0 = part * PART, c1 = c0 + PART < j->length ? c0 + PART : j->length;
+    float *scratch = j->scratch + part * j->rep * PART;
+    for (int h = 0; h < j->kv_heads; h++) {
+        const float *qh = j->q + (ptrdiff_t)h * j->rep * j->head_dim;
+        const float *kh = j->k + h * j->head_stride, *vh = j->v + h * j->head_stride;
+        float *st = j->state + (part * j->kv_heads + h) * j->rep * (j->head_dim + 2);
+        if (j->head_dim == 64)
+            span_8(qh, kh, vh, c0, c1, j->rep, scratch, st, j->ck, h);
+        else
+            span_16(qh, kh, vh, c0, c1, j->rep, scratch, st, j->ck, h);
+    }
+}
+
+/* out = the parts' weighted values over their sums, each part's rescaled by
+ * e^(its maximum - the row's), summed in the parts' order. */
+static void combine(const struct job *j, float *out) {
+    int d = j->head_dim, width = d + 2, rows = j->kv_heads * j->rep;
+    for (int i = 0; i < rows; i++) {
+        const float *first = j->state + (ptrdiff_t)i * width;
+        if (j->parts == 1) {
+            float inv = 1.0f / first[d + 1];
+            for (int x = 0; x < d; x++) out[(ptrdiff_t)i * d + x] = first[x] * inv;
+            continue;
+        }
+        float top = -INFINITY, total = 0.0f;
+        for (ptrdiff_t p = 0; p < j->parts; p++) {
+            float m = j->state[(p * rows + i) * width + d];
+            top = m > top ? m : top;
+        }
+        float *o = out + (ptrdiff_t)i * d;
+        for (int x = 0; x < d; x++) o[x] = 0.0f;
+        for (ptrdiff_t p = 0; p < j->parts; p++) {
+            const float *st = j->state + (p * rows + i) * width;
+            float scale = exp_neg(splat(st[d] - top))[0];
+            total += st[d + 1] * scale;
+            for (int x = 0; x < d; x++) o[x] += st[x] * scale;
+        }
+        float inv = 1.0f / total;
+        for (int x = 0; x < d; x++) o[x] *= inv;
+    }
+}
+
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdatomic.h>
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t posted_cv = PTHREAD_COND_INITIALIZER;
+static int wanted = 1, started = 0, atfork = 0; /* under mu */
+static uint64_t posted = 0;                      /* the last job's generation, under mu */
+static const struct job *current = NULL;         /* that job, under mu */
+static _Atomic uint64_t claim = 0;               /* generation << 32 | parts << 16 | next */
+static _Atomic ptrdiff_t done = 0;               /* the current job's parts finished */
+static atomic_flag busy = ATOMIC_FLAG_INIT;      /* a caller is using the workers */
+
+/* The next part of job `gen`, or 0 where it has none left (or is over). */
+static int take(uint32_t gen, ptrdiff_t *part) {
+    uint64_t w = atomic_load(&claim);
+    for (;;) {
+        if ((uint32_t)(w >> 32) != gen || (w & 0xffff) >= ((w >> 16) & 0xffff)) return 0;
+        if (atomic_compare_exchange_weak(&claim, &w, w + 1)) {
+            *part = (ptrdiff_t)(w & 0xffff);
+            return 1;
+        }
+    }
+}
+
+static void work(const struct job *j, uint32_t gen) {
+    ptrdiff_t part;
+    while (take(gen, &part)) {
+        run_part(j, part);
+        atomic_fetch_add(&done, 1);
+    }
+}
+
+/* Worker `index` (from 0) takes parts while index < wanted - 1. */
+static void *worker(void *arg) {
+    int index = (int)(intptr_t)arg;
+    uint64_t seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&mu);
+        while (posted == seen) pthread_cond_wait(&posted_cv, &mu);
+        seen = posted;
+        const struct job *j = current; /* dereferenced only for a part `take` gave */
+        int mine = index < wanted - 1;
+        pthread_mutex_unlock(&mu);
+        if (mine) work(j, (uint32_t)seen);
+    }
+    return NULL;
+}
+
+/* A forked child has none of its parent's workers: it starts its own. */
+static void forked(void) {
+    pthread_mutex_init(&mu, NULL);
+    pthread_cond_init(&posted_cv, NULL);
+    started = 0;
+    atomic_flag_clear(&busy);
+}
+
+/* Under mu: workers up to wanted - 1; 1 where at least one runs. Workers take
+ * no signals (Python's go to its main thread). */
+static int start_workers(void) {
+    if (!atfork) atfork = pthread_atfork(NULL, NULL, forked) == 0;
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    while (started < wanted - 1) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, worker, (void *)(intptr_t)started) != 0) break;
+        pthread_detach(t);
+        started++;
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    return started > 0;
+}
+
+/* Sets the threads a row's attention may use, the caller's among them (1:
+ * the caller alone), clamped to 1..MAX_THREADS, where threads > 0; returns
+ * the number in force. Workers are started at the first row that uses them. */
+int understudy_decode_threads(int threads) {
+    pthread_mutex_lock(&mu);
+    if (threads > 0) wanted = threads > MAX_THREADS ? MAX_THREADS : threads;
+    int set = wanted;
+    pthread_mutex_unlock(&mu);
+    return set;
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+#define PAUSE() __builtin_ia32_pause()
+#else
+#define PAUSE() ((void)0)
+#endif
+
+/* Every part of j, on the workers too where a row has more than one part and
+ * no other caller has them. The caller waits at most for the parts the
+ * workers took, not for a worker to wake. */
+static void run(const struct job *j) {
+    int shared = j->parts > 1 && j->parts <= 0xffff && !atomic_flag_test_and_set(&busy);
+    uint32_t gen = 0;
+    if (shared) {
+        pthread_mutex_lock(&mu);
+        shared = wanted > 1 && (started >= wanted - 1 || start_workers());
+        if (shared) {
+            gen = (uint32_t)++posted;
+            current = j;
+            atomic_store(&done, 0);
+            atomic_store(&claim, (uint64_t)gen << 32 | (uint64_t)j->parts << 16);
+            pthread_cond_broadcast(&posted_cv);
+        }
+        pthread_mutex_unlock(&mu);
+        if (!shared) atomic_flag_clear(&busy);
+    }
+    if (!shared) {
+        for (ptrdiff_t p = 0; p < j->parts; p++) run_part(j, p);
+        return;
+    }
+    work(j, gen);
+    for (int spins = 0; atomic_load(&done) < j->parts; spins++) {
+        if (spins < 4096)
+            PAUSE();
+        else
+            sched_yield();
+    }
+    atomic_flag_clear(&busy);
+}
 
 /* q: kv_heads x rep x head_dim; k, v: kv_heads heads head_stride floats
  * apart, each length x head_dim; out like q; ck: NULL, or the checksums to
@@ -261,25 +467,22 @@ HEAD(16)
  * Returns 0, or -1 for a shape this kernel does not take (head_dim other than
  * 64 or 128, rep over 16, no positions, sums past the length) or no memory
  * for its scratch: the caller's numpy form then. */
-CLONES int understudy_decode_attention(const float *q, const float *k, const float *v,
-                                       ptrdiff_t head_stride, ptrdiff_t length, int kv_heads,
-                                       int rep, int head_dim, float *out, const struct sums *ck) {
+int understudy_decode_attention(const float *q, const float *k, const float *v,
+                                ptrdiff_t head_stride, ptrdiff_t length, int kv_heads, int rep,
+                                int head_dim, float *out, const struct sums *ck) {
     if ((head_dim != 64 && head_dim != 128) || rep < 1 || rep > MAX_REP || length < 1 ||
         kv_heads < 1)
         return -1;
     if (ck != NULL && (ck->blocks < 0 || ck->blocks * BLOCK > length)) return -1;
-    float *scratch = malloc(sizeof(float) * (size_t)rep * (size_t)length);
-    if (scratch == NULL) return -1;
-    for (int h = 0; h < kv_heads; h++) {
-        const float *qh = q + (ptrdiff_t)h * rep * head_dim;
-        const float *kh = k + h * head_stride, *vh = v + h * head_stride;
-        float *oh = out + (ptrdiff_t)h * rep * head_dim;
-        if (head_dim == 64)
-            head_8(qh, kh, vh, length, rep, scratch, oh, ck, h);
-        else
-            head_16(qh, kh, vh, length, rep, scratch, oh, ck, h);
-    }
-    free(scratch);
+    ptrdiff_t parts = (length + PART - 1) / PART;
+    size_t scratch = (size_t)(parts * rep * PART);
+    size_t state = (size_t)(parts * kv_heads * rep * (head_dim + 2));
+    float *mem = malloc(sizeof(float) * (scratch + state));
+    if (mem == NULL) return -1;
+    struct job j = {q, k, v, head_stride, length, parts, kv_heads, rep, head_dim, ck, mem, mem + scratch};
+    run(&j);
+    combine(&j, out);
+    free(mem);
     return 0;
 }
 

@@ -7,7 +7,10 @@ badly on a CPU (docs/performance.md):
   keys once per query head sharing it and its values again per query head
   (SmolLM2: 3 each); `attend` reads each once, in chunks the L1 cache
   holds, and takes the softmax in the same call. SmolLM2's 30 layers at
-  4,000 positions, one core: 15 ms against 24-30.
+  4,000 positions, one core: 15 ms against 24-30. A row of more than 512
+  positions goes in parts, on `threads` cores (the caller's and the
+  library's own workers): 24 ms against 14 on two cores of this project's
+  Intel machine, whose one core reads memory at half the rate two do.
 * **products**, the step's rows times each weight: numpy's form hands BLAS
   one small product per group of 8 weight rows; `products` streams each
   weight once through tiles of 4 rows x 3 weight rows held in AVX2
@@ -34,10 +37,12 @@ way the engine that began it did.
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import logging
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Final, TypeVar
 
 import numpy as np
@@ -45,7 +50,18 @@ import numpy.typing as npt
 
 from understudy.engine_shim.kvpool import BlockSums
 
-__all__ = ["BLOCK", "ENV", "Kernels", "Sums", "built", "kernels", "sums_of"]
+__all__ = [
+    "BLOCK",
+    "ENV",
+    "THREADS_ENV",
+    "Kernels",
+    "Sums",
+    "built",
+    "cpu_share",
+    "kernels",
+    "sums_of",
+    "threads_wanted",
+]
 
 F32 = npt.NDArray[np.float32]
 _T = TypeVar("_T")
@@ -56,6 +72,16 @@ BLOCK: Final = 16
 ENV: Final = "UNDERSTUDY_DECODE_KERNELS"
 """``numpy``: numpy's forms even where the kernels are built (a benchmark's
 baseline, or a pod whose engines must match one built without them)."""
+
+THREADS_ENV: Final = "UNDERSTUDY_DECODE_THREADS"
+"""The cores a row's attention may use (`threads_wanted`); 1: the calling
+thread alone. A row's bits are the same whatever the number."""
+
+DEFAULT_THREADS: Final = 2
+"""The most the default takes: two cores halve the attention's read at 4,000
+positions on this project's machines; more were never measured."""
+
+CPU_MAX: Final = Path("/sys/fs/cgroup/cpu.max")
 
 _MODULE: Final = "understudy.engine_shim.adapters._decode"
 
@@ -81,7 +107,7 @@ class Kernels:
     HEAD_DIMS: Final = (64, 128)
     MAX_REP: Final = 16
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, threads: int = 1) -> None:
         lib = ctypes.CDLL(path)
         ptr, size, i32 = ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int
         attend = lib.understudy_decode_attention
@@ -92,10 +118,27 @@ class Kernels:
         products.restype = i32
         supported = lib.understudy_products_supported
         supported.restype = i32
-        self._attend, self._products = attend, products
+        set_threads = lib.understudy_decode_threads
+        set_threads.argtypes = [i32]
+        set_threads.restype = i32
+        self._attend, self._products, self._threads = attend, products, set_threads
         self.path: Final = path
+        self.set_threads(threads)
         self.has_products: Final = bool(supported())
         """Whether this CPU runs `products` (AVX2 and FMA)."""
+
+    @property
+    def threads(self) -> int:
+        """The cores a row's attention uses: one setting per process, the C
+        library's (it clamps it to 1..8)."""
+        return int(self._threads(0))
+
+    def set_threads(self, threads: int) -> int:
+        """Sets `threads` (1 or more; a row's bits do not change); the number
+        in force."""
+        if threads < 1:
+            raise ValueError(f"decode attention threads: {threads}, where 1 or more are needed")
+        return int(self._threads(threads))
 
     def takes(self, kv_heads: int, rep: int, head_dim: int) -> bool:
         """Whether `attend` computes heads of this shape (else numpy's form)."""
@@ -205,6 +248,29 @@ def sums_of(sums: BlockSums, layer: int, kv_heads: int, head_dim: int) -> Sums:
     )
 
 
+def cpu_share(cpu_max: Path = CPU_MAX) -> int:
+    """The whole CPUs this process may use: its affinity, within its cgroup's
+    CPU limit (cgroup v2 ``cpu.max``; a pod's ``limits.cpu``) where it has one.
+    At least 1."""
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        quota, period = cpu_max.read_text().split()
+        limit = cpus if quota == "max" else int(quota) // int(period)
+    except (OSError, ValueError):  # no cgroup v2 here, or a file we do not know
+        limit = cpus
+    return max(1, min(cpus, limit))
+
+
+def threads_wanted(environ: dict[str, str] | None = None) -> int:
+    """`THREADS_ENV`, or else the CPU share up to `DEFAULT_THREADS`."""
+    raw = (os.environ if environ is None else environ).get(THREADS_ENV, "")
+    if not raw:
+        return min(DEFAULT_THREADS, cpu_share())
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{THREADS_ENV}={raw!r}: a whole number of threads, 1 or more")
+    return int(raw)
+
+
 def built(module: str, wrap: Callable[[str], _T]) -> _T | None:
     """``wrap`` of the C library the package built as ``module``, or None
     where it was built without it, or the build is stale or foreign (the
@@ -219,5 +285,9 @@ def built(module: str, wrap: Callable[[str], _T]) -> _T | None:
         return None
 
 
-kernels: Final = None if os.environ.get(ENV, "") == "numpy" else built(_MODULE, Kernels)
+kernels: Final = (
+    None
+    if os.environ.get(ENV, "") == "numpy"
+    else built(_MODULE, functools.partial(Kernels, threads=threads_wanted()))
+)
 """The built kernels, or None (numpy's forms): module docstring."""
