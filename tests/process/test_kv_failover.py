@@ -30,13 +30,14 @@ from kvfailover import (
     adopted_line,
     gap_after,
     local_pod,
+    reused,
     stream,
     tiny_llama_ids,
 )
 from localpod import LocalPod
 from procs import wait_for
 
-from understudy.engine_shim.adapters import tiny_llama
+from understudy.engine_shim.adapters import decode_kernels, tiny_llama
 from understudy.engine_shim.adapters.llama import LlamaEngine
 from understudy.engine_shim.generation import SamplingParams
 
@@ -121,8 +122,46 @@ def test_sigkill_mid_step_the_next_engine_adopts_and_the_stream_is_identical(
     log = active_log(pod, not_pid=pid)
     assert "kv_reused" in log, log[-3000:]
     assert re.search(r"event=kv_pool .*premapped=True", log), log[-3000:]  # read through it
-    reused = [int(m) for m in re.findall(r"kv_reused .*?positions=(\d+)", log)]
-    assert max(reused) >= len(tiny_llama_ids(PROMPT)) // 64 * 64
+    assert max(reused(log)) >= len(tiny_llama_ids(PROMPT)) // 64 * 64
+    assert gap_after(at, times) < GAP_BOUND_S
+
+
+def test_a_stream_past_512_positions_in_parts_on_two_threads_is_one_threads_answer(
+    pod_factory: Callable[..., LocalPod], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past 512 positions the attention goes in parts (decode_kernels): the
+    pod's engines compute them on two threads, the adopting one summing the
+    checksums of its blocks in parts too, and the answer is the one this
+    process computes on one thread, byte for byte, across the kill."""
+    prompt = PROMPT * 12
+    assert len(tiny_llama_ids(prompt)) > 2 * 512 - MAX_TOKENS  # 3 parts by the end
+    engine = LlamaEngine(tiny_llama.BUILTIN)
+    native = decode_kernels.kernels
+    if native is None:
+        pytest.skip("the package was built without its C kernels")
+    threads = native.threads
+    native.set_threads(1)
+    try:
+        engine.attach_private()
+        assert engine.kv_spec is not None
+        engine.attach_kv_pool(memoryview(bytearray(engine.kv_spec.pool_bytes)), 1)
+        engine.wake()
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+
+        async def run() -> list[int]:
+            return [s.token_id async for s in engine.generate(engine.encode(prompt), params)]
+
+        want = engine.decode(asyncio.run(run()))
+    finally:
+        engine.close()
+        native.set_threads(threads)
+    monkeypatch.setenv(decode_kernels.THREADS_ENV, "2")  # the runner passes it on
+    pod = pod_factory()
+    killed: list[tuple[int, float]] = []
+    got, times = stream(pod.serve_port, kill_active_at(pod, 40, killed), prompt)
+    assert got == want
+    pid, at = killed[0]
+    assert max(reused(active_log(pod, not_pid=pid))) > 512  # adopted, past the first part
     assert gap_after(at, times) < GAP_BOUND_S
 
 
