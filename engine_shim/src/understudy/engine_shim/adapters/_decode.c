@@ -187,7 +187,7 @@ static inline __attribute__((always_inline)) void chunk_sums(const float *rows, 
             for (int r = 0; r < rep; r++) {                                                  \
                 v8 qv[B];                                                                    \
                 for (int j = 0; j < (B); j++) qv[j] = load(q + r * D + 8 * j);               \
-                float *s = scratch + r * n - c0, m = best[r];                                \
+                float *s = scratch + r * n, m = best[r];                                     \
                 v8 top = splat(m);                                                           \
                 ptrdiff_t p = c;                                                             \
                 for (; p + 8 <= end; p += 8) {                                               \
@@ -197,14 +197,14 @@ static inline __attribute__((always_inline)) void chunk_sums(const float *rows, 
                     v8 x45 = HALVES(products_##B(qv, row + 4 * D), products_##B(qv, row + 5 * D)); \
                     v8 x67 = HALVES(products_##B(qv, row + 6 * D), products_##B(qv, row + 7 * D)); \
                     v8 dots = IN_ORDER(EIGHTHS(QUARTERS(x01, x23), QUARTERS(x45, x67)));      \
-                    store(s + p, dots);                                                      \
+                    store(s + p - c0, dots);                                                  \
                     i8 more = dots > top;                                                    \
                     top = (v8)(((i8)dots & more) | ((i8)top & ~more));                       \
                 }                                                                            \
                 for (int i = 0; i < 8; i++) m = top[i] > m ? top[i] : m;                     \
                 for (; p < end; p++) {                                                       \
                     float dot = hsum(products_##B(qv, k + p * D));                           \
-                    s[p] = dot;                                                              \
+                    s[p - c0] = dot;                                                         \
                     m = dot > m ? dot : m;                                                   \
                 }                                                                            \
                 best[r] = m;                                                                 \
@@ -239,12 +239,12 @@ static inline __attribute__((always_inline)) void chunk_sums(const float *rows, 
         for (ptrdiff_t c = c0; c < c1; c += CHUNK) {                                         \
             ptrdiff_t end = c + CHUNK < c1 ? c + CHUNK : c1;                                 \
             for (int r = 0; r < rep; r++) {                                                  \
-                const float *s = scratch + r * n - c0;                                       \
+                const float *s = scratch + r * n;                                            \
                 v8 a[B];                                                                     \
                 for (int j = 0; j < (B); j++) a[j] = o[r][j];                                \
                 for (ptrdiff_t p = c; p < end; p++) {                                        \
                     const float *row = v + p * D;                                            \
-                    v8 w = splat(s[p]);                                                      \
+                    v8 w = splat(s[p - c0]);                                                 \
                     for (int j = 0; j < (B); j++) a[j] += w * load(row + 8 * j);             \
                 }                                                                            \
                 for (int j = 0; j < (B); j++) o[r][j] = a[j];                                \
