@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 from understudy.engine_shim import fsm as engine
 from understudy.front import fsm as front
+from understudy.front import pods
 from understudy.gms import fsm as gms
 from understudy.lockserver import fsm as lock
 from understudy.operator import lifecycle
@@ -100,6 +101,18 @@ def sections() -> list[Section]:
             "is out, then ALONE); a death while it runs alone names it the poison. An edge "
             "names the event and, in brackets, what it meant (`blame`).",
             mermaid(front.ISOLATION, initial=front.Isolation.OPEN),
+        ),
+        Section(
+            "Gateway pod",
+            "front/src/understudy/front/pods.py",
+            "One pod as the fleet gateway sees it (docs/gateway.md): READY pods take "
+            "requests; a DEAD pod's requests move to others, token-exact, and only an "
+            "answer to a probe sent after its death revives it, under a new generation; a "
+            "pod listed as terminating is LEAVING (nothing new, its requests finish there "
+            "until its grace ends) and, dead then, stays dead while it is listed so. An "
+            "event is judged against the pod first (`kind`); an edge names the event and, "
+            "in brackets, what it meant.",
+            mermaid(pods.TRANSITIONS, initial=pods.Phase.NEW),
         ),
         Section(
             "GpuInstance replica",
