@@ -46,10 +46,10 @@ pytestmark = [pytest.mark.process, pytest.mark.slow]
 GAP_BOUND_S = 15.0  # kill to the next token, on a loaded 2-core machine
 
 
-@pytest.fixture(scope="module")
-def reference() -> tuple[list[int], str]:
-    """The uninterrupted greedy answer, by the engine's code in this process
-    (its KV cache in a private pool: the same chunked prefill as the pod's)."""
+def greedy(prompt: str) -> list[int]:
+    """The uninterrupted greedy answer to ``prompt``, by the engine's code in
+    this process (its KV cache in a private pool: the same chunked prefill as
+    the pod's)."""
     engine = LlamaEngine(tiny_llama.BUILTIN)
     engine.attach_private()
     assert engine.kv_spec is not None
@@ -59,13 +59,18 @@ def reference() -> tuple[list[int], str]:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
 
         async def run() -> list[int]:
-            prompt = engine.encode(PROMPT)
-            return [s.token_id async for s in engine.generate(prompt, params)]
+            return [s.token_id async for s in engine.generate(engine.encode(prompt), params)]
 
-        ids = asyncio.run(run())
-        return ids, engine.decode(ids)
+        return asyncio.run(run())
     finally:
         engine.close()
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[list[int], str]:
+    """`greedy`'s answer to PROMPT: its ids and its text."""
+    ids = greedy(PROMPT)
+    return ids, LlamaEngine(tiny_llama.BUILTIN).decode(ids)
 
 
 @pytest.fixture
@@ -135,25 +140,14 @@ def test_a_stream_past_512_positions_in_parts_on_two_threads_is_one_threads_answ
     process computes on one thread, byte for byte, across the kill."""
     prompt = PROMPT * 12
     assert len(tiny_llama_ids(prompt)) > 2 * 512 - MAX_TOKENS  # 3 parts by the end
-    engine = LlamaEngine(tiny_llama.BUILTIN)
     native = decode_kernels.kernels
     if native is None:
         pytest.skip("the package was built without its C kernels")
     threads = native.threads
     native.set_threads(1)
     try:
-        engine.attach_private()
-        assert engine.kv_spec is not None
-        engine.attach_kv_pool(memoryview(bytearray(engine.kv_spec.pool_bytes)), 1)
-        engine.wake()
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
-
-        async def run() -> list[int]:
-            return [s.token_id async for s in engine.generate(engine.encode(prompt), params)]
-
-        want = engine.decode(asyncio.run(run()))
+        want = LlamaEngine(tiny_llama.BUILTIN).decode(greedy(prompt))
     finally:
-        engine.close()
         native.set_threads(threads)
     monkeypatch.setenv(decode_kernels.THREADS_ENV, "2")  # the runner passes it on
     pod = pod_factory()

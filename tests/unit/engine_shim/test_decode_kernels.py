@@ -154,12 +154,12 @@ def test_arrays_not_of_the_kernels_layout_are_refused_and_nothing_is_written(cas
 
 
 @pytest.fixture
-def kernel_threads() -> Iterator[Callable[[int], None]]:
-    """Sets the kernel's threads (one setting per process) for a test, and
-    puts the number back after it."""
+def kernel_threads() -> Iterator[Callable[[int], int]]:
+    """`Kernels.set_threads` (one setting per process) for a test, the number
+    put back after it."""
     assert kernel is not None
     before = kernel.threads
-    yield lambda n: None if kernel is None else kernel.set_threads(n)
+    yield kernel.set_threads
     kernel.set_threads(before)
 
 
@@ -167,7 +167,7 @@ def kernel_threads() -> Iterator[Callable[[int], None]]:
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("length", [513, 1024, 1025, 3001, 4000])
 def test_a_row_in_parts_is_softmax_attention_and_its_bits_go_by_no_thread_count(
-    d: int, length: int, kernel_threads: Callable[[int], None]
+    d: int, length: int, kernel_threads: Callable[[int], int]
 ) -> None:
     """Past 512 positions a row goes in parts of 512, each part's softmax
     against its own maximum, rescaled at the end: the float64 softmax's
@@ -199,7 +199,7 @@ def test_parts_far_apart_give_the_softmax_s_answer() -> None:
 
 @needs_kernel
 def test_rows_from_two_threads_at_once_are_each_their_own(
-    kernel_threads: Callable[[int], None],
+    kernel_threads: Callable[[int], int],
 ) -> None:
     """Two Python threads in the kernel at once (ctypes lets go of the GIL):
     one has the workers, the other computes its row alone; both rows are the
@@ -216,7 +216,7 @@ def test_rows_from_two_threads_at_once_are_each_their_own(
 
 @needs_kernel
 def test_a_forked_child_computes_with_workers_of_its_own(
-    kernel_threads: Callable[[int], None],
+    kernel_threads: Callable[[int], int],
 ) -> None:
     """The parent's workers do not exist in a forked child: it starts its own
     (one more thread of its own after its first row) and computes the same
@@ -243,7 +243,7 @@ def test_a_forked_child_computes_with_workers_of_its_own(
 
 
 @needs_kernel
-def test_the_threads_are_set_and_clamped(kernel_threads: Callable[[int], None]) -> None:
+def test_the_threads_are_set_and_clamped(kernel_threads: Callable[[int], int]) -> None:
     assert kernel is not None
     assert kernel.set_threads(3) == kernel.threads == 3
     assert kernel.set_threads(100) == 8
@@ -352,7 +352,7 @@ def _pool(d: int, max_len: int = 96) -> KvPool:
 @pytest.mark.parametrize("length", [16, 47, 64, 65, 96, 1100])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_attention_sums_the_pools_block_checksums_as_it_reads_them(
-    d: int, length: int, threads: int, kernel_threads: Callable[[int], None]
+    d: int, length: int, threads: int, kernel_threads: Callable[[int], int]
 ) -> None:
     """A step's row over every layer, given the pool's `block_sums`: each
     whole block's sum is the pool's own checksum of it (kvlog's
