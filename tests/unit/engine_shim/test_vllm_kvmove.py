@@ -23,10 +23,25 @@ def views(cache: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return keys, halves[:, :, 1].reshape(BLOCKS, HEADS, BS, DIM)
 
 
-def setup() -> tuple[np.ndarray, np.ndarray, list[np.ndarray], np.ndarray]:
+# Where a cache starts: a load into caches 32-byte aligned (vLLM's, torch's
+# allocations) streams its stores; at 16 bytes past that it stores plainly.
+ALIGNED = pytest.mark.parametrize("at", [0, 16], ids=["streamed", "stored"])
+
+
+def zeros(shape: tuple[int, ...], at: int = 0) -> np.ndarray:
+    """float32 zeros whose first byte is ``at`` bytes past a 64-byte boundary."""
+    count = int(np.prod(shape))
+    raw = np.zeros(count + 32, np.float32)
+    first = (at - raw.ctypes.data) % 64 // 4
+    out = raw[first : first + count].reshape(shape)
+    assert out.ctypes.data % 64 == at
+    return out
+
+
+def setup(at: int = 0) -> tuple[np.ndarray, np.ndarray, list[np.ndarray], np.ndarray]:
     rng = np.random.default_rng(0)
     pool = rng.random((2, LAYERS, 2, HEADS, MAX_LEN, DIM), dtype=np.float32) + 1  # never 0
-    caches = [np.zeros((BLOCKS, HEADS, BS, 2 * DIM), np.float32) for _ in range(LAYERS)]
+    caches = [zeros((BLOCKS, HEADS, BS, 2 * DIM), at) for _ in range(LAYERS)]
     addresses = np.array([c.ctypes.data for c in caches], dtype=np.uintp)
     return pool[0], pool[1], caches, addresses
 
@@ -36,15 +51,18 @@ def setup() -> tuple[np.ndarray, np.ndarray, list[np.ndarray], np.ndarray]:
     [list(range(5, 13)), [9, 2, 14, 0, 7, 11, 3, 5], [1, 2, 3, 8, 9, 10, 4, 5]],
     ids=["consecutive", "scattered", "runs"],
 )
-@pytest.mark.parametrize("span", [(0, 1000), (5, 300), (130, 131), (256, 512), (3, 1020), (7, 7)])
+@pytest.mark.parametrize(
+    "span", [(0, 1000), (5, 300), (130, 131), (256, 512), (3, 1020), (7, 7), (8, 155)]
+)
+@ALIGNED
 def test_a_load_then_a_save_moves_exactly_the_positions_asked(
-    table: list[int], span: tuple[int, int]
+    table: list[int], span: tuple[int, int], at: int
 ) -> None:
     """Every position of ``span`` arrives at its block and offset, keys and
     values, each layer and head, with its bits; nothing else is written; and
     a save back into another slot gives the same rows."""
     assert mover is not None
-    keys, values, caches, addresses = setup()
+    keys, values, caches, addresses = setup(at)
     start, end = span
     mover.move(keys[:, 1], values[:, 1], addresses, BLOCKS, BS, table, start, end, into_pool=False)
     for layer, cache in enumerate(caches):
@@ -102,8 +120,9 @@ def test_a_save_into_a_read_only_pool_or_past_a_slot_is_refused() -> None:
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize(("length", "table"), [(16, [3]), (300, [4, 0, 9]), (1000, list(range(8)))])
+@ALIGNED
 def test_a_load_sums_the_pools_block_checksums_as_it_copies_them(
-    d: int, length: int, table: list[int]
+    d: int, length: int, table: list[int], at: int
 ) -> None:
     """Each whole block's sum is the pool's own checksum of it (kvlog's
     block_checksum), over every layer and head, keys and values; the cache
@@ -124,7 +143,7 @@ def test_a_load_sums_the_pools_block_checksums_as_it_copies_them(
     slot, blocks = 1, length // 16
 
     def load(sums: kvpool.BlockSums | None) -> list[np.ndarray]:
-        caches = [np.zeros((BLOCKS, HEADS, BS, 2 * d), np.float32) for _ in range(LAYERS)]
+        caches = [zeros((BLOCKS, HEADS, BS, 2 * d), at) for _ in range(LAYERS)]
         addresses = np.array([c.ctypes.data for c in caches], dtype=np.uintp)
         k, v = pool.rk[:, slot], pool.rv[:, slot]
         mover.move(k, v, addresses, BLOCKS, BS, table, 0, length, into_pool=False, sums=sums)

@@ -49,6 +49,26 @@ static inline __attribute__((always_inline)) v8 load(const float *p) {
     return x;
 }
 static inline __attribute__((always_inline)) void store(float *p, v8 x) { memcpy(p, &x, sizeof x); }
+
+/* A store past the caches, p 32-byte aligned (the KV moves' loads; fence()
+ * before another thread reads what they wrote). Where x86's streaming
+ * stores exist, the SSE ones, which every clone has: a line a store fills
+ * is written to memory whole, without first being read into the cache, as
+ * a plain store's line is. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+static inline __attribute__((always_inline)) void stream(float *p, v8 x) {
+    __m128 lo, hi;
+    memcpy(&lo, &x, sizeof lo);
+    memcpy(&hi, (const char *)&x + sizeof lo, sizeof hi);
+    _mm_stream_ps(p, lo);
+    _mm_stream_ps(p + 4, hi);
+}
+static inline __attribute__((always_inline)) void fence(void) { _mm_sfence(); }
+#else
+static inline __attribute__((always_inline)) void stream(float *p, v8 x) { store(p, x); }
+static inline __attribute__((always_inline)) void fence(void) {}
+#endif
 static inline __attribute__((always_inline)) v8 splat(float f) { return (v8){f, f, f, f, f, f, f, f}; }
 static inline __attribute__((always_inline)) float hsum(v8 a) {
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
@@ -615,19 +635,45 @@ static inline __attribute__((always_inline)) void tile(const float *src, ptrdiff
     }
 }
 
-/* dst[c * cs + r] = src[r * rs + c] for r < rows, c < cols. */
+/* n floats from src to dst; nt: streamed (dst 32-byte aligned). */
+static inline __attribute__((always_inline)) void copy(float *dst, const float *src, ptrdiff_t n,
+                                                       int nt) {
+    ptrdiff_t i = 0;
+    if (nt)
+        for (; i + 8 <= n; i += 8) stream(dst + i, load(src + i));
+    memcpy(dst + i, src + i, sizeof(float) * (size_t)(n - i));
+}
+
+/* Positions a streamed transpose stages (vLLM-CPU's blocks are 128 here). */
+#define STAGE 256
+
+/* dst[c * cs + r] = src[r * rs + c] for r < rows, c < cols. nt: streamed
+ * (dst and cs then whole multiples of 8 floats), where up to STAGE rows:
+ * eight rows of dst at a time are transposed into a stage in the L1 cache,
+ * then streamed out row after row. The tiles' own stores streamed, which go
+ * from row to row of dst, were slower than plain ones where dst's rows are
+ * long (the keys of 4,000 positions of SmolLM2 in vLLM's blocks of 128:
+ * 42-57 ms against 34; staged, 17). */
 static inline __attribute__((always_inline)) void transpose(const float *src, ptrdiff_t rs,
                                                             float *dst, ptrdiff_t cs,
-                                                            ptrdiff_t rows, ptrdiff_t cols) {
-    ptrdiff_t r = 0;
-    for (; r + 8 <= rows; r += 8) {
-        ptrdiff_t c = 0;
-        for (; c + 8 <= cols; c += 8) tile(src + r * rs + c, rs, dst + c * cs + r, cs);
-        for (; c < cols; c++)
-            for (int i = 0; i < 8; i++) dst[c * cs + r + i] = src[(r + i) * rs + c];
+                                                            ptrdiff_t rows, ptrdiff_t cols, int nt) {
+    ptrdiff_t whole_rows = rows - rows % 8, whole_cols = cols - cols % 8;
+    if (nt && whole_rows <= STAGE) {
+        float stage[8 * STAGE];
+        for (ptrdiff_t c = 0; c < whole_cols; c += 8) {
+            for (ptrdiff_t r = 0; r < whole_rows; r += 8)
+                tile(src + r * rs + c, rs, stage + r, whole_rows);
+            for (ptrdiff_t j = 0; j < 8; j++)
+                copy(dst + (c + j) * cs, stage + j * whole_rows, whole_rows, 1);
+        }
+    } else {
+        for (ptrdiff_t r = 0; r < whole_rows; r += 8)
+            for (ptrdiff_t c = 0; c < whole_cols; c += 8)
+                tile(src + r * rs + c, rs, dst + c * cs + r, cs);
     }
-    for (; r < rows; r++)
-        for (ptrdiff_t c = 0; c < cols; c++) dst[c * cs + r] = src[r * rs + c];
+    for (ptrdiff_t r = 0; r < rows; r++)
+        for (ptrdiff_t c = r < whole_rows ? whole_cols : 0; c < cols; c++)
+            dst[c * cs + r] = src[r * rs + c];
 }
 
 /* Positions start..end-1 of one sequence, every layer and head, between the
@@ -655,6 +701,14 @@ CLONES int understudy_kv_move(float *keys, float *values, ptrdiff_t layer_stride
     for (ptrdiff_t j = start / bs; j < (end + bs - 1) / bs; j++)
         if (table[j] < 0 || table[j] >= cache_blocks) return -1;
     ptrdiff_t block = (ptrdiff_t)heads * 2 * bs * dim, half = (ptrdiff_t)bs * dim;
+    /* A load streams what it writes into the cache: the first step reads it
+     * from memory anyway (4,000 positions of SmolLM2 are 184 MB), and a
+     * plain store first reads each line it writes (a copy of 184 MB in
+     * pieces of 4 KiB, one core of this project's Xeon: 33 ms, streamed 24;
+     * docs/performance.md). A save's positions are read again at once, by
+     * the seal's checksum: it stores them plainly. */
+    int nt = !into_pool && bs % 8 == 0 && dim % 8 == 0;
+    for (int l = 0; l < layers && nt; l++) nt = (uintptr_t)caches[l] % 32 == 0;
     for (int l = 0; l < layers; l++)
         for (int h = 0; h < heads; h++) {
             float *k = keys + l * layer_stride + h * head_stride;
@@ -664,11 +718,11 @@ CLONES int understudy_kv_move(float *keys, float *values, ptrdiff_t layer_stride
                 float *kc = caches[l] + table[p / bs] * block + h * 2 * half; /* its keys, then values */
                 float *vc = kc + half + off * dim;
                 if (into_pool) {
-                    transpose(kc + off, bs, k + p * dim, dim, dim, n);
-                    memcpy(v + p * dim, vc, sizeof(float) * (size_t)(n * dim));
+                    transpose(kc + off, bs, k + p * dim, dim, dim, n, 0);
+                    copy(v + p * dim, vc, n * dim, 0);
                 } else {
-                    transpose(k + p * dim, dim, kc + off, bs, n, dim);
-                    memcpy(vc, v + p * dim, sizeof(float) * (size_t)(n * dim));
+                    transpose(k + p * dim, dim, kc + off, bs, n, dim, nt && off % 8 == 0);
+                    copy(vc, v + p * dim, n * dim, nt);
                 }
                 ptrdiff_t upto = ck == NULL ? 0 : ck->blocks * BLOCK < p + n ? ck->blocks * BLOCK : p + n;
                 if (p < upto) { /* p is a block's first position: start and bs are whole blocks */
@@ -681,5 +735,6 @@ CLONES int understudy_kv_move(float *keys, float *values, ptrdiff_t layer_stride
                 p += n;
             }
         }
+    if (nt) fence();
     return 0;
 }
