@@ -555,10 +555,16 @@ import json, os, sys, time
 from pathlib import Path
 from understudy.lockserver import client
 from understudy.wire import deathword
+from understudy.wire.heartbeat import HeartbeatWriter
 from understudy.wire.serving import heartbeat_path
 sock, engine_id, arm = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "arm"
 if arm:
-    deathword.arm(deathword.word_path(heartbeat_path(sock.parent, engine_id)))
+    beat = heartbeat_path(sock.parent, engine_id)
+    HeartbeatWriter(beat).beat(0)
+    deathword.arm(deathword.word_path(beat))
+memory = bytearray(256 << 20)  # to tear down, as an engine's heaps
+for i in range(0, len(memory), 4096):
+    memory[i] = 1
 held = client.acquire(str(sock), engine_id, 10)
 child = os.fork()
 if child == 0:
@@ -592,6 +598,11 @@ def test_a_dead_holder_whose_connection_lives_on_is_released_by_its_death_word(
             log = pod.log.read_text()
             assert "event=holder_died engine_id=a " in log and "signal=death_word" in log
             assert "reason=process_died was_holder=True" in log
+            # ...and the dead holder's teardown waited for idle CPU: its pid
+            # from its heartbeat, its threads found on their way out.
+            wait_for(lambda: "event=teardown_idle engine_id=a " in pod.log.read_text(), 5)
+            idle = pod.log.read_text().split("event=teardown_idle ")[1].splitlines()[0]
+            assert f"pid={a.pid}" in idle and "threads=0" not in idle, idle
         else:
             # Without a word, or in a pod whose devices are free only once
             # the process is gone, a connection that outlives its holder
@@ -601,6 +612,7 @@ def test_a_dead_holder_whose_connection_lives_on_is_released_by_its_death_word(
             os.kill(child, signal.SIGKILL)
             assert granted(b, timeout=5) > first["epoch"]
             assert "holder_died" not in pod.log.read_text()
+            assert "teardown_" not in pod.log.read_text()
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, signal.SIGKILL)

@@ -42,7 +42,7 @@ from understudy.lockserver.messages import (
     client_codec,
     server_codec,
 )
-from understudy.wire import connhold, deathword, handover
+from understudy.wire import connhold, deathword, handover, teardown
 from understudy.wire.heartbeat import read_beat
 from understudy.wire.obs import log_event, start_metrics_server
 from understudy.wire.serving import SERVE_DIR, Beat, heartbeat_path
@@ -155,9 +155,9 @@ class LockServer:
         self._state_file = statefile.StateFile(config.state_file)
         self._listener: socket.socket | None = None  # the pod's serving socket, kept
         # The holder's death word's watch, by connection (wire.deathword): set
-        # to stop it; and the connections it closed, for their log line.
+        # to stop it; and the connections it closed, with their engine ids.
         self._death_watch: dict[int, threading.Event] = {}
-        self._died: set[int] = set()
+        self._died: dict[int, str] = {}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -444,9 +444,10 @@ class LockServer:
         """Close the holder's connection the moment the kernel marks its
         process dead (its death word), not when Linux closes the connection
         after tearing the process's memory down: the next engine's grant
-        waits on that close. Only with ``grant_at_death`` (a pod whose next
-        engine needs none of the dead one's memory freed first). A holder
-        over TCP is in another pod: its word is not ours to see."""
+        waits on that close; that teardown then waits for idle CPU. Only
+        with ``grant_at_death`` (a pod whose next engine needs none of the
+        dead one's memory freed first). A holder over TCP is in another
+        pod: its word is not ours to see."""
         entry = self._writers.get(conn)
         if not self.config.grant_at_death or entry is None or entry[1]:
             return
@@ -465,7 +466,7 @@ class LockServer:
         if entry is None:
             return  # its connection closed first
         log_event(log, "holder_died", engine_id=engine_id, conn=conn, signal="death_word")
-        self._died.add(conn)
+        self._died[conn] = engine_id
         entry[0].transport.abort()  # the connection's loop sees EOF: Disconnected
 
     def _unwatch(self, conn: int) -> str | None:
@@ -474,10 +475,25 @@ class LockServer:
         stop = self._death_watch.pop(conn, None)
         if stop is not None:
             stop.set()
-        if conn in self._died:
-            self._died.discard(conn)
-            return "process_died"
-        return None
+        return "process_died" if conn in self._died else None
+
+    def _torn_down(self, conn: int) -> None:
+        """After a closed connection's Disconnected (the next engine's grant
+        sent): if the death word closed it, have the dead holder's teardown
+        wait for idle CPU (wire.teardown), off the cores the next engine
+        wakes on. Its pid is in its heartbeat."""
+        engine_id = self._died.pop(conn, None)
+        if engine_id is None:
+            return
+        beat = read_beat(heartbeat_path(self.config.socket_path.parent, engine_id))
+        if beat is None:
+            return
+        try:
+            threads = teardown.idle_teardown(beat.pid)
+        except OSError as exc:  # another user's, or no such right: it tears down as before
+            log_event(log, "teardown_priority_kept", engine_id=engine_id, pid=beat.pid, reason=exc)
+            return
+        log_event(log, "teardown_idle", engine_id=engine_id, pid=beat.pid, threads=threads)
 
     def _window_opened(self, action: fsm.WindowOpened) -> None:
         log_event(
@@ -663,6 +679,7 @@ class LockServer:
                 reason=reason,
                 was_holder=held,
             )
+            self._torn_down(conn)
             with contextlib.suppress(Exception):
                 await writer.drain()
             writer.close()
