@@ -60,7 +60,7 @@ import numpy as np
 
 from understudy.engine_shim.adapters.vllm_kvmove import Mover, mover
 from understudy.engine_shim.adapters.vllm_kvplan import Move, Planner, StepPlan
-from understudy.engine_shim.adapters.vllm_kvpreload import Preload, Target, copy_threads
+from understudy.engine_shim.adapters.vllm_kvpreload import Preload, Target
 from understudy.engine_shim.kvpool import BlockSums, KvPool
 from understudy.wire.obs import log_event
 
@@ -371,9 +371,8 @@ class Link:
             return
         pool = planner.pool
         self.scheduling.preload = Preload(
-            targets, copier.load, pool.sums_of_blocks, pool.spec.block_tokens, after,
-            workers=copy_threads(),
-        )  # fmt: skip
+            targets, copier.load, pool.sums_of_blocks, pool.spec.block_tokens, after
+        )
 
     def register(self, kv_caches: dict[str, Any]) -> None:
         """vLLM's KV tensors, one per attention layer, in the model's layer order,

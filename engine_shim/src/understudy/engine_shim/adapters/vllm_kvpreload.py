@@ -8,10 +8,9 @@ path. Yet the engine knows at wake which slots the dead engine was serving
 (`KvPool.in_flight`) and which blocks vLLM will hand out next (its free
 queue, in order: ``vllm_kv.next_free_blocks``), and the continuations come
 back only after the wake. So `Preload` copies each in-flight slot into the
-blocks its continuation would get, on threads of its own, summing the
+blocks its continuation would get, on a thread of its own, summing the
 checksums of its blocks as it copies (the C moves), while the engine turns
-Active and the front resends (two threads where it may run on two CPUs:
-`copy_threads`).
+Active and the front resends.
 
 It is a guess, and the guess is only taken where it held:
 
@@ -33,7 +32,6 @@ It is a guess, and the guess is only taken where it held:
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -79,29 +77,16 @@ def targets(
 
 # A slot is copied in pieces of this many positions (whole blocks of the
 # pool's, so that each piece sums its own blocks): the first step, which waits
-# for the slot under way, copies the pieces left beside the threads.
+# for the slot under way, copies the pieces left beside the thread.
 PIECE: Final = 512
-# Threads a load ahead copies on, where the process may run on as many CPUs:
-# a copy is bound by what one core can move (here one core streams 184 MB in
-# 24.5 ms, two in 12.5; bench/kv_move.py), and until the first step comes
-# nothing else of the engine's wants the cores (vLLM's OpenMP team waits for
-# that step). Not more than two: in a container its CPU quota, not the CPUs
-# it may run on, limits what more threads would get.
-THREADS: Final = 2
-
-
-def copy_threads() -> int:
-    """How many threads a load ahead copies on (`THREADS` at most)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-    return max(1, min(THREADS, cpus))
 
 
 class Preload:
-    """Copy ``targets`` one slot after another on ``workers`` threads
-    (started here, copying after ``after`` ends: the warming of the same
-    pages), with ``load(move, sums)`` (the copier's) and ``sums(blocks)``
-    (the pool's `KvPool.sums_of_blocks`; None: none summed), in pieces of
-    `PIECE` positions, each thread taking the next piece."""
+    """Copy ``targets`` one slot after another on a thread (started here,
+    after ``after`` ends: the warming of the same pages), with ``load(move,
+    sums)`` (the copier's) and ``sums(blocks)`` (the pool's
+    `KvPool.sums_of_blocks`; None: none summed), in pieces of `PIECE`
+    positions."""
 
     def __init__(
         self,
@@ -110,7 +95,6 @@ class Preload:
         sums: Callable[[int], BlockSums] | None,
         block_tokens: int,
         after: threading.Thread | None = None,
-        workers: int = 1,
     ) -> None:
         self._targets = list(targets)
         self._load, self._block_tokens = load, block_tokens
@@ -129,13 +113,9 @@ class Preload:
         }
         self._begun: set[int] = set()  # slots with a piece taken
         self._failed: set[int] = set()
-        self._span: list[float] = []  # each thread's start and end of copying
-        self._threads = [
-            threading.Thread(target=self._run, name=f"kv-preload-{i}", daemon=True)
-            for i in range(max(1, workers))
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._copying_s = 0.0
+        self._thread = threading.Thread(target=self._run, name="kv-preload", daemon=True)
+        self._thread.start()
 
     def _copy(self) -> bool:
         """Copy the next piece; False if none is left."""
@@ -165,8 +145,7 @@ class Preload:
         t0 = time.monotonic()
         while self._copy():
             pass
-        with self._lock:
-            self._span += [t0, time.monotonic()]
+        self._copying_s = time.monotonic() - t0
 
     def finish(self, *, complete: bool = True) -> dict[int, Ready]:
         """No slot begun from now on; the ones under way copied to their end,
@@ -176,8 +155,7 @@ class Preload:
             self._pieces = deque(x for x in self._pieces if complete and x[0].slot in self._begun)
         while self._copy():
             pass
-        for thread in self._threads:
-            thread.join()
+        self._thread.join()
         done = {}
         for t in self._targets:
             if self._left[t.slot] == 0 and t.slot not in self._failed:
@@ -186,7 +164,6 @@ class Preload:
         log_event(
             log, "kv_preloaded", slots=len(done), of=len(self._targets),
             positions=sum(r.positions for r in done.values()),
-            seconds=round(max(self._span) - min(self._span), 4) if self._span else 0.0,
-            waited=round(time.monotonic() - t0, 4), threads=len(self._threads),
+            seconds=round(self._copying_s, 4), waited=round(time.monotonic() - t0, 4),
         )  # fmt: skip
         return done
