@@ -488,12 +488,17 @@ class LockServer:
         beat = read_beat(heartbeat_path(self.config.socket_path.parent, engine_id))
         if beat is None:
             return
+        # Only where it can be put back: idle for the whole teardown could
+        # hold the dead engine's memory, and its restart, for seconds.
+        reason = None if priority.may_restore() else "no CAP_SYS_NICE to put it back"
         try:
-            if not priority.may_restore():
-                raise PermissionError("no CAP_SYS_NICE to put its priority back")
-            tids = priority.idle_teardown(beat.pid)
-        except OSError as exc:  # another user's, or no such right: it tears down as before
-            log_event(log, "teardown_priority_kept", engine_id=engine_id, pid=beat.pid, reason=exc)
+            tids = [] if reason is not None else priority.idle_teardown(beat.pid)
+        except OSError as exc:  # another user's: it tears down as before
+            reason = str(exc)
+        if reason is not None:
+            log_event(
+                log, "teardown_priority_kept", engine_id=engine_id, pid=beat.pid, reason=reason
+            )
             return
         log_event(log, "teardown_idle", engine_id=engine_id, pid=beat.pid, threads=len(tids))
         if tids and self._loop is not None:
