@@ -11,8 +11,9 @@ of that memory), nothing waits for the teardown, so it can wait for idle CPU
 for the first steps (`TEARDOWN_IDLE_S`), and then finish at its own priority
 again: under a saturated CPU an idle thread gets ~0.3 % of it (CFS weight 3
 against 1024), and the respawner restarts the engine only once it is reaped.
-A local ``vllm`` failover's kill -> next token at 16 tokens went from about
-100 to about 80 ms (docs/performance.md, 2026-12-06).
+A local failover's kill -> next token went 7-10 ms shorter at 16 tokens and
+9-17 ms at 4,000, on both engines (alternated runs; docs/performance.md,
+2026-12-06, afternoon).
 
 Only where the priority can be put back (`may_restore`: CAP_SYS_NICE;
 sched(7): leaving SCHED_IDLE needs it). And a thread's policy weighs only
