@@ -10,6 +10,7 @@ import ctypes
 import json
 import os
 import platform
+import random
 import signal
 import statistics
 import sys
@@ -40,6 +41,27 @@ def summary(values: Sequence[float]) -> dict[str, float]:
         "max": max(values),
         "mean": statistics.fmean(values),
     }
+
+
+def ratio_interval(
+    pairs: Sequence[tuple[float, float]], level: float = 0.9, draws: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """A bootstrap interval for ``p50(a) / p50(b)`` over ``(a, b)`` pairs.
+
+    The pairs are resampled whole: where ``a`` and ``b`` ran alternately
+    (round ``i`` of each, back to back), what drifts over a run (the
+    machine's other work) moves both sides of a pair, and the interval
+    shows the noise that is left, not the drift. A fixed seed makes the
+    interval a function of the data."""
+    if not pairs:
+        raise ValueError("no pairs")
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(draws):
+        drawn = rng.choices(pairs, k=len(pairs))
+        ratios.append(percentile([a for a, _ in drawn], 50) / percentile([b for _, b in drawn], 50))
+    tail = (1 - level) / 2 * 100
+    return percentile(ratios, tail), percentile(ratios, 100 - tail)
 
 
 def machine() -> dict[str, Any]:

@@ -54,7 +54,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, stop_cleanly_on_sigterm, summary, warn_forced_openblas, write_results
+from _common import (
+    machine,
+    ratio_interval,
+    stop_cleanly_on_sigterm,
+    summary,
+    warn_forced_openblas,
+    write_results,
+)
 
 from understudy.tools.drill_load import stream_events
 from understudy.tools.stalls import stream_times
@@ -93,6 +100,7 @@ class Round:
     stall_s: float = math.nan  # the stream's last token before the kill -> first after
     between_s: list[float] = field(default_factory=list)  # its other intervals (TPOT)
     phases_s: dict[str, float] = field(default_factory=dict)  # kill -> next token, in parts
+    index: int = 0  # the round's number in its context: round i of each context ran together
 
 
 @dataclass
@@ -288,51 +296,71 @@ def prompt_ids(model: str, n: int) -> list[int]:
     return (ids * (n // len(ids) + 1))[:n]
 
 
+def schedule(contexts: list[int], rounds: int, order: str) -> list[tuple[int, int]]:
+    """``(context, round)`` in the order they run. ``interleaved``: each round
+    runs every context back to back, in an order that flips every round, so
+    what drifts over a run (the machine's other work) falls on every context
+    alike and no context always runs after the same one; the ratio between
+    contexts is then paired. ``blocked``: every round of one context, then the
+    next (how this benchmark ran before 2026-12-06's evening)."""
+    if order == "blocked":
+        return [(c, r) for c in contexts for r in range(rounds)]
+    return [(c, r) for r in range(rounds) for c in (contexts[::-1] if r % 2 else contexts)]
+
+
 def run_mode(args: argparse.Namespace, mode: str, base: int) -> list[Round]:
     rounds: list[Round] = []
     max_len = max(args.contexts) + args.max_tokens + 64
     pod = start_pod(args.engine, args.model, mode, max_len, base, args.engine_arg)
     try:
-        for context in args.contexts:
-            prompt = prompt_ids(args.model, context)
-            want, _, _, _, _ = stream(pod, prompt, args.max_tokens, None)
-            print(f"[{mode}] context {context}: reference {len(want)} chars", flush=True)
-            for r in range(args.rounds):
-                wait_armed(pod)
-                text, times, t0, killed_at, pid = stream(
-                    pod, prompt, args.max_tokens, args.kill_after
-                )
-                assert killed_at is not None and pid is not None
-                after = [t for t in times if t > killed_at]
-                in_flight = sum(1 for t in after if t - killed_at < 0.02)
-                gap = after[in_flight] - killed_at if len(after) > in_flight else float("nan")
-                caught = stream_times(times, [killed_at])
-                wall = time.time() - time.monotonic()
-                log = next_log(pod, pid)
-                parts = (
-                    phases(pod, log, killed_at + wall, after[in_flight] + wall)
-                    if len(after) > in_flight
-                    else {}
-                )
-                got = Round(
-                    context, mode, gap, text == want, reused(log),
-                    times[0] - t0, in_flight,
-                    caught.stalls[0].stall_s if caught.stalls else math.nan,
-                    list(caught.between_s), parts,
-                )  # fmt: skip
-                rounds.append(got)
-                print(
-                    f"[{mode}] context {context} round {r}: stall {got.stall_s:.3f}s "
-                    f"(TPOT p50 {statistics.median(got.between_s or [math.nan]):.3f}s), "
-                    f"kill->next {gap:.3f}s "
-                    f"identical={got.identical} reused={got.reused_positions} "
-                    f"load={os.getloadavg()[0]:.2f}\n    parts (ms): "
-                    + " ".join(f"{k} {v * 1000:.0f}" for k, v in parts.items()),
-                    flush=True,
-                )
+        prompts = {c: prompt_ids(args.model, c) for c in args.contexts}
+        wants = {}
+        for context, prompt in prompts.items():
+            wants[context], _, _, _, _ = stream(pod, prompt, args.max_tokens, None)
+            print(f"[{mode}] context {context}: reference {len(wants[context])} chars", flush=True)
+        for context, r in schedule(args.contexts, args.rounds, args.order):
+            got = one_round(args, pod, mode, context, r, prompts[context], wants[context])
+            rounds.append(got)
+            print(
+                f"[{mode}] context {context} round {r}: stall {got.stall_s:.3f}s "
+                f"(TPOT p50 {statistics.median(got.between_s or [math.nan]):.3f}s), "
+                f"kill->next {got.kill_to_next_s:.3f}s "
+                f"identical={got.identical} reused={got.reused_positions} "
+                f"load={os.getloadavg()[0]:.2f}\n    parts (ms): "
+                + " ".join(f"{k} {v * 1000:.0f}" for k, v in got.phases_s.items()),
+                flush=True,
+            )
     finally:
         pod.close()
     return rounds
+
+
+def one_round(
+    args: argparse.Namespace, pod: Pod, mode: str, context: int, index: int,
+    prompt: list[int], want: str,
+) -> Round:  # fmt: skip
+    """Stream ``prompt``, kill the Active engine at the ``--kill-after``-th
+    token, and time what the client saw."""
+    wait_armed(pod)
+    text, times, t0, killed_at, pid = stream(pod, prompt, args.max_tokens, args.kill_after)
+    assert killed_at is not None and pid is not None
+    after = [t for t in times if t > killed_at]
+    in_flight = sum(1 for t in after if t - killed_at < 0.02)
+    gap = after[in_flight] - killed_at if len(after) > in_flight else float("nan")
+    caught = stream_times(times, [killed_at])
+    wall = time.time() - time.monotonic()
+    log = next_log(pod, pid)
+    parts = (
+        phases(pod, log, killed_at + wall, after[in_flight] + wall)
+        if len(after) > in_flight
+        else {}
+    )
+    return Round(
+        context, mode, gap, text == want, reused(log),
+        times[0] - t0, in_flight,
+        caught.stalls[0].stall_s if caught.stalls else math.nan,
+        list(caught.between_s), parts, index,
+    )  # fmt: skip
 
 
 def stall_table(rounds: list[Round], contexts: list[int]) -> dict[str, Any]:
@@ -390,11 +418,36 @@ def context_ratios(
     return ratios
 
 
+def ratio_intervals(rounds: list[Round], contexts: list[int]) -> dict[str, list[float]]:
+    """Per mode, a 90 % bootstrap interval of each context's kill -> next token
+    p50 against the first context's, its rounds paired by number: under
+    ``--order interleaved`` round i of each context ran back to back."""
+    out: dict[str, list[float]] = {}
+    base = contexts[0]
+    for mode in MODES:
+        got = {
+            (r.context, r.index): r.kill_to_next_s
+            for r in rounds
+            if r.mode == mode and not math.isnan(r.kill_to_next_s)
+        }
+        for c in contexts[1:]:
+            pairs = [(v, got[base, i]) for (k, i), v in got.items() if k == c and (base, i) in got]
+            if len(pairs) >= 4:  # fewer make an interval that says nothing
+                out[f"{mode}: {c} vs {base}"] = list(ratio_interval(pairs))
+    return out
+
+
 def report(rounds: list[Round], contexts: list[int]) -> dict[str, Any]:
     table: dict[str, Any] = {}
     for mode in MODES:
         for c in contexts:
-            gaps = [r.kill_to_next_s for r in rounds if r.mode == mode and r.context == c]
+            # NaN: the stream ended before a token after the kill (a tiny
+            # model's short answer); sorted with the rest it would skew the p50.
+            gaps = [
+                r.kill_to_next_s
+                for r in rounds
+                if r.mode == mode and r.context == c and not math.isnan(r.kill_to_next_s)
+            ]
             if gaps:
                 table[f"{mode}/{c}"] = summary(gaps)
     stalls = stall_table(rounds, contexts)
@@ -409,6 +462,7 @@ def report(rounds: list[Round], contexts: list[int]) -> dict[str, Any]:
         "kill_to_next_token_parts_s": parts_table(rounds, contexts),
         "kill_to_next_token_s": table,
         "ratios_p50": ratios,
+        "ratios_p50_interval_90": ratio_intervals(rounds, contexts),
     }
 
 
@@ -478,6 +532,10 @@ def main() -> int:
     parser.add_argument("--kill-after", type=int, default=8, help="kill at this streamed token")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--modes", default="on,noadopt", help=f"of {', '.join(MODES)}")
+    parser.add_argument(
+        "--order", choices=("interleaved", "blocked"), default="interleaved",
+        help="the contexts' rounds alternated (the default), or each context's all at once",
+    )  # fmt: skip
     parser.add_argument("--base-port", type=int, default=29400)
     parser.add_argument(
         "--engine-arg", action="append", default=[], metavar="ARG",
@@ -515,8 +573,13 @@ def main() -> int:
             f"{k} {got[k]['p50'] * 1000:.0f}" if k in got else f"{k} -" for k in PHASES
         ))  # fmt: skip
     print("ratios (p50)")
+    intervals = result["ratios_p50_interval_90"]
     for key, v in result["ratios_p50"].items():
-        print(f"  {key:>34}  {v:.2f}x")
+        lo, hi = intervals.get(key, (math.nan, math.nan))
+        print(
+            f"  {key:>34}  {v:.2f}x"
+            + (f"  (90 % interval {lo:.2f}-{hi:.2f}x)" if key in intervals else "")
+        )
     identical = all(r.identical for r in rounds)
     print(f"every stream byte-identical across its kill: {identical}")
     if args.figure:
@@ -533,6 +596,7 @@ def save(args: argparse.Namespace, rounds: list[Round], load_before: Any) -> dic
             "engine_args": args.engine_arg,
             "model": args.model,
             "contexts": args.contexts,
+            "order": args.order,
             "kill_after": args.kill_after,
             "max_tokens": args.max_tokens,
             "rounds": [r.__dict__ for r in rounds],
