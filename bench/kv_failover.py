@@ -19,9 +19,11 @@ cache in the same pool; the real model), and each round:
 4. checks that the whole stream is byte for byte the uninterrupted answer
    (an uninterrupted stream of the same prompt, through the same pod, first).
 
-It prints the stream's stall against its TPOT and the kill → next-token
-times (p50, max) per context and mode, the
-ratio of each context's time to the 16-token one in the same mode, and of
+The contexts' rounds are interleaved (``schedule``), so each context's
+ratio to the first is paired round by round. It prints the stream's stall
+against its TPOT and the kill → next-token times (p50, max) per context
+and mode, the ratio of each context's time to the 16-token one in the same
+mode (with a 90 % bootstrap interval over the paired rounds), and of
 adopted to not, and writes everything with the machine's load to
 ``bench/results/kv_failover.json`` (``kv_failover_vllm.json`` for vLLM).
 The engines run one sequence each (``--max-num-seqs 1``), one BLAS thread,
@@ -29,6 +31,7 @@ on a 2-core machine shared with other work: the load average is in the JSON.
 
     .venv/bin/python bench/kv_failover.py [--engine llama|vllm] [--model builtin:smollm2-135m]
         [--contexts 16,1000,4000] [--modes on,noadopt] [--rounds 3] [--kill-after 8]
+        [--order interleaved|blocked]
         [--max-tokens 24] [--figure docs/report/kv_failover.svg]
 """
 
