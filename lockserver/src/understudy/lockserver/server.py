@@ -158,6 +158,11 @@ class LockServer:
         # to stop it; and the connections it closed, with their engine ids.
         self._death_watch: dict[int, threading.Event] = {}
         self._died: dict[int, str] = {}
+        # Whether a dead holder's teardown may wait for idle CPU (`_torn_down`):
+        # the process's capabilities do not change, so read them once.
+        self._idle_teardown_kept = (
+            None if priority.may_restore() else "no CAP_SYS_NICE to put it back"
+        )
 
     # ------------------------------------------------------------ lifecycle
 
@@ -490,7 +495,7 @@ class LockServer:
             return
         # Only where it can be put back: idle for the whole teardown could
         # hold the dead engine's memory, and its restart, for seconds.
-        reason = None if priority.may_restore() else "no CAP_SYS_NICE to put it back"
+        reason = self._idle_teardown_kept
         try:
             tids = [] if reason is not None else priority.idle_teardown(beat.pid)
         except OSError as exc:  # another user's: it tears down as before
@@ -514,7 +519,7 @@ class LockServer:
         try:
             threads = priority.restore(pid, tids)
         except OSError as exc:
-            log_event(log, "teardown_priority_kept", engine_id=engine_id, pid=pid, reason=exc)
+            log_event(log, "teardown_priority_kept", engine_id=engine_id, pid=pid, reason=str(exc))
             return
         if threads:
             log_event(log, "teardown_restored", engine_id=engine_id, pid=pid, threads=threads)
