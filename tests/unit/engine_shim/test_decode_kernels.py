@@ -164,6 +164,26 @@ def kernel_threads() -> Iterator[Callable[[int], int]]:
 
 
 @needs_kernel
+def test_the_workers_start_when_asked_before_any_row_needs_them() -> None:
+    """`Kernels.start` (the llama model, when it is built) starts the
+    library's workers, not a failover's first long row: a thread that row
+    created ran on its creator's CPU. Once: asked again, none more. In a
+    fresh process, which no row has touched."""
+    code = (
+        "import os\n"
+        "from understudy.engine_shim.adapters.decode_kernels import kernels\n"
+        "tasks = lambda: len(os.listdir('/proc/self/task'))\n"
+        "kernels.set_threads(3)\n"
+        "before = tasks()\n"
+        "print(kernels.start(), tasks() - before, kernels.start(), tasks() - before)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.split() == ["2", "2", "2", "2"]
+
+
+@needs_kernel
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("length", [513, 1024, 1025, 3001, 4000])
 def test_a_row_in_parts_is_softmax_attention_and_its_bits_go_by_no_thread_count(

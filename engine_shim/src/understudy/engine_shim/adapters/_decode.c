@@ -433,13 +433,31 @@ static int start_workers(void) {
 
 /* Sets the threads a row's attention may use, the caller's among them (1:
  * the caller alone), clamped to 1..MAX_THREADS, where threads > 0; returns
- * the number in force. Workers are started at the first row that uses them. */
+ * the number in force. Workers are started by `understudy_decode_start`, or
+ * else at the first row that uses them. */
 int understudy_decode_threads(int threads) {
     pthread_mutex_lock(&mu);
     if (threads > 0) wanted = threads > MAX_THREADS ? MAX_THREADS : threads;
     int set = wanted;
     pthread_mutex_unlock(&mu);
     return set;
+}
+
+/* Starts the workers now (the llama engine's model, at start-up), not at the
+ * first row of more than one part: a thread starts on its creator's CPU,
+ * and one that a failover's first step created (a new Active's first long
+ * row) often stayed on the step's CPU, the other being taken at that moment
+ * (the dead engine's teardown), and the step yielded to it part by part:
+ * 4-21 ms of 7 of 9 first steps at 4,000 positions, traced with perf. A
+ * worker started here and woken by that row ran beside it in 4 of 4 (0-0.8
+ * ms serialized; docs/performance.md). Returns the workers running (a
+ * forked child starts its own at its first such row). */
+int understudy_decode_start(void) {
+    pthread_mutex_lock(&mu);
+    if (wanted > 1) start_workers();
+    int running = started;
+    pthread_mutex_unlock(&mu);
+    return running;
 }
 
 #if defined(__x86_64__) || defined(__i386__)

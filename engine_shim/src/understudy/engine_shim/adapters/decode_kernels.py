@@ -121,7 +121,10 @@ class Kernels:
         set_threads = lib.understudy_decode_threads
         set_threads.argtypes = [i32]
         set_threads.restype = i32
+        start = lib.understudy_decode_start
+        start.restype = i32
         self._attend, self._products, self._threads = attend, products, set_threads
+        self._start = start
         self.path: Final = path
         self.set_threads(threads)
         self.has_products: Final = bool(supported())
@@ -139,6 +142,11 @@ class Kernels:
         if threads < 1:
             raise ValueError(f"decode attention threads: {threads}, where 1 or more are needed")
         return int(self._threads(threads))
+
+    def start(self) -> int:
+        """Start the library's workers now, not at a row's first use of them
+        (the C file's ``understudy_decode_start`` says why); those running."""
+        return int(self._start())
 
     def takes(self, kv_heads: int, rep: int, head_dim: int) -> bool:
         """Whether `attend` computes heads of this shape (else numpy's form)."""

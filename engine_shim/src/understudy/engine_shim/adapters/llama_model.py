@@ -605,6 +605,9 @@ class LlamaModel:
         self.decode_attention: Final = native if takes else None
         """The C kernels a decode row attends through, or None: numpy's form
         (`decode_kernels`)."""
+        if self.decode_attention is not None:
+            # Started with the model, not by a failover's first long row.
+            self.decode_attention.start()
 
     def _check_tokens(self, tokens: Sequence[int]) -> npt.NDArray[np.int64]:
         ids = np.asarray(tokens, dtype=np.int64)
