@@ -31,7 +31,7 @@ TOKENS = list(range(100, 164))
 
 @pytest.fixture
 def reader(gms: Gms) -> Iterator[KvReader]:
-    r = KvReader(gms.path(), SPEC, "standby", every_s=0.05)
+    r = KvReader(gms.path(), SPEC, "standby", every_s=0.05, follow_s=0.02)
     yield r
     r.close()
 
@@ -42,13 +42,13 @@ def holder(gms: Gms, epoch: int) -> tuple[KvSession, KvPool]:
     return session, KvPool(session.view(), SPEC, epoch)
 
 
-def write(pool: KvPool, slot: int, n: int, seed: int) -> None:
+def write(pool: KvPool, slot: int, n: int, seed: int, tokens: list[int] = TOKENS) -> None:
     """What an engine does: claim, write ``n`` positions, seal them."""
-    pool.claim(TOKENS[:n], [slot], prompt=n, chunk=16)
+    pool.claim(tokens[:n], [slot], prompt=n, chunk=16)
     rng = np.random.default_rng(seed)
     pool.k[:, slot, :, :n] = rng.standard_normal((2, 2, n, 512), dtype=np.float32)
     pool.v[:, slot, :, :n] = rng.standard_normal((2, 2, n, 512), dtype=np.float32)
-    pool.seal(slot, TOKENS, 0, n)
+    pool.seal(slot, tokens, 0, n)
 
 
 def present_kib(address: int) -> int:
@@ -82,6 +82,15 @@ def test_the_view_maps_what_is_sealed_and_follows_the_pool(
     sealed_kib += 64 * position_kib * 2 * 2 * 2
     wait_for(lambda: present_kib(view.address) >= sealed_kib, 10, what="the new pages")
     assert gms.state()["kv"]["readers"] == 1
+    # Slot 3 churns, a prompt of one block then another, more records than
+    # the ring holds while the reader is kept from passing (its pass lock), so
+    # it falls a ring behind and reads it whole; then a prompt of the slot.
+    with reader._pass:
+        for i in range(SPEC.log_capacity):
+            write(pool, 3, 16, seed=10 + i, tokens=[1000 + i] * 64)
+    write(pool, 3, 64, seed=4, tokens=[7] * 64)
+    sealed_kib += 64 * position_kib * 2 * 2 * 2
+    wait_for(lambda: present_kib(view.address) >= sealed_kib, 10, what="the churned slot")
 
     # GMS dies: its pool goes with it (the holder keeps its mapping); the
     # view is dropped and the new GMS's pool, once made, mapped instead.

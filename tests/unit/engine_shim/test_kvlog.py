@@ -479,3 +479,62 @@ def test_copy_forward_keeps_an_old_seal_across_many_wraps() -> None:
     assert index.sealed[(0, 0)].chain == h(7)
     assert index.sealed[(1, 0)].chain == h(199)
     assert struct.unpack_from("<Q", log, 0)[0] % sp.log_capacity == 0
+
+
+# --- following a live log (read_from) ----------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=ops_strategy,
+    slack=st.integers(0, 3),
+    seen=st.floats(0, 1),
+    now=st.floats(0, 1),
+    cut=st.integers(0, RECORD_SIZE),
+)
+def test_a_follower_reads_what_was_appended_since_or_is_told_to_read_it_whole(
+    ops: list[Op], slack: int, seen: float, now: float, cut: int
+) -> None:
+    """A reader that read up to ``seen`` writes and looks again at ``now``
+    (the write under way then cut at any byte) reads exactly the records
+    written since, in order, or as many as are whole; and None only where the
+    ring has wrapped past what it read."""
+    sp = spec(slack=slack)
+    cap = sp.log_capacity
+    log = bytearray(cap * RECORD_SIZE)
+    writes, _ = _engine(sp, ops)
+    j = int(seen * len(writes))
+    k = max(j, int(now * len(writes)))
+    apply(log, writes[:k])
+    if k < len(writes):
+        torn = writes[k]
+        log[torn.offset : torn.offset + cut] = torn.data[:cut]
+    gen = writes[j].record.gen if j < len(writes) else writes[-1].record.gen + 1
+    got = kvlog.read_from(log, cap, gen)
+    since = [w.record for w in writes[j:k]]
+    if k - j > cap or (k - j == cap and cut > 0 and k < len(writes)):
+        assert got is None or list(got) == since[: len(got)]
+        if k - j > cap:
+            assert got is None
+        return
+    assert got is not None
+    whole = k < len(writes) and cut >= kvlog.RECORD_BODY_SIZE + 4  # its body and CRC
+    want = [*since, writes[k].record] if whole else since
+    assert list(got) == want[: len(got)]
+    assert len(got) >= len(since)
+
+
+def test_a_follower_of_a_log_begun_again_is_told_to_read_it_whole() -> None:
+    sp = spec(slack=2)
+    log = bytearray(sp.log_capacity * RECORD_SIZE)
+    w = Writer(Index(sp), epoch=1)
+    for block in range(3):
+        apply(log, w.seal(0, block, h(block), block))
+    assert kvlog.read_from(log, sp.log_capacity, 4) == ()
+    log[:] = bytes(len(log))  # an engine that did not adopt it clears it
+    again = Writer(Index(sp), epoch=2)
+    apply(log, again.seal(1, 0, h(9), 9))
+    assert kvlog.read_from(log, sp.log_capacity, 4) is None
+    assert [r.gen for r in kvlog.read_from(log, sp.log_capacity, 1) or ()] == [1]
+    with pytest.raises(ValueError):
+        kvlog.read_from(log, sp.log_capacity, 0)

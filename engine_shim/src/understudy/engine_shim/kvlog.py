@@ -81,6 +81,7 @@ __all__ = [
     "encode_header",
     "encode_record",
     "header_version",
+    "read_from",
     "read_log",
     "word_dtype",
 ]
@@ -360,6 +361,38 @@ def read_log(raw: bytes | memoryview, capacity: int) -> LogRead:
         gen -= 1
     run = tuple(by_gen[g] for g in range(gen, newest + 1))
     return LogRead(run, newest + 1, torn, misplaced + len(by_gen) - len(run))
+
+
+def read_from(raw: bytes | memoryview, capacity: int, gen: int) -> tuple[Record, ...] | None:
+    """The records of a ring of ``capacity`` from generation ``gen`` on, in
+    order, up to the first place that does not hold the next one yet (empty,
+    torn, or an older record): a reader that follows a live log a few records
+    at a time, not a whole ring. None where only a whole reading (`read_log`)
+    says what the ring holds: a newer generation holds one of those places
+    (the ring wrapped past what this reader last saw), or the place of
+    ``gen - 1``, which it read, no longer holds that record or a newer one
+    (the log was begun again: a pool an engine did not adopt)."""
+    if capacity < 1 or gen < 1 or len(raw) < capacity * RECORD_SIZE:
+        raise ValueError(f"a log of {capacity} records from generation {gen}")
+
+    def at(g: int) -> Record | None:
+        place = (g % capacity) * RECORD_SIZE
+        return decode_record(raw[place : place + RECORD_SIZE])
+
+    if gen > 1:
+        before = at(gen - 1)
+        if before is None or before.gen < gen - 1:
+            return None
+    out: list[Record] = []
+    while len(out) < capacity:
+        want = gen + len(out)
+        rec = at(want)
+        if rec is None or rec.gen < want:
+            break
+        if rec.gen > want:
+            return None
+        out.append(rec)
+    return tuple(out)
 
 
 # --- hashing ------------------------------------------------------------------
