@@ -66,6 +66,15 @@ def reread(sp: PoolSpec, log: bytearray, epoch: int | None = None) -> Index:
     return index
 
 
+def sealed_log(sp: PoolSpec, blocks: int) -> bytearray:
+    """A ring in which slot 0's first ``blocks`` blocks were sealed, in order."""
+    log = bytearray(sp.log_capacity * RECORD_SIZE)
+    w = Writer(Index(sp), epoch=1)
+    for b in range(blocks):
+        apply(log, w.seal(0, b, h(b), b))
+    return log
+
+
 def chains_of(index: Index) -> dict[tuple[int, int], tuple[bytes, int]]:
     return {k: (s.chain, s.checksum) for k, s in index.sealed.items()}
 
@@ -181,10 +190,7 @@ def test_empty_log() -> None:
 
 def test_a_gap_drops_everything_older() -> None:
     sp = spec(slack=8)
-    log = bytearray(sp.log_capacity * RECORD_SIZE)
-    w = Writer(Index(sp), epoch=1)
-    for b in range(4):
-        apply(log, w.seal(0, b, h(b), b))
+    log = sealed_log(sp, 4)
     log[2 * RECORD_SIZE + 5] ^= 0xFF  # generation 2 corrupted
     got = read_log(log, sp.log_capacity)
     assert [r.gen for r in got.records] == [3, 4]
@@ -526,10 +532,7 @@ def test_a_follower_reads_what_was_appended_since_or_is_told_to_read_it_whole(
 
 def test_a_follower_of_a_log_begun_again_is_told_to_read_it_whole() -> None:
     sp = spec(slack=2)
-    log = bytearray(sp.log_capacity * RECORD_SIZE)
-    w = Writer(Index(sp), epoch=1)
-    for block in range(3):
-        apply(log, w.seal(0, block, h(block), block))
+    log = sealed_log(sp, 3)
     assert kvlog.read_from(log, sp.log_capacity, 4) == ()
     log[:] = bytes(len(log))  # an engine that did not adopt it clears it
     again = Writer(Index(sp), epoch=2)
