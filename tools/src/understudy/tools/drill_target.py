@@ -242,8 +242,32 @@ def container_process(pid: int) -> int:
 _ACCEPTCON = 0x10000
 
 
+# A task's flags in /proc/<pid>/task/<tid>/stat (the 9th field): set from the
+# first step of its exit, before its memory and files are given back.
+_PF_EXITING = 0x4
+
+
+def exiting(pid: int) -> bool:
+    """Whether every thread of ``pid`` is on its way out (a killed process
+    whose teardown has not closed its files yet), or it is gone: it runs no
+    code of its own again, so a socket it still holds serves nobody. One
+    live thread is enough to count it (a process whose first thread ended)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        for tid in tasks:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            if not int(stat[stat.rindex(")") + 2 :].split()[6]) & _PF_EXITING:
+                return False
+    except (OSError, ValueError, IndexError):
+        pass  # gone while read: exiting too
+    return True
+
+
 def unix_listeners(directory: Path) -> set[int]:
-    """Pids of the processes listening on Unix sockets in ``directory``."""
+    """Pids of the processes listening on Unix sockets in ``directory``; not
+    one that is exiting (`exiting`): a killed engine may hold its socket for
+    a second of teardown at ``SCHED_IDLE`` (the lock server's), and serves
+    nothing in it."""
     prefix = str(directory) + "/"
     inodes = set()
     with contextlib.suppress(OSError), open("/proc/net/unix") as f:
@@ -263,4 +287,4 @@ def unix_listeners(directory: Path) -> set[int]:
                     link = os.readlink(f"/proc/{pid}/fd/{fd}")
                     if link.startswith("socket:[") and link[8:-1] in inodes:
                         pids.add(int(pid))
-    return pids
+    return {pid for pid in pids if not exiting(pid)}
