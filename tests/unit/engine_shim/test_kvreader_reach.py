@@ -1,13 +1,18 @@
-"""What a standby's view maps from the records it follows (kvreader): how far
-each slot's seals reach, and nothing for a record no Writer would write."""
+"""What a standby's view maps from the records it follows (kvreader: the
+extents of the index those records alone replay to): how far each slot's
+seals reach, and nothing for a record no Writer would write."""
 
 from __future__ import annotations
 
 from understudy.engine_shim import kvlog
 from understudy.engine_shim.kvlog import Kind, Record
-from understudy.engine_shim.kvreader import _reach
+from understudy.engine_shim.kvpool import sealed_extents
 
 SPEC = kvlog.PoolSpec("m", layers=1, kv_heads=1, head_dim=4, dtype="float32", slots=2, max_len=64)
+
+
+def _reach(records: list[Record], spec: kvlog.PoolSpec) -> dict[int, int]:
+    return sealed_extents(kvlog.Index.replay(spec, records))
 
 
 def seal(slot: int, block: int, count: int) -> Record:

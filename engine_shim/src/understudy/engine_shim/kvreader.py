@@ -42,7 +42,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
 
 from understudy.engine_shim import kvadopt, kvlog, kvpool, memadvise
 from understudy.engine_shim.kvlog import RECORD_SIZE, PoolSpec
@@ -185,7 +184,9 @@ class KvReader:
         new = kvlog.read_from(ring, spec.log_capacity, self._next_gen) if self._next_gen else None
         if new is not None:
             self._next_gen += len(new)
-            reach = _reach(new, spec)
+            # The index of these records alone: the shape's checks and the
+            # extents' rule are the whole reading's, not a second copy.
+            reach = kvpool.sealed_extents(kvlog.Index.replay(spec, new))
         else:
             try:
                 adopted = kvadopt.adopt(ring, spec, _EVERY_EPOCH)
@@ -206,22 +207,6 @@ class KvReader:
         for slot, (_, n) in runs.items():
             self._mapped[slot] = n
         return done
-
-
-def _reach(records: Sequence[kvlog.Record], spec: PoolSpec) -> dict[int, int]:
-    """How far into each slot ``records``' seals reach, in positions; a seal
-    outside the pool's shape (a record no Writer wrote) reaches nowhere."""
-    b = spec.block_tokens
-    reach: dict[int, int] = {}
-    for rec in records:
-        if (
-            rec.kind is kvlog.Kind.SEAL
-            and rec.slot < spec.slots
-            and rec.block < spec.blocks_per_slot
-            and 0 < rec.count <= b
-        ):
-            reach[rec.slot] = max(reach.get(rec.slot, 0), rec.block * b + rec.count)
-    return reach
 
 
 def _no_pool(exc: GmsError) -> bool:
