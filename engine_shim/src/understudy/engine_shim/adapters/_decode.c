@@ -190,6 +190,19 @@ static inline __attribute__((always_inline)) void chunk_sums(const float *rows, 
     if (c < upto) block_sums(rows + c * d, (upto - c) / BLOCK, d / 2, row_w, col_w, ck->total + c / BLOCK);
 }
 
+/* The rows AHEAD positions on are prefetched as a chunk is computed, a share
+ * of their cache lines in each query head's pass (`ahead`): the hardware's
+ * prefetcher alone left a chunk's first pass waiting on memory, and one
+ * burst of a chunk's lines in the first pass only filled the core's line
+ * buffers. SmolLM2's 30 layers at 4,000 positions, one thread, the keys and
+ * values from memory: 21-23 ms against 26.5; from the L3 cache 10.9 against
+ * 15.9 (docs/performance.md). A prefetch changes no result. */
+#define AHEAD 64
+static inline __attribute__((always_inline)) void ahead(const float *p, int floats, int r, int rep) {
+    int lines = floats / 16, from = lines * r / rep, to = lines * (r + 1) / rep;
+    for (int i = from; i < to; i++) __builtin_prefetch(p + 16 * i, 0, 3);
+}
+
 /* One KV head, head_dim B * 8, over positions c0..c1-1 (a part): the scores of
  * its rep query heads into scratch (rep rows of c1 - c0), their softmax
  * against the part's own maximum, then into st, per query head, the part's
@@ -212,6 +225,7 @@ static inline __attribute__((always_inline)) void chunk_sums(const float *rows, 
                 ptrdiff_t p = c;                                                             \
                 for (; p + 8 <= end; p += 8) {                                               \
                     const float *row = k + p * D;                                            \
+                    ahead(row + AHEAD * D, 8 * D, r, rep);                                    \
                     v8 x01 = HALVES(products_##B(qv, row), products_##B(qv, row + D));       \
                     v8 x23 = HALVES(products_##B(qv, row + 2 * D), products_##B(qv, row + 3 * D)); \
                     v8 x45 = HALVES(products_##B(qv, row + 4 * D), products_##B(qv, row + 5 * D)); \
@@ -264,6 +278,7 @@ static inline __attribute__((always_inline)) void chunk_sums(const float *rows, 
                 for (int j = 0; j < (B); j++) a[j] = o[r][j];                                \
                 for (ptrdiff_t p = c; p < end; p++) {                                        \
                     const float *row = v + p * D;                                            \
+                    ahead(row + AHEAD * D, D, r, rep);                                        \
                     v8 w = splat(s[p - c0]);                                                 \
                     for (int j = 0; j < (B); j++) a[j] += w * load(row + 8 * j);             \
                 }                                                                            \
@@ -361,10 +376,18 @@ static void combine(const struct job *j, float *out) {
 #include <signal.h>
 #include <stdatomic.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#define PAUSE() __builtin_ia32_pause()
+#else
+#define PAUSE() ((void)0)
+#endif
+#include <time.h>
+
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t posted_cv = PTHREAD_COND_INITIALIZER;
 static int wanted = 1, started = 0, atfork = 0; /* under mu */
-static uint64_t posted = 0;                      /* the last job's generation, under mu */
+static uint64_t posted = 0;  /* the last job's generation: written under mu, read atomically */
+static uint64_t readied = 0; /* `understudy_decode_ready`'s calls, under mu */
 static const struct job *current = NULL;         /* that job, under mu */
 static _Atomic uint64_t claim = 0;               /* generation << 32 | parts << 16 | next */
 static _Atomic ptrdiff_t done = 0;               /* the current job's parts finished */
@@ -390,18 +413,53 @@ static void work(const struct job *j, uint32_t gen) {
     }
 }
 
+/* A worker woken from its sleep came 0.1-0.2 ms after the row was posted on
+ * this project's machines (a VM's idle CPU), at each of a step's 30 layers:
+ * at 4,000 positions the caller had done most of the parts by then, and a
+ * step's attention took 16.7 ms on two threads against 12.1 with a worker
+ * already awake (docs/performance.md). So a worker that has taken parts
+ * waits for the next row awake for SPIN_JOB_NS (a step's rows follow each
+ * other within microseconds), and one the engine readied
+ * (`understudy_decode_ready`, at the top of a layer whose rows go in parts)
+ * for SPIN_READY_NS, then sleeps: a step's products between two layers'
+ * attention leave it asleep, not spinning. */
+#define SPIN_JOB_NS 50000
+#define SPIN_READY_NS 2000000
+
+static uint64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+/* Spins until a job past `seen` is posted or `deadline` (now_ns) passes. */
+static void spin(uint64_t seen, uint64_t deadline) {
+    for (unsigned i = 0; __atomic_load_n(&posted, __ATOMIC_ACQUIRE) == seen; i++) {
+        if ((i & 63) == 0 && now_ns() > deadline) return;
+        PAUSE();
+    }
+}
+
 /* Worker `index` (from 0) takes parts while index < wanted - 1. */
 static void *worker(void *arg) {
     int index = (int)(intptr_t)arg;
-    uint64_t seen = 0;
+    uint64_t seen = 0, ready_seen = 0, until = 0;
     for (;;) {
+        if (until) spin(seen, until);
         pthread_mutex_lock(&mu);
-        while (posted == seen) pthread_cond_wait(&posted_cv, &mu);
+        while (posted == seen && readied == ready_seen) pthread_cond_wait(&posted_cv, &mu);
+        int mine = index < wanted - 1;
+        ready_seen = readied;
+        if (posted == seen) { /* readied: a row comes soon */
+            pthread_mutex_unlock(&mu);
+            until = mine ? now_ns() + SPIN_READY_NS : 0;
+            continue;
+        }
         seen = posted;
         const struct job *j = current; /* dereferenced only for a part `take` gave */
-        int mine = index < wanted - 1;
         pthread_mutex_unlock(&mu);
         if (mine) work(j, (uint32_t)seen);
+        until = mine ? now_ns() + SPIN_JOB_NS : 0;
     }
     return NULL;
 }
@@ -460,11 +518,22 @@ int understudy_decode_start(void) {
     return running;
 }
 
-#if defined(__x86_64__) || defined(__i386__)
-#define PAUSE() __builtin_ia32_pause()
-#else
-#define PAUSE() ((void)0)
-#endif
+
+/* Wakes the workers ahead of a row of `length` positions that goes in parts
+ * (the engine calls it as a layer begins, before its products): they wait
+ * for it awake (SPIN_READY_NS). Returns 1 where it woke them, 0 where the
+ * row will not use them (one part, one thread, or none started yet). */
+int understudy_decode_ready(ptrdiff_t length) {
+    if (length <= PART) return 0;
+    pthread_mutex_lock(&mu);
+    int woken = wanted > 1 && started >= wanted - 1;
+    if (woken) {
+        readied++;
+        pthread_cond_broadcast(&posted_cv);
+    }
+    pthread_mutex_unlock(&mu);
+    return woken;
+}
 
 /* Every part of j, on the workers too where a row has more than one part and
  * no other caller has them. The caller waits at most for the parts the
@@ -476,10 +545,11 @@ static void run(const struct job *j) {
         pthread_mutex_lock(&mu);
         shared = wanted > 1 && (started >= wanted - 1 || start_workers());
         if (shared) {
-            gen = (uint32_t)++posted;
+            gen = (uint32_t)(posted + 1);
             current = j;
             atomic_store(&done, 0);
             atomic_store(&claim, (uint64_t)gen << 32 | (uint64_t)j->parts << 16);
+            __atomic_store_n(&posted, posted + 1, __ATOMIC_RELEASE); /* a spinning worker's cue */
             pthread_cond_broadcast(&posted_cv);
         }
         pthread_mutex_unlock(&mu);
