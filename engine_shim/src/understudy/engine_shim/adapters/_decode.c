@@ -194,9 +194,9 @@ static inline __attribute__((always_inline)) void chunk_sums(const float *rows, 
  * of their cache lines in each query head's pass (`ahead`): the hardware's
  * prefetcher alone left a chunk's first pass waiting on memory, and one
  * burst of a chunk's lines in the first pass only filled the core's line
- * buffers. SmolLM2's 30 layers at 4,000 positions, one thread, the keys and
- * values from memory: 21-23 ms against 26.5; from the L3 cache 10.9 against
- * 15.9 (docs/performance.md). A prefetch changes no result. */
+ * buffers. A step of SmolLM2 at 4,000 positions, its worker awake (below):
+ * 58.5 ms against 60.5 (docs/performance.md). A prefetch changes no
+ * result. */
 #define AHEAD 64
 static inline __attribute__((always_inline)) void ahead(const float *p, int floats, int r, int rep) {
     int lines = floats / 16, from = lines * r / rep, to = lines * (r + 1) / rep;
@@ -375,19 +375,18 @@ static void combine(const struct job *j, float *out) {
 #include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
+#include <time.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #define PAUSE() __builtin_ia32_pause()
 #else
 #define PAUSE() ((void)0)
 #endif
-#include <time.h>
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t posted_cv = PTHREAD_COND_INITIALIZER;
 static int wanted = 1, started = 0, atfork = 0; /* under mu */
-static uint64_t posted = 0;  /* the last job's generation: written under mu, read atomically */
-static uint64_t readied = 0; /* `understudy_decode_ready`'s calls, under mu */
+static uint64_t posted = 0; /* the last job's generation: written under mu, read atomically too */
 static const struct job *current = NULL;         /* that job, under mu */
 static _Atomic uint64_t claim = 0;               /* generation << 32 | parts << 16 | next */
 static _Atomic ptrdiff_t done = 0;               /* the current job's parts finished */
@@ -413,18 +412,18 @@ static void work(const struct job *j, uint32_t gen) {
     }
 }
 
-/* A worker woken from its sleep came 0.1-0.2 ms after the row was posted on
- * this project's machines (a VM's idle CPU), at each of a step's 30 layers:
- * at 4,000 positions the caller had done most of the parts by then, and a
- * step's attention took 16.7 ms on two threads against 12.1 with a worker
- * already awake (docs/performance.md). So a worker that has taken parts
- * waits for the next row awake for SPIN_JOB_NS (a step's rows follow each
- * other within microseconds), and one the engine readied
- * (`understudy_decode_ready`, at the top of a layer whose rows go in parts)
- * for SPIN_READY_NS, then sleeps: a step's products between two layers'
- * attention leave it asleep, not spinning. */
-#define SPIN_JOB_NS 50000
-#define SPIN_READY_NS 2000000
+/* A worker that has taken parts waits for the next row awake, for SPIN_NS,
+ * before it sleeps: as OpenMP's runtimes do (libgomp's GOMP_SPINCOUNT,
+ * Intel's KMP_BLOCKTIME of 200 ms). A step posts a row at each of its 30
+ * layers, a layer's products apart (1.5-2 ms at SmolLM2's size), and a
+ * worker woken from its sleep came late on this project's machines (a VM's
+ * idle CPU), when the caller had done most of the parts: a step at 4,000
+ * positions took 62.0 ms where it sleeps between rows and 58.5 where it
+ * waits 2 ms awake (1.3x and 1.23x the step at 16 tokens; 60.5 without the
+ * prefetch above). The price: the other CPU stays busy through a step whose
+ * rows go in parts, 109 ms of CPU a 58.5 ms step against 73; a row of one
+ * part (512 positions or fewer) never wakes a worker (docs/performance.md). */
+#define SPIN_NS 2000000
 
 static uint64_t now_ns(void) {
     struct timespec t;
@@ -432,10 +431,11 @@ static uint64_t now_ns(void) {
     return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
 }
 
-/* Spins until a job past `seen` is posted or `deadline` (now_ns) passes. */
-static void spin(uint64_t seen, uint64_t deadline) {
+/* Until a job past `seen` is posted, or SPIN_NS. */
+static void spin(uint64_t seen) {
+    uint64_t until = now_ns() + SPIN_NS;
     for (unsigned i = 0; __atomic_load_n(&posted, __ATOMIC_ACQUIRE) == seen; i++) {
-        if ((i & 63) == 0 && now_ns() > deadline) return;
+        if (i % 64 == 0 && now_ns() > until) return;
         PAUSE();
     }
 }
@@ -443,23 +443,17 @@ static void spin(uint64_t seen, uint64_t deadline) {
 /* Worker `index` (from 0) takes parts while index < wanted - 1. */
 static void *worker(void *arg) {
     int index = (int)(intptr_t)arg;
-    uint64_t seen = 0, ready_seen = 0, until = 0;
+    uint64_t seen = 0;
+    int mine = 0;
     for (;;) {
-        if (until) spin(seen, until);
+        if (mine) spin(seen);
         pthread_mutex_lock(&mu);
-        while (posted == seen && readied == ready_seen) pthread_cond_wait(&posted_cv, &mu);
-        int mine = index < wanted - 1;
-        ready_seen = readied;
-        if (posted == seen) { /* readied: a row comes soon */
-            pthread_mutex_unlock(&mu);
-            until = mine ? now_ns() + SPIN_READY_NS : 0;
-            continue;
-        }
+        while (posted == seen) pthread_cond_wait(&posted_cv, &mu);
         seen = posted;
         const struct job *j = current; /* dereferenced only for a part `take` gave */
+        mine = index < wanted - 1;
         pthread_mutex_unlock(&mu);
         if (mine) work(j, (uint32_t)seen);
-        until = mine ? now_ns() + SPIN_JOB_NS : 0;
     }
     return NULL;
 }
@@ -518,22 +512,6 @@ int understudy_decode_start(void) {
     return running;
 }
 
-
-/* Wakes the workers ahead of a row of `length` positions that goes in parts
- * (the engine calls it as a layer begins, before its products): they wait
- * for it awake (SPIN_READY_NS). Returns 1 where it woke them, 0 where the
- * row will not use them (one part, one thread, or none started yet). */
-int understudy_decode_ready(ptrdiff_t length) {
-    if (length <= PART) return 0;
-    pthread_mutex_lock(&mu);
-    int woken = wanted > 1 && started >= wanted - 1;
-    if (woken) {
-        readied++;
-        pthread_cond_broadcast(&posted_cv);
-    }
-    pthread_mutex_unlock(&mu);
-    return woken;
-}
 
 /* Every part of j, on the workers too where a row has more than one part and
  * no other caller has them. The caller waits at most for the parts the

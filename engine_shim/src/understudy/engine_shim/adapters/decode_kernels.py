@@ -10,9 +10,7 @@ badly on a CPU (docs/performance.md):
   4,000 positions, one core: 15 ms against 24-30. A row of more than 512
   positions goes in parts, on `threads` cores (the caller's and the
   library's own workers): 24 ms against 14 on two cores of this project's
-  Intel machine, whose one core reads memory at half the rate two do. The
-  model readies the workers as each layer begins (`ready`), so they are
-  awake when its rows are posted.
+  Intel machine, whose one core reads memory at half the rate two do.
 * **products**, the step's rows times each weight: numpy's form hands BLAS
   one small product per group of 8 weight rows; `products` streams each
   weight once through tiles of 4 rows x 3 weight rows held in AVX2
@@ -125,11 +123,8 @@ class Kernels:
         set_threads.restype = i32
         start = lib.understudy_decode_start
         start.restype = i32
-        ready = lib.understudy_decode_ready
-        ready.argtypes = [size]
-        ready.restype = i32
         self._attend, self._products, self._threads = attend, products, set_threads
-        self._start, self._ready = start, ready
+        self._start = start
         self.path: Final = path
         self.set_threads(threads)
         self.has_products: Final = bool(supported())
@@ -152,12 +147,6 @@ class Kernels:
         """Start the library's workers now, not at a row's first use of them
         (the C file's ``understudy_decode_start`` says why); those running."""
         return int(self._start())
-
-    def ready(self, length: int) -> bool:
-        """Tell the workers a row of ``length`` positions comes soon (a layer's
-        products first): where it goes in parts they wait for it awake, not
-        asleep (the C file's ``understudy_decode_ready``). Whether it woke them."""
-        return bool(self._ready(length))
 
     def takes(self, kv_heads: int, rep: int, head_dim: int) -> bool:
         """Whether `attend` computes heads of this shape (else numpy's form)."""

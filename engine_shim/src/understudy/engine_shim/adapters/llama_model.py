@@ -812,10 +812,7 @@ class LlamaModel:
         if sums and native is None:
             raise ValueError("block sums asked of a decode without the attention kernel")
         x = self._embed[ids]
-        longest = int(lengths.max())
         for li, layer in enumerate(self._layers):
-            if native is not None:
-                native.ready(longest)  # its workers wake during the products below
             h = rms_norm(x, layer.attn_norm, self._eps)
             q = apply_rope(
                 self._decode_product(h, layer.wq).reshape(r, kvh, rep, d),
