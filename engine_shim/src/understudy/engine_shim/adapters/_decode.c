@@ -310,7 +310,8 @@ SPAN(16)
  * plain softmax, as before the parts.
  *
  * Threads: the caller and `wanted` - 1 workers of this library's own, asleep
- * until a row of more than one part is posted; each takes the next part left
+ * until a row of more than one part is posted (and awake for SPIN_NS after
+ * one: `spin`, below); each takes the next part left
  * (one atomic word: the job's generation, its parts and the next part), so
  * a worker that wakes late or not at all only leaves the caller more parts,
  * and never touches another job's. A second caller at the same time (another

@@ -10,7 +10,10 @@ badly on a CPU (docs/performance.md):
   4,000 positions, one core: 15 ms against 24-30. A row of more than 512
   positions goes in parts, on `threads` cores (the caller's and the
   library's own workers): 24 ms against 14 on two cores of this project's
-  Intel machine, whose one core reads memory at half the rate two do.
+  Intel machine, whose one core reads memory at half the rate two do. A
+  worker waits awake 2 ms for the next row before it sleeps (a step posts
+  one a layer), and the rows ahead are prefetched: a step at 4,000
+  positions 58.9 ms against 63.1 (docs/performance.md, 2026-12-07).
 * **products**, the step's rows times each weight: numpy's form hands BLAS
   one small product per group of 8 weight rows; `products` streams each
   weight once through tiles of 4 rows x 3 weight rows held in AVX2
