@@ -184,11 +184,22 @@ def test_the_workers_start_when_asked_before_any_row_needs_them() -> None:
 
 
 @needs_kernel
-def test_a_worker_waits_awake_for_the_next_row_only_briefly() -> None:
-    """After a row in parts its worker spins for the next one (SPIN_NS, 2 ms:
-    a step's layers post one each, their products apart), then sleeps: a
-    process that stopped computing spends no more CPU. In a fresh process,
-    where the workers are this test's own."""
+@pytest.mark.parametrize(
+    ("spin_us", "awake"),
+    [(None, False), ("0", False), ("1000000", True)],
+)
+def test_a_worker_waits_awake_for_the_next_row_as_long_as_it_is_set(
+    spin_us: str | None, awake: bool
+) -> None:
+    """After a row in parts its worker spins for the next one (SPIN_NS, 2 ms
+    unless `SPIN_ENV` sets it: a step's layers post one each, their
+    products apart), then sleeps: 50 ms after the last row, a process that
+    stopped computing spends no more CPU, unless its workers were told to
+    wait a second. In a fresh process, where the workers are this test's
+    own and the environment is read."""
+    env = {k: v for k, v in os.environ.items() if k != decode_kernels.SPIN_ENV}
+    if spin_us is not None:
+        env[decode_kernels.SPIN_ENV] = spin_us
     code = (
         "import time\n"
         "import numpy as np\n"
@@ -207,10 +218,37 @@ def test_a_worker_waits_awake_for_the_next_row_only_briefly() -> None:
         "print(round((time.process_time() - before) * 1000))\n"  # ms of CPU, every thread
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
-    )
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
+        env=env,
+    )  # fmt: skip
     spent = int(out.stdout)
-    assert spent < 30, f"{spent} ms of CPU in 300 ms with no row: a worker kept spinning"
+    if awake:
+        assert spent > 60, f"{spent} ms of CPU in 300 ms: the worker slept, told to wait 1 s"
+    else:
+        assert spent < 30, f"{spent} ms of CPU in 300 ms with no row: a worker kept spinning"
+
+
+@needs_kernel
+def test_the_spin_is_set_and_refused_below_zero() -> None:
+    assert kernel is not None
+    before = kernel.spin_us
+    try:
+        assert kernel.set_spin_us(0) == kernel.spin_us == 0
+        assert kernel.set_spin_us(1500) == kernel.spin_us == 1500
+        with pytest.raises(ValueError, match="0 or more"):
+            kernel.set_spin_us(-1)
+        assert kernel.spin_us == 1500
+    finally:
+        kernel.set_spin_us(before)
+
+
+def test_the_spin_comes_from_the_environment() -> None:
+    assert decode_kernels.spin_wanted({}) is None  # the library's 2 ms
+    assert decode_kernels.spin_wanted({decode_kernels.SPIN_ENV: "0"}) == 0
+    assert decode_kernels.spin_wanted({decode_kernels.SPIN_ENV: "250"}) == 250
+    for bad in ("-1", "two", "1.5", " 3"):
+        with pytest.raises(ValueError, match=f"{decode_kernels.SPIN_ENV}="):
+            decode_kernels.spin_wanted({decode_kernels.SPIN_ENV: bad})
 
 
 @needs_kernel

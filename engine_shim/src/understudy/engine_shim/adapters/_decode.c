@@ -413,8 +413,8 @@ static void work(const struct job *j, uint32_t gen) {
     }
 }
 
-/* A worker that has taken parts waits for the next row awake, for SPIN_NS,
- * before it sleeps: as OpenMP's runtimes do (libgomp's GOMP_SPINCOUNT,
+/* A worker that has taken parts waits for the next row awake, for SPIN_NS
+ * (2 ms unless set: UNDERSTUDY_DECODE_SPIN_US), before it sleeps: as OpenMP's runtimes do (libgomp's GOMP_SPINCOUNT,
  * Intel's KMP_BLOCKTIME of 200 ms). A step posts a row at each of its 30
  * layers, a layer's products apart (1.5-2 ms at SmolLM2's size), and a
  * worker woken from its sleep came late on this project's machines (a VM's
@@ -424,7 +424,7 @@ static void work(const struct job *j, uint32_t gen) {
  * prefetch above). The price: the other CPU stays busy through a step whose
  * rows go in parts, 109 ms of CPU a 58.5 ms step against 73; a row of one
  * part (512 positions or fewer) never wakes a worker (docs/performance.md). */
-#define SPIN_NS 2000000
+static _Atomic uint64_t spin_ns = 2000000; /* SPIN_NS: `understudy_decode_spin_us` sets it */
 
 static uint64_t now_ns(void) {
     struct timespec t;
@@ -434,11 +434,21 @@ static uint64_t now_ns(void) {
 
 /* Until a job past `seen` is posted, or SPIN_NS. */
 static void spin(uint64_t seen) {
-    uint64_t until = now_ns() + SPIN_NS;
+    uint64_t budget = atomic_load(&spin_ns);
+    if (budget == 0) return;
+    uint64_t until = now_ns() + budget;
     for (unsigned i = 0; __atomic_load_n(&posted, __ATOMIC_ACQUIRE) == seen; i++) {
         if (i % 64 == 0 && now_ns() > until) return;
         PAUSE();
     }
+}
+
+/* Sets SPIN_NS, in microseconds, where us >= 0 (0: a worker sleeps as soon
+ * as it has no part left, as OMP_WAIT_POLICY=passive has OpenMP's do);
+ * returns the microseconds in force. */
+long understudy_decode_spin_us(long us) {
+    if (us >= 0) atomic_store(&spin_ns, (uint64_t)us * 1000u);
+    return (long)(atomic_load(&spin_ns) / 1000u);
 }
 
 /* Worker `index` (from 0) takes parts while index < wanted - 1. */
@@ -512,7 +522,6 @@ int understudy_decode_start(void) {
     pthread_mutex_unlock(&mu);
     return running;
 }
-
 
 /* Every part of j, on the workers too where a row has more than one part and
  * no other caller has them. The caller waits at most for the parts the

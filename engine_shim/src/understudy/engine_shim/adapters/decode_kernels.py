@@ -12,7 +12,7 @@ badly on a CPU (docs/performance.md):
   library's own workers): 24 ms against 14 on two cores of this project's
   Intel machine, whose one core reads memory at half the rate two do. A
   worker waits awake 2 ms for the next row before it sleeps (a step posts
-  one a layer), and the rows ahead are prefetched: a step at 4,000
+  one a layer; `SPIN_ENV` sets it, 0: at once), and the rows ahead are prefetched: a step at 4,000
   positions 58.9 ms against 63.1 (docs/performance.md, 2026-12-07).
 * **products**, the step's rows times each weight: numpy's form hands BLAS
   one small product per group of 8 weight rows; `products` streams each
@@ -56,12 +56,14 @@ from understudy.engine_shim.kvpool import BlockSums
 __all__ = [
     "BLOCK",
     "ENV",
+    "SPIN_ENV",
     "THREADS_ENV",
     "Kernels",
     "Sums",
     "built",
     "cpu_share",
     "kernels",
+    "spin_wanted",
     "sums_of",
     "threads_wanted",
 ]
@@ -79,6 +81,12 @@ baseline, or a pod whose engines must match one built without them)."""
 THREADS_ENV: Final = "UNDERSTUDY_DECODE_THREADS"
 """The cores a row's attention may use (`threads_wanted`); 1: the calling
 thread alone. A row's bits are the same whatever the number."""
+
+SPIN_ENV: Final = "UNDERSTUDY_DECODE_SPIN_US"
+"""How long a worker waits awake for a step's next row before it sleeps, in
+microseconds (`spin_wanted`; unset: 2,000); 0: it sleeps at once, for a
+node whose other CPU has better to do than wait (OpenMP's
+``OMP_WAIT_POLICY=passive``). The bits are the same either way."""
 
 DEFAULT_THREADS: Final = 2
 """The most the default takes: two cores halve the attention's read at 4,000
@@ -110,7 +118,7 @@ class Kernels:
     HEAD_DIMS: Final = (64, 128)
     MAX_REP: Final = 16
 
-    def __init__(self, path: str, threads: int = 1) -> None:
+    def __init__(self, path: str, threads: int = 1, spin_us: int | None = None) -> None:
         lib = ctypes.CDLL(path)
         ptr, size, i32 = ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int
         attend = lib.understudy_decode_attention
@@ -126,10 +134,15 @@ class Kernels:
         set_threads.restype = i32
         start = lib.understudy_decode_start
         start.restype = i32
+        spin = lib.understudy_decode_spin_us
+        spin.argtypes = [ctypes.c_long]
+        spin.restype = ctypes.c_long
         self._attend, self._products, self._threads = attend, products, set_threads
-        self._start = start
+        self._start, self._spin = start, spin
         self.path: Final = path
         self.set_threads(threads)
+        if spin_us is not None:
+            self.set_spin_us(spin_us)
         self.has_products: Final = bool(supported())
         """Whether this CPU runs `products` (AVX2 and FMA)."""
 
@@ -145,6 +158,18 @@ class Kernels:
         if threads < 1:
             raise ValueError(f"decode attention threads: {threads}, where 1 or more are needed")
         return int(self._threads(threads))
+
+    @property
+    def spin_us(self) -> int:
+        """How long a worker that took parts waits awake for the next row
+        before it sleeps, in microseconds (the C file's ``SPIN_NS``)."""
+        return int(self._spin(-1))
+
+    def set_spin_us(self, us: int) -> int:
+        """Sets `spin_us` (0: sleep at once); the microseconds in force."""
+        if us < 0:
+            raise ValueError(f"decode workers' spin: {us} us, where 0 or more are needed")
+        return int(self._spin(us))
 
     def start(self) -> int:
         """Start the library's workers now, not at a row's first use of them
@@ -282,6 +307,16 @@ def threads_wanted(environ: dict[str, str] | None = None) -> int:
     return int(raw)
 
 
+def spin_wanted(environ: dict[str, str] | None = None) -> int | None:
+    """`SPIN_ENV` in microseconds, or None (the library's 2 ms)."""
+    raw = (os.environ if environ is None else environ).get(SPIN_ENV, "")
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise ValueError(f"{SPIN_ENV}={raw!r}: a whole number of microseconds, 0 or more")
+    return int(raw)
+
+
 def built(module: str, wrap: Callable[[str], _T]) -> _T | None:
     """``wrap`` of the C library the package built as ``module``, or None
     where it was built without it, or the build is stale or foreign (the
@@ -299,6 +334,6 @@ def built(module: str, wrap: Callable[[str], _T]) -> _T | None:
 kernels: Final = (
     None
     if os.environ.get(ENV, "") == "numpy"
-    else built(_MODULE, functools.partial(Kernels, threads=threads_wanted()))
+    else built(_MODULE, functools.partial(Kernels, threads=threads_wanted(), spin_us=spin_wanted()))
 )
 """The built kernels, or None (numpy's forms): module docstring."""
