@@ -67,6 +67,12 @@ EXEMPT_DASHBOARDS = {
     "understudy-gateway": "a local pod has no gateway (local up --pods N runs one); "
     "tests/monitoring/test_metric_names.py checks its names against the gateway's exposition",
 }
+# Fed only where the drill's front held a request (`_held`): one that arrives
+# between a hung engine's revocation and the next engine's grant. A hang's
+# own requests are cut at its revocation and retried; where the front learns
+# of the grant in the same read they find a route at once, and a drill of 8
+# clients then holds none (CI, 2026-12-07: 3 hangs, nothing held).
+FED_BY_HOLDS = {("understudy-failover", "Hold time")}
 # Outage alerts that must be quiet after a drill the pod passed.
 QUIET = ("UnderstudyNoActiveEngine", "UnderstudySplitBrain", "UnderstudyGmsDown")
 
@@ -218,9 +224,17 @@ def _check(drill: dict[str, Any], started: float) -> None:
     _check_counts(drill, end, range_s)
 
 
+def _held(end: float) -> int:
+    """The requests the front held in the drill (its counter starts at 0)."""
+    body = _api("query", query="max(understudy_front_held_requests_total)", time=str(end))
+    assert body["status"] == "success", body
+    return max((int(float(r["value"][1])) for r in body["data"]["result"]), default=0)
+
+
 def _check_dashboards(started: float, end: float, range_s: int) -> None:
     """Every dashboard variable has values and every panel query data the drill fed."""
     rate_s = 2  # Grafana's $__rate_interval at a 200 ms scrape and a 1 s step
+    held = _held(end)
     missing: list[str] = []
     for path in sorted(DASHBOARDS.glob("*.json")):
         board = json.loads(path.read_text())
@@ -241,9 +255,16 @@ def _check_dashboards(started: float, end: float, range_s: int) -> None:
                 body = _api("query_range", query=expr, start=str(started), end=str(end), step="1")
             assert body["status"] == "success", (uid, title, ref, expr, body)
             exempt = EXEMPT_DASHBOARDS.get(uid) or EXEMPT.get((uid, title, ref))
+            fed = held > 0 or (uid, title) not in FED_BY_HOLDS
             if not exempt and not _has_data(body["data"]["result"]):
-                missing.append(f"{uid} / {title} / {ref}: {expr}")
-    assert not missing, "queries the drill should have fed returned nothing:\n" + "\n".join(missing)
+                if fed:
+                    missing.append(f"{uid} / {title} / {ref}: {expr}")
+            elif not exempt and not fed:  # no request held, yet a hold time
+                missing.append(f"{uid} / {title} / {ref} has data, with no request held")
+    assert not missing, (
+        f"queries the drill should have fed returned nothing ({held} requests held):\n"
+        + "\n".join(missing)
+    )
 
 
 def _check_rules(end: float) -> None:
