@@ -141,11 +141,20 @@ def fleet():
         f.close()
 
 
-def _request(f: Fleet, i: int, n: int, tokens: int = TOKENS) -> dict[str, Any]:
+Live = dict[tuple[int, int], list[float]]
+
+
+def _request(
+    f: Fleet, i: int, n: int, tokens: int = TOKENS, live: Live | None = None
+) -> dict[str, Any]:
     """Client ``i``'s ``n``-th request (streaming or not, chat or completions),
-    greedy: its text, and for a stream each chunk's arrival time."""
+    greedy: its text, and for a stream each chunk's arrival time. A stream's
+    times are in ``live`` from before it is asked until its last chunk."""
     client = f.client()
     stream, chat = i % 2 == 0, i % 4 < 2
+    times: list[float] = []
+    if stream and live is not None:
+        live[i, n] = times
     prompt = f"client {i} asks question {n}: what does an understudy do?"
     kw: dict[str, Any] = {"model": "tiny-llama", "max_tokens": tokens, "temperature": 0}
     if chat:
@@ -156,13 +165,17 @@ def _request(f: Fleet, i: int, n: int, tokens: int = TOKENS) -> dict[str, Any]:
     if not stream:
         c = out.choices[0]
         return {"text": c.message.content if chat else c.text, "times": [], "ids": {out.id}}
-    parts, times, ids = [], [], set()
-    for chunk in out:
-        times.append(time.monotonic())
-        ids.add(chunk.id)
-        if chunk.choices:
-            c = chunk.choices[0]
-            parts.append((c.delta.content if chat else c.text) or "")
+    parts, ids = [], set()
+    try:
+        for chunk in out:
+            times.append(time.monotonic())
+            ids.add(chunk.id)
+            if chunk.choices:
+                c = chunk.choices[0]
+                parts.append((c.delta.content if chat else c.text) or "")
+    finally:
+        if live is not None:
+            live.pop((i, n), None)
     return {"parts": parts, "text": "".join(parts), "times": times, "ids": ids}
 
 
@@ -429,34 +442,46 @@ def _round(fleet: Fleet, fault: Callable[[Path], int]) -> tuple[int, list[float]
         }
         want = {k: v.result(timeout=300) for k, v in baseline.items()}
     answers: dict[tuple[int, int], Any] = {}
+    live: Live = {}
 
     def client(i: int) -> None:
         for n in range(2):
             got: Any = None
             try:
-                got = _request(fleet, i, n)
+                got = _request(fleet, i, n, live=live)
             except Exception as exc:
                 got = exc
             answers[i, n] = got
 
+    # The pod a previous round struck serves again (a round that failed
+    # before its own wait must not fail the next one).
+    wait_for(lambda: fleet.routable() == 2, 180, 0.2, what="both pods routable")
     with concurrent.futures.ThreadPoolExecutor(CLIENTS) as ex:
         clients = [ex.submit(client, i) for i in range(CLIENTS)]
-        # Both pods busy, and streams in the middle of their answers.
         wait_for(
             lambda: all(p["busy"] > 0 for p in fleet.gateway()["pods"])
             and any(p["streams"] > 0 for p in fleet.gateway()["pods"]),
             60, 0.01, what="both pods serving, a stream open",
         )  # fmt: skip
-        time.sleep(0.3)  # a few tokens into the streams
 
-        def streaming() -> dict[str, Any] | None:
-            # The pod with the most streams open now: those the 0.3 s saw may
-            # have ended (an engine that decodes 256 tokens in well under a
-            # second), and the fault must find one in the middle of its answer.
-            top = max(fleet.gateway()["pods"], key=lambda p: (p["streams"], p["busy"]))
+        def mid_answer() -> dict[str, Any] | None:
+            # The pod with the most streams open, at a moment when the streams
+            # the gateway counts are the clients' own open ones (none at its
+            # end yet counted, none new), and each has had tokens and has most
+            # of its answer to come: tiny-llama decodes 256 tokens in well
+            # under a second, and a stream the gateway counts may have no
+            # token yet (CI: "no stream was open at the fault") or be over
+            # (a pod struck with nothing in flight).
+            pods = fleet.gateway()["pods"]
+            counts = [len(t) for t in list(live.values())]
+            if sum(p["streams"] for p in pods) != len(counts) or not all(
+                2 <= k <= TOKENS // 2 for k in counts
+            ):
+                return None
+            top = max(pods, key=lambda p: (p["streams"], p["busy"]))
             return top if top["streams"] > 0 else None
 
-        busiest = wait_for(streaming, 60, 0.005, what="a pod with a stream open")
+        busiest = wait_for(mid_answer, 60, 0.002, what="a pod with a stream mid-answer")
         directory = Path(fleet.state()["pods"][busiest["name"]]["dir"])
         fault_at = time.monotonic()
         said = fault(directory)
