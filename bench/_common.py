@@ -124,11 +124,12 @@ def warn_forced_openblas() -> None:
 def print_table(
     title: str, rows: dict[str, dict[str, float]], unit: str = "ms", scale: float = 1000.0
 ) -> None:
+    w = max(28, *map(len, rows))  # a long name would push its row's columns
     print(f"\n{title}")
-    print(f"{'':28} {'n':>5} {'p50':>9} {'p95':>9} {'p99':>9} {'max':>9}  ({unit})")
+    print(f"{'':{w}} {'n':>5} {'p50':>9} {'p95':>9} {'p99':>9} {'max':>9}  ({unit})")
     for name, s in rows.items():
         print(
-            f"{name:28} {s['n']:>5} {s['p50'] * scale:>9.3f} {s['p95'] * scale:>9.3f} "
+            f"{name:{w}} {s['n']:>5} {s['p50'] * scale:>9.3f} {s['p95'] * scale:>9.3f} "
             f"{s['p99'] * scale:>9.3f} {s['max'] * scale:>9.3f}"
         )
 

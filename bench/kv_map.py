@@ -12,11 +12,12 @@ alternating:
   checksums as it copies (what a failover runs).
 - **map**: the same positions, where the pool would hold them in vLLM's
   own layout (one 192 KiB block of 128 positions a layer, page-aligned), put
-  over the cache's blocks with one ``mmap(MAP_PRIVATE | MAP_FIXED |
-  MAP_POPULATE)`` of the pool's memfd each: copy-on-write, so the new
-  engine's writes never reach the dead one's sealed bytes, and populated,
-  so the first step takes no fault per page. Each call also frees the
-  cache's anonymous pages it replaces, as it would in vLLM.
+  over the cache's blocks with one ``mmap(MAP_PRIVATE | MAP_FIXED)`` of the
+  pool's memfd each: copy-on-write, so the new engine's writes never reach
+  the dead one's sealed bytes (a page is copied at its first write only),
+  then ``madvise(MADV_POPULATE_READ)``, so the first step takes no fault
+  per page it reads. Each call also frees the cache's anonymous pages it
+  replaces, as it would in vLLM.
 - **map, then every byte read once**: the adopted blocks' checksums must
   still be read before a token is served from them (the claim's promise);
   a read of every mapped byte (numpy's sum of it as 64-bit words) is the
@@ -36,7 +37,7 @@ default): here one a layer, as a layer's blocks lie in order in the memfd
 and in the cache; in a pool whose blocks do not, one a block.
 
 SmolLM2-135M's shape (30 layers, 3 KV heads of 64, float32), 4,000
-positions (184 MB) by default. Prints p50s and the ratios to the copy, and
+positions (189 MB in whole blocks) by default. Prints p50s and the ratios to the copy, and
 writes ``bench/results/kv_map.json``.
 
     .venv/bin/python bench/kv_map.py [--positions 4000] [--repeats 9]
