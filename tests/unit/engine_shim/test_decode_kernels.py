@@ -191,7 +191,7 @@ def test_the_workers_start_when_asked_before_any_row_needs_them() -> None:
 def test_a_worker_waits_awake_for_the_next_row_as_long_as_it_is_set(
     spin_us: str | None, awake: bool
 ) -> None:
-    """After a row in parts its worker spins for the next one (SPIN_NS, 2 ms
+    """After a row in parts its worker spins for the next one (spin_ns, 2 ms
     unless `SPIN_ENV` sets it: a step's layers post one each, their
     products apart), then sleeps: 50 ms after the last row, a process that
     stopped computing spends no more CPU, unless its workers were told to

@@ -310,7 +310,7 @@ SPAN(16)
  * plain softmax, as before the parts.
  *
  * Threads: the caller and `wanted` - 1 workers of this library's own, asleep
- * until a row of more than one part is posted (and awake for SPIN_NS after
+ * until a row of more than one part is posted (and awake for spin_ns after
  * one: `spin`, below); each takes the next part left
  * (one atomic word: the job's generation, its parts and the next part), so
  * a worker that wakes late or not at all only leaves the caller more parts,
@@ -413,8 +413,9 @@ static void work(const struct job *j, uint32_t gen) {
     }
 }
 
-/* A worker that has taken parts waits for the next row awake, for SPIN_NS
- * (2 ms unless set: UNDERSTUDY_DECODE_SPIN_US), before it sleeps: as OpenMP's runtimes do (libgomp's GOMP_SPINCOUNT,
+/* A worker that has taken parts waits for the next row awake, for spin_ns
+ * (2 ms unless set: UNDERSTUDY_DECODE_SPIN_US), before it sleeps: as
+ * OpenMP's runtimes do (libgomp's GOMP_SPINCOUNT,
  * Intel's KMP_BLOCKTIME of 200 ms). A step posts a row at each of its 30
  * layers, a layer's products apart (1.5-2 ms at SmolLM2's size), and a
  * worker woken from its sleep came late on this project's machines (a VM's
@@ -424,7 +425,7 @@ static void work(const struct job *j, uint32_t gen) {
  * prefetch above). The price: the other CPU stays busy through a step whose
  * rows go in parts, 109 ms of CPU a 58.5 ms step against 73; a row of one
  * part (512 positions or fewer) never wakes a worker (docs/performance.md). */
-static _Atomic uint64_t spin_ns = 2000000; /* SPIN_NS: `understudy_decode_spin_us` sets it */
+static _Atomic uint64_t spin_ns = 2000000; /* `understudy_decode_spin_us` sets it */
 
 static uint64_t now_ns(void) {
     struct timespec t;
@@ -432,7 +433,7 @@ static uint64_t now_ns(void) {
     return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
 }
 
-/* Until a job past `seen` is posted, or SPIN_NS. */
+/* Until a job past `seen` is posted, or spin_ns. */
 static void spin(uint64_t seen) {
     uint64_t budget = atomic_load(&spin_ns);
     if (budget == 0) return;
@@ -443,7 +444,7 @@ static void spin(uint64_t seen) {
     }
 }
 
-/* Sets SPIN_NS, in microseconds, where us >= 0 (0: a worker sleeps as soon
+/* Sets spin_ns in microseconds, where us >= 0 (0: a worker sleeps as soon
  * as it has no part left, as OMP_WAIT_POLICY=passive has OpenMP's do);
  * returns the microseconds in force. */
 long understudy_decode_spin_us(long us) {

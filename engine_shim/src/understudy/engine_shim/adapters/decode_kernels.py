@@ -12,8 +12,9 @@ badly on a CPU (docs/performance.md):
   library's own workers): 24 ms against 14 on two cores of this project's
   Intel machine, whose one core reads memory at half the rate two do. A
   worker waits awake 2 ms for the next row before it sleeps (a step posts
-  one a layer; `SPIN_ENV` sets it, 0: at once), and the rows ahead are prefetched: a step at 4,000
-  positions 58.9 ms against 63.1 (docs/performance.md, 2026-12-07).
+  one a layer; `SPIN_ENV` sets it, 0: at once), and the rows ahead are
+  prefetched: a step at 4,000 positions 58.9 ms against 63.1
+  (docs/performance.md, 2026-12-07).
 * **products**, the step's rows times each weight: numpy's form hands BLAS
   one small product per group of 8 weight rows; `products` streams each
   weight once through tiles of 4 rows x 3 weight rows held in AVX2
@@ -162,7 +163,7 @@ class Kernels:
     @property
     def spin_us(self) -> int:
         """How long a worker that took parts waits awake for the next row
-        before it sleeps, in microseconds (the C file's ``SPIN_NS``)."""
+        before it sleeps, in microseconds (the C file's ``spin_ns``)."""
         return int(self._spin(-1))
 
     def set_spin_us(self, us: int) -> int:
@@ -297,24 +298,26 @@ def cpu_share(cpu_max: Path = CPU_MAX) -> int:
     return max(1, min(cpus, limit))
 
 
+def _whole(name: str, least: int, unit: str, environ: dict[str, str] | None) -> int | None:
+    """The environment's ``name`` as a whole number of ``unit`` (``least`` or
+    more), or None where it is unset or empty."""
+    raw = (os.environ if environ is None else environ).get(name, "")
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < least:
+        raise ValueError(f"{name}={raw!r}: a whole number of {unit}, {least} or more")
+    return int(raw)
+
+
 def threads_wanted(environ: dict[str, str] | None = None) -> int:
     """`THREADS_ENV`, or else the CPU share up to `DEFAULT_THREADS`."""
-    raw = (os.environ if environ is None else environ).get(THREADS_ENV, "")
-    if not raw:
-        return min(DEFAULT_THREADS, cpu_share())
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"{THREADS_ENV}={raw!r}: a whole number of threads, 1 or more")
-    return int(raw)
+    wanted = _whole(THREADS_ENV, 1, "threads", environ)
+    return min(DEFAULT_THREADS, cpu_share()) if wanted is None else wanted
 
 
 def spin_wanted(environ: dict[str, str] | None = None) -> int | None:
     """`SPIN_ENV` in microseconds, or None (the library's 2 ms)."""
-    raw = (os.environ if environ is None else environ).get(SPIN_ENV, "")
-    if not raw:
-        return None
-    if not raw.isdigit():
-        raise ValueError(f"{SPIN_ENV}={raw!r}: a whole number of microseconds, 0 or more")
-    return int(raw)
+    return _whole(SPIN_ENV, 0, "microseconds", environ)
 
 
 def built(module: str, wrap: Callable[[str], _T]) -> _T | None:

@@ -71,8 +71,10 @@ def _oserror(what: str) -> OSError:
     return OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def _do_mmap(address: int | None, size: int, prot: int, flags: int, fd: int) -> int:
-    got = _mmap(address, size, prot, flags, fd, 0)
+def _do_mmap(
+    address: int | None, size: int, prot: int, flags: int, fd: int, offset: int = 0
+) -> int:
+    got = _mmap(address, size, prot, flags, fd, offset)
     if got is None or got == MAP_FAILED:
         raise _oserror("mmap")
     if address is not None and got != address:
