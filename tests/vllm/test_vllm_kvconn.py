@@ -11,6 +11,9 @@ check (``check_cpu_layout``) before it uses the pool.
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import pytest
 
 from understudy.engine_shim.adapters.vllm_kvconn import check_cpu_layout, kv_views
@@ -235,3 +238,113 @@ def test_a_first_step_before_the_load_ahead_began_finds_nothing_loaded() -> None
     threading.Timer(0.2, warm.set).start()
     assert preload.finish() == {}
     assert all(int(torch.count_nonzero(t)) == 0 for t in target)
+
+
+@pytest.mark.parametrize("change", ["none", "corrupt-after-seal", "reused"], ids=lambda c: c)
+def test_a_standby_copies_ahead_of_the_kill_and_the_wake_copies_the_rest(change: str) -> None:
+    """A standby follows the pool while the first engine serves
+    (`vllm_kvfollow`): once its guess held for two passes it copies the
+    slot's whole sealed blocks into the blocks its continuation would get,
+    and later passes only what was sealed since. At the wake the load ahead
+    copies the rest, and the continuation loads nothing: its blocks hold
+    what the pool does. A block changed under its seal before the copy is
+    found by the claim from the checksums summed then; a slot retired and
+    sealed again is copied from its start at the wake."""
+    from understudy.engine_shim import kvlog
+    from understudy.engine_shim.adapters import vllm_kvmove
+    from understudy.engine_shim.adapters.vllm_kvconn import Link, view_loads
+    from understudy.engine_shim.adapters.vllm_kvfollow import Following
+    from understudy.engine_shim.kvpool import KvPool
+
+    if vllm_kvmove.mover is None:
+        pytest.skip("the package was built without its C kernels")
+    spec = kvlog.PoolSpec(
+        model="m", layers=3, kv_heads=2, head_dim=64, dtype="float32", slots=1, max_len=1280
+    )
+    memory = bytearray(spec.pool_bytes)
+    source = [torch.rand((160, 2, 16, 128)) + 1 for _ in range(3)]  # never 0
+    ids = list(range(300, 1300))
+    first = Link(caches=source)
+    assert first.attach(KvPool(memoryview(memory), spec, 1)) and first.planner is not None
+    step = functools.partial(_served, first)
+    target = [torch.zeros((160, 2, 16, 128)) for _ in range(3)]
+    following = Following(spec, 16)
+    load = view_loads(target, spec, memoryview(memory).toreadonly())  # the standby's view
+    assert load is not None
+    free = list(range(7, 160))
+
+    def follow() -> int:  # a pass of the standby's reader
+        return following.follow(_log_index(memory, spec), lambda n: free[:n], load)
+
+    step("a", ids[:300], 0, 300)  # a prompt of 300 positions
+    if change == "corrupt-after-seal":
+        first.planner.pool.v[1, 0, 1, 40] += 1.0  # block 2, after its seal, before any copy
+    assert follow() == 0  # the guess, once
+    assert follow() == 288  # 18 whole blocks
+    assert follow() == 0  # nothing new
+    step("a", ids[:330], 300, 30)  # decode on: 330 sealed
+    assert follow() == 32  # blocks 18, 19
+    n = 330
+    if change == "reused":  # the slot retired and its prompt written again
+        first.planner.finished("a")
+        step("b", ids[1:331], 0, 330)
+    # The engine dies; the next one maps the pool and takes what was copied.
+    nxt, pool, ahead, ready = _woken(memory, spec, target, following, free)
+    assert [t.done for t in ahead] == [0 if change == "reused" else 320]
+    assert list(ready) == [0] and nxt.planner is not None
+    resumed = [*(ids[1:331] if change == "reused" else ids[:330]), 5]
+    assert nxt.planner.matched("c", resumed, 0)[0] == n
+    nxt.planner.allocated("c", n)
+    blocks = free[: -(-(n + 1) // 16)]
+    plan = nxt.planner.step([("c", n, 1, blocks, resumed)], ready)
+    assert [(m.start, m.end, m.ready) for m in plan.loads] == [(0, n, n)]
+    nxt.run(plan, save=False)
+    bad = set(blocks[2 : -(-n // 16)]) if change == "corrupt-after-seal" else set()
+    assert nxt.load_errors() == bad
+    _assert_blocks_hold_the_pool(target, pool, blocks, n)
+
+
+def _woken(
+    memory: bytearray, spec: Any, target: list[Any], following: Any, free: list[int]
+) -> tuple[Any, Any, list[Any], Any]:
+    """The next engine after a kill, over vLLM caches ``target``: its link,
+    its pool, its load ahead's targets (with what ``following`` copied
+    before the kill) and what that load finished."""
+    from understudy.engine_shim.adapters import vllm_kvpreload
+    from understudy.engine_shim.adapters.vllm_kvconn import Link
+    from understudy.engine_shim.kvpool import KvPool
+
+    nxt = Link(caches=target)
+    pool = KvPool(memoryview(memory), spec, 2)
+    assert nxt.attach(pool) and nxt.planner is not None
+    guess = vllm_kvpreload.targets(pool.in_flight(), pool.index.held(), free, 16)
+    ahead = following.ahead(guess, pool.index)
+    nxt.preload(ahead)
+    assert nxt.scheduling.preload is not None
+    return nxt, pool, ahead, nxt.scheduling.preload.finish()
+
+
+def _served(link: Any, rid: str, tokens: list[int], start: int, count: int) -> None:
+    """A step of the engine that ``link`` serves: ``count`` positions of
+    ``rid`` from ``start`` computed (into vLLM blocks 0...) and sealed."""
+    assert link.planner is not None
+    if start == 0:
+        link.planner.matched(rid, tokens, 0)
+    link.run(link.planner.step([(rid, start, count, list(range(64)), tokens)]), save=True)
+
+
+def _log_index(memory: bytearray, spec: Any) -> Any:
+    """The pool's log as a standby's reader reads it (`kvreader`)."""
+    from understudy.engine_shim import kvadopt, kvlog
+
+    log = memory[spec.log_offset : spec.log_offset + spec.log_capacity * kvlog.RECORD_SIZE]
+    return kvadopt.adopt(bytes(log), spec, 1 << 62).index
+
+
+def _assert_blocks_hold_the_pool(target: list[Any], pool: Any, blocks: list[int], n: int) -> None:
+    """Slot 0's positions ``0..n-1`` are in ``blocks`` of ``target``, as the pool holds them."""
+    for layer, cache in enumerate(target):
+        for want, got in zip((pool.k, pool.v), kv_views(cache, 2, 64), strict=True):
+            for pos in range(n):
+                held = torch.from_numpy(want[layer, 0, :, pos].copy())
+                assert torch.equal(got[blocks[pos // 16], :, pos % 16], held), (layer, pos)

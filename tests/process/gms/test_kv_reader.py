@@ -126,3 +126,36 @@ def test_a_view_of_another_pool_is_not_handed_over(gms: Gms, reader: KvReader) -
     assert not reader.mapped
     wait_for(lambda: gms.state()["kv"]["readers"] == 0, 10, what="the view closed")
     rw.close()
+
+
+def test_each_pass_that_read_a_record_tells_the_engine_what_the_log_says(gms: Gms) -> None:
+    """The engine's copies ahead of a kill (`FollowsKvPool`) are told, after
+    each pass that read a record, the read-only view and the index of the
+    whole log: the holder's own, whether the pass read only the records
+    appended since the last (a slot sealed, another retired and sealed
+    again) or the ring whole (it fell a ring behind)."""
+    told: list[tuple[bool, dict[tuple[int, int], kvlog.Sealed]]] = []
+    reader = KvReader(
+        gms.path(), SPEC, "standby", every_s=0.05, follow_s=0.02,
+        on_pass=lambda view, index: told.append((view.readonly, dict(index.sealed))),
+    )  # fmt: skip
+    gms.server(0, "--lock-state", "none")
+    rw, pool = holder(gms, 1)
+    try:
+        reader.start()
+        write(pool, 0, 40, seed=1)
+        wait_for(lambda: told and told[-1][1] == pool.index.sealed, 10, what="the first seals")
+        write(pool, 1, 64, seed=2)
+        write(pool, 0, 16, seed=3, tokens=[5] * 64)  # slot 0 retired, sealed again
+        wait_for(lambda: told[-1][1] == pool.index.sealed, 10, what="the records since")
+        passes = len(told)
+        time.sleep(0.3)  # fifteen passes, nothing new: none told
+        assert len(told) == passes
+        with reader._pass:  # a ring's worth of records before the next pass
+            for i in range(SPEC.log_capacity):
+                write(pool, 3, 16, seed=10 + i, tokens=[1000 + i] * 64)
+        wait_for(lambda: told[-1][1] == pool.index.sealed, 10, what="the ring read whole")
+        assert all(readonly for readonly, _ in told)
+    finally:
+        reader.close()
+        rw.close()

@@ -144,6 +144,24 @@ def block_weights(spec: PoolSpec, words: int) -> npt.NDArray[np.uint64]:
     return weights.reshape(*rows.shape[:3], -1)
 
 
+def weights(spec: PoolSpec) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+    """`sum_weights` for ``spec``'s rows (a head's position, in checksum words)."""
+    row = spec.head_dim * spec.itemsize
+    return sum_weights(spec, row // np.dtype(kvlog.word_dtype(row)).itemsize)
+
+
+def in_flight(index: kvlog.Index) -> list[int]:
+    """The slots sealed last, newest first: those with a seal among the
+    log's last `AHEAD_RECORDS` records per slot. A decode step seals at most
+    two records per sequence, so these are the sequences in flight (at a
+    death: those the continuations claim first)."""
+    newest: dict[int, int] = {}
+    for (slot, _), sealed in index.sealed.items():
+        newest[slot] = max(newest.get(slot, 0), sealed.gen)
+    after = max(newest.values(), default=0) - AHEAD_RECORDS * index.spec.slots
+    return sorted((s for s, gen in newest.items() if gen > after), key=lambda s: -newest[s])
+
+
 def sealed_extents(index: kvlog.Index) -> dict[int, int]:
     """How many positions from the start of each slot its seals cover."""
     b = index.spec.block_tokens
@@ -250,7 +268,7 @@ class KvPool:
         # The same bytes as the checksum's words: (layers, slots, heads, max_len, words).
         word = kvlog.word_dtype(spec.head_dim * spec.itemsize)
         self._words = (self.rk.view(word), self.rv.view(word))
-        self._sum_weights = sum_weights(spec, self._words[0].shape[-1])  # `block_sums`'s
+        self._sum_weights = weights(spec)  # `block_sums`'s
         self._chains: dict[int, list[bytes]] = {s: [] for s in range(spec.slots)}
         # The thread that maps the sealed pages (memadvise.warm), if any: a
         # deferred claim's checksums wait for it (`_check_later`).
@@ -333,15 +351,8 @@ class KvPool:
         self.ahead.start()
 
     def in_flight(self) -> list[int]:
-        """The slots the dead engine sealed last, newest first: those with a
-        seal among the log's last `AHEAD_RECORDS` records per slot. A decode
-        step seals at most two records per sequence, so these are the
-        sequences in flight at the death, which continuations claim first."""
-        newest: dict[int, int] = {}
-        for (slot, _), sealed in self.index.sealed.items():
-            newest[slot] = max(newest.get(slot, 0), sealed.gen)
-        after = max(newest.values(), default=0) - AHEAD_RECORDS * self.spec.slots
-        return sorted((s for s, gen in newest.items() if gen > after), key=lambda s: -newest[s])
+        """The slots the dead engine sealed last, newest first (`in_flight`)."""
+        return in_flight(self.index)
 
     def _sums_ahead(
         self, slot: int, seals: list[tuple[int, kvlog.Sealed]], *, wait: bool = True

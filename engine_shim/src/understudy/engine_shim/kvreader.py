@@ -42,6 +42,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from understudy.engine_shim import kvadopt, kvlog, kvpool, memadvise
 from understudy.engine_shim.kvlog import RECORD_SIZE, PoolSpec
@@ -68,11 +69,16 @@ class KvReader:
         name: str,
         every_s: float = EVERY_S,
         follow_s: float = FOLLOW_S,
+        on_pass: Callable[[memoryview, kvlog.Index], None] | None = None,
     ) -> None:
         self._path, self._spec, self._name = path, spec, name
         self._every_s, self._follow_s = every_s, follow_s
+        # Told the view and the log's index after each pass that read a record,
+        # with the view mapped throughout (the engine's copies ahead of a kill).
+        self._on_pass = on_pass
         self._mapped: dict[int, int] = {}  # slot -> positions whose pages the view has
         self._next_gen = 0  # of the log's next record to read; 0: read it whole
+        self._index = kvlog.Index(spec)  # what the records read so far describe
         self._lock = threading.Lock()
         # Held through a pass over the view: a view is unmapped only between
         # passes (a read of an unmapped view is a SIGSEGV, not an error).
@@ -187,6 +193,8 @@ class KvReader:
             # The index of these records alone: the shape's checks and the
             # extents' rule are the whole reading's, not a second copy.
             reach = kvpool.sealed_extents(kvlog.Index.replay(spec, new))
+            for rec in new:
+                self._index.apply(rec)
         else:
             try:
                 adopted = kvadopt.adopt(ring, spec, _EVERY_EPOCH)
@@ -194,19 +202,30 @@ class KvReader:
                 log_event(log, "kv_view_unread", reason=f"{type(exc).__name__}: {exc}")
                 return 0
             self._next_gen = adopted.next_gen
+            self._index = adopted.index
             reach = kvpool.sealed_extents(adopted.index)
         runs = {
             slot: (self._mapped.get(slot, 0), n)
             for slot, n in reach.items()
             if n > self._mapped.get(slot, 0)
         }
-        if not runs:
-            return 0
-        k, v = kvpool.arena(view, spec)
-        done = memadvise.populate(kvpool.spans(k, v, spec, runs))
-        for slot, (_, n) in runs.items():
-            self._mapped[slot] = n
+        done = 0
+        if runs:
+            k, v = kvpool.arena(view, spec)
+            done = memadvise.populate(kvpool.spans(k, v, spec, runs))
+            for slot, (_, n) in runs.items():
+                self._mapped[slot] = n
+        if self._on_pass is not None and (new is None or new):
+            self._tell(view)
         return done
+
+    def _tell(self, view: memoryview) -> None:
+        assert self._on_pass is not None
+        try:
+            self._on_pass(view, self._index)
+        except Exception as exc:  # the engine's, not the view's: the view goes on
+            why = f"{type(exc).__name__}: {exc}"
+            log_event(log, "kv_follow_failed", logging.WARNING, error=why)
 
 
 def _no_pool(exc: GmsError) -> bool:

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from understudy.engine_shim.adapters.base import Engine, UsesKvPool
+from understudy.engine_shim.adapters.base import Engine, FollowsKvPool, UsesKvPool
 from understudy.engine_shim.config import EngineConfig
 from understudy.engine_shim.kvreader import KvReader
 from understudy.gms.client import (
@@ -147,7 +147,8 @@ class Weights:
         if want is None:
             return
         path = self.cfg.gms_socket(min(self.cfg.devices))
-        self.kv_reader = KvReader(path, want.layout, self.cfg.engine_id)
+        on_pass = engine.follow_kv_pool if isinstance(engine, FollowsKvPool) else None
+        self.kv_reader = KvReader(path, want.layout, self.cfg.engine_id, on_pass=on_pass)
         self.kv_reader.start()
 
     def _take_view(self, session: KvSession | None) -> memoryview | None:

@@ -27,7 +27,7 @@ from typing import Protocol, runtime_checkable
 
 from aiohttp import web
 
-from understudy.engine_shim.kvlog import PoolSpec
+from understudy.engine_shim.kvlog import Index, PoolSpec
 from understudy.gms.client import GmsClient
 
 
@@ -98,6 +98,16 @@ class UsesKvPool(Protocol):
     def attach_kv_pool(
         self, memory: memoryview, epoch: int, reader: memoryview | None = None
     ) -> None: ...
+
+
+@runtime_checkable
+class FollowsKvPool(Protocol):
+    """A `UsesKvPool` engine that works ahead of a kill while it sleeps: after
+    each pass of the shim's read-only view of the pool (`kvreader`) that
+    read a record, it is told the view and what the log says now (the view
+    stays mapped through the call, on the reader's thread)."""
+
+    def follow_kv_pool(self, view: memoryview, index: Index) -> None: ...
 
 
 class AdapterError(RuntimeError):

@@ -54,6 +54,7 @@ from understudy.engine_shim.adapters import (
     tiny_llama,
     vllm_kv,
     vllm_kvconn,
+    vllm_kvfollow,
     vllm_kvpreload,
     vllm_loader,
 )
@@ -261,6 +262,7 @@ def _our_args(args: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--huge-pages", choices=("on", "off"), default="on")
     parser.add_argument("--kv-pool", choices=("on", "off"), default="on")
     parser.add_argument("--kv-adopt", choices=("on", "off"), default="on")
+    parser.add_argument("--kv-follow", choices=("on", "off"), default="on")  # vllm_kvfollow
     parser.add_argument("--kv-pool-slots", type=int, default=None)
     try:
         ns, rest = parser.parse_known_args(list(args))
@@ -391,11 +393,16 @@ class VllmEngine:
         self.huge_pages = ours.huge_pages == "on"
         self.kv_pool_on = ours.kv_pool == "on"
         self.kv_adopt = ours.kv_adopt == "on"
+        self.kv_follow = ours.kv_follow == "on"
         self.kv_slots: int | None = ours.kv_pool_slots  # None: from the batch (_kv_spec)
         self.kv_spec: kvlog.PoolSpec | None = None  # known once the config is built (prepare)
         # What this engine shares with vLLM's KV connector (both its sides)
         self._kv_link = vllm_kvconn.Link()
         self._warming: threading.Thread | None = None  # memadvise.warm, since the last wake
+        # The copies ahead of a kill while asleep (vllm_kvfollow), on the pool
+        # reader's thread; the lock keeps a wake from starting beside one.
+        self._following: vllm_kvfollow.Following | None = None
+        self._follow_lock = threading.Lock()
         self.model_id: str = models.served_name(model)
         self.gpu = backend == "cuda"
         self.builtin = models.is_builtin(model)
@@ -611,6 +618,7 @@ class VllmEngine:
                 raise AdapterError("vLLM could not reset its prefix cache")
             released = self._engine.collective_rpc(vllm_kv.release, args=(self.kv_reclaimable,))
             self.timings["kv_released_bytes"] = float(sum(released))
+            self._start_following()
         self._asleep = True
         self.timings["sleep_s"] = time.monotonic() - t0
 
@@ -622,6 +630,7 @@ class VllmEngine:
         on two loaded cores): spent here, it would lengthen every failover."""
         if self._engine is None:
             raise AdapterError("wake before the engine was built (attach)")
+        self._stop_following()  # where no pool was attached
         t0 = time.monotonic()
         if self.gpu:
             self._engine.wake_up()  # UNVERIFIED: the KV cache backed again
@@ -683,6 +692,7 @@ class VllmEngine:
         copied into the blocks their continuations will get, until the first
         step (`vllm_kvpreload`): a continuation that got them loads nothing."""
         assert self.kv_spec is not None
+        following = self._stop_following()
         pool = KvPool(memory, self.kv_spec, epoch, adopt=self.kv_adopt, reader=reader)
         link = self._kv_link
         if not link.attach(pool) or link.copier is None or link.caches is None:
@@ -697,9 +707,50 @@ class VllmEngine:
         self._warming = memadvise.warm([fill] if pool.reads_premapped else [sealed, fill])
         if not vllm_kv.zeroes_new_blocks(self._engine):
             ahead = vllm_kvpreload.targets(pool.in_flight(), held, blocks, size)
+            if following is not None:
+                ahead = following.ahead(ahead, pool.index)
             link.preload(ahead, after=self._warming)
 
+    def _start_following(self) -> None:
+        """Copy ahead of a kill from now on, where the load ahead would at the
+        wake (the C moves take vLLM's caches, which it does not zero)."""
+        caches, spec = self._kv_link.caches, self.kv_spec
+        if not self.kv_follow or caches is None or spec is None:
+            return
+        if vllm_kv.zeroes_new_blocks(self._engine):
+            return
+        if not vllm_kvconn.c_moves_take(caches, spec):
+            return
+        with self._follow_lock:
+            self._following = vllm_kvfollow.Following(spec, int(caches[0].shape[2]))
+
+    def _stop_following(self) -> vllm_kvfollow.Following | None:
+        """No copy ahead from now on (none under way on return); what was."""
+        with self._follow_lock:
+            following, self._following = self._following, None
+        return following
+
+    def follow_kv_pool(self, view: memoryview, index: kvlog.Index) -> None:
+        """`FollowsKvPool`: copy what the sequences in flight sealed since the
+        last pass into the blocks their continuations would get."""
+        with self._follow_lock:
+            following, caches, spec = self._following, self._kv_link.caches, self.kv_spec
+            if following is None or caches is None or spec is None:
+                return
+            load = vllm_kvconn.view_loads(caches, spec, view)
+            if load is None:
+                return
+            t0 = time.monotonic()
+            engine = self._engine
+            copied = following.follow(index, lambda n: vllm_kv.next_free_blocks(engine, n), load)
+            if copied:
+                log_event(
+                    log, "kv_followed", logging.DEBUG, positions=copied, total=following.positions,
+                    seconds=round(time.monotonic() - t0, 4),
+                )  # fmt: skip
+
     def close(self) -> None:
+        self._stop_following()
         self._kv_link.detach()
         worker, self._worker = self._worker, None
         if worker is not None:

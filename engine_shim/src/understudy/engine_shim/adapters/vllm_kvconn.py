@@ -52,16 +52,18 @@ import time
 import uuid
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
+import numpy.typing as npt
 
 from understudy.engine_shim.adapters.vllm_kvmove import Mover, mover
 from understudy.engine_shim.adapters.vllm_kvplan import Move, Planner, StepPlan
 from understudy.engine_shim.adapters.vllm_kvpreload import Preload, Target
-from understudy.engine_shim.kvpool import BlockSums, KvPool
+from understudy.engine_shim.kvlog import PoolSpec
+from understudy.engine_shim.kvpool import BlockSums, KvPool, arena
 from understudy.wire.obs import log_event
 
 log = logging.getLogger("understudy.engine_shim.vllm_kv")
@@ -137,17 +139,8 @@ class _Copier:
         if any(k.dtype != dtype for k, _ in self.layers):
             raise ValueError(f"vLLM's KV cache is {caches[0].dtype}; the pool {spec.dtype}")
         self.block_size = int(self.layers[0][0].shape[2])
-        cpu_layout = (caches[0].shape[0], spec.kv_heads, self.block_size, 2 * spec.head_dim)
-        self.mover = mover
-        if mover is None or not all(
-            c.dtype == torch.float32
-            and c.device.type == "cpu"
-            and c.is_contiguous()
-            and tuple(c.shape) == cpu_layout
-            for c in caches
-        ):
-            self.mover = None
-        self.addresses = np.array([c.data_ptr() for c in caches], dtype=np.uintp)
+        self.moves = _CMoves.of(caches, spec, mover)
+        self.mover = None if self.moves is None else mover
 
     def _runs(self, m: Move) -> list[tuple[int, int, int, int]]:
         """``m``'s positions as runs: (first vLLM block id, offset in it, pool
@@ -208,14 +201,10 @@ class _Copier:
         return sums if sums.total.size * self.pool.spec.block_tokens <= m.end else None
 
     def _copy(self, m: Move, *, into_pool: bool, sums: BlockSums | None = None) -> None:
-        if self.mover is not None:
+        if self.moves is not None:
             pool = self.pool
             k, v = (pool.k, pool.v) if into_pool else (pool.rk, pool.rv)
-            blocks = int(self.layers[0][0].shape[0])
-            self.mover.move(
-                k[:, m.slot], v[:, m.slot], self.addresses, blocks, self.block_size,
-                m.block_ids, m.start, m.end, into_pool=into_pool, sums=sums,
-            )  # fmt: skip
+            self.moves.move(k, v, m, into_pool=into_pool, sums=sums)
             return
         if sums is not None:
             raise ValueError("torch's copies sum no checksums")
@@ -227,6 +216,69 @@ class _Copier:
                         pool.copy_(theirs)
                     else:
                         theirs.copy_(pool)
+
+
+@dataclass(frozen=True, slots=True)
+class _CMoves:
+    """``mover``'s C moves over vLLM-CPU's caches (float32, contiguous,
+    ``[blocks, kv_heads, block_size, 2 * head_dim]``)."""
+
+    mover: Mover
+    addresses: npt.NDArray[np.uintp]  # each layer's cache
+    blocks: int
+    block_size: int
+
+    @classmethod
+    def of(cls, caches: list[Any], spec: PoolSpec, mover: Mover | None = mover) -> _CMoves | None:
+        """The moves over ``caches``, or None where they do not take them
+        (torch's copies then)."""
+        import torch
+
+        first = caches[0]
+        layout = (first.shape[0], spec.kv_heads, first.shape[2], 2 * spec.head_dim)
+        if mover is None or not all(
+            c.dtype == torch.float32
+            and c.device.type == "cpu"
+            and c.is_contiguous()
+            and tuple(c.shape) == layout
+            for c in caches
+        ):
+            return None
+        addresses = np.array([c.data_ptr() for c in caches], dtype=np.uintp)
+        return cls(mover, addresses, int(first.shape[0]), int(first.shape[2]))
+
+    def move(
+        self,
+        k: npt.NDArray[Any],
+        v: npt.NDArray[Any],
+        m: Move,
+        *,
+        into_pool: bool,
+        sums: BlockSums | None = None,
+    ) -> None:
+        """``m`` between the pool's arena ``k``, ``v`` and vLLM's caches."""
+        self.mover.move(
+            k[:, m.slot], v[:, m.slot], self.addresses, self.blocks, self.block_size,
+            m.block_ids, m.start, m.end, into_pool=into_pool, sums=sums,
+        )  # fmt: skip
+
+
+def c_moves_take(caches: list[Any], spec: PoolSpec) -> bool:
+    """Whether the C moves copy between ``caches`` and a pool laid out by ``spec``."""
+    return _CMoves.of(caches, spec) is not None
+
+
+def view_loads(
+    caches: list[Any], spec: PoolSpec, view: memoryview
+) -> Callable[[Move, BlockSums], None] | None:
+    """Loads from ``view`` (a standby's read-only mapping of the pool) into
+    vLLM's ``caches``, summing as they copy: the C moves' only (None where
+    they do not take the caches)."""
+    moves = _CMoves.of(caches, spec)
+    if moves is None:
+        return None
+    k, v = arena(view, spec)
+    return lambda m, sums: moves.move(k, v, m, into_pool=False, sums=sums)
 
 
 def kv_views(cache: Any, heads: int, head_dim: int) -> tuple[Any, Any]:

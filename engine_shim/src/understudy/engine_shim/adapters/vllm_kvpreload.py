@@ -36,8 +36,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Final
+
+import numpy as np
+import numpy.typing as npt
 
 from understudy.engine_shim.adapters.vllm_kvplan import Move, Ready
 from understudy.engine_shim.kvpool import BlockSums
@@ -48,11 +51,15 @@ log = logging.getLogger("understudy.engine_shim.vllm_kv")
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """A slot's positions ``0..positions-1`` to copy into ``block_ids``."""
+    """A slot's positions ``0..positions-1`` to copy into ``block_ids``; the
+    first ``done`` of them (whole pool blocks) copied already, before the
+    kill (`vllm_kvfollow`), their blocks' checksums ``sums`` as summed then."""
 
     slot: int
     block_ids: tuple[int, ...]
     positions: int
+    done: int = 0
+    sums: npt.NDArray[np.uint64] | None = field(default=None, compare=False)
 
 
 def targets(
@@ -105,17 +112,26 @@ class Preload:
         self._pieces = deque(
             (t, p, min(p + piece, t.positions))
             for t in targets
-            for p in range(0, t.positions, piece)
+            for p in range(t.done, t.positions, piece)
         )
-        self._left = {t.slot: -(-t.positions // piece) for t in targets}  # pieces not done
-        self._sums = {
-            t.slot: None if sums is None else sums(t.positions // block_tokens) for t in targets
-        }
+        self._left = {t.slot: -(-(t.positions - t.done) // piece) for t in targets}  # not done
+        self._sums = {t.slot: None if sums is None else self._begun_sums(t, sums) for t in targets}
         self._begun: set[int] = set()  # slots with a piece taken
         self._failed: set[int] = set()
         self._copying_s = 0.0
         self._thread = threading.Thread(target=self._run, name="kv-preload", daemon=True)
         self._thread.start()
+
+    def _begun_sums(self, t: Target, sums: Callable[[int], BlockSums]) -> BlockSums:
+        """What ``t``'s pieces sum into: its blocks copied before the kill
+        hold the checksums summed then."""
+        whole = sums(t.positions // self._block_tokens)
+        before = t.done // self._block_tokens
+        if before:
+            if t.sums is None or t.sums.size < before:
+                raise ValueError(f"slot {t.slot}: {before} blocks copied ahead, not summed")
+            whole.total[:before] = t.sums[:before]
+        return whole
 
     def _copy(self) -> bool:
         """Copy the next piece; False if none is left."""
@@ -164,6 +180,7 @@ class Preload:
         log_event(
             log, "kv_preloaded", slots=len(done), of=len(self._targets),
             positions=sum(r.positions for r in done.values()),
+            before=sum(t.done for t in self._targets if t.slot in done),  # the kill
             seconds=round(self._copying_s, 4), waited=round(time.monotonic() - t0, 4),
         )  # fmt: skip
         return done
