@@ -135,19 +135,23 @@ def test_each_pass_that_read_a_record_tells_the_engine_what_the_log_says(gms: Gm
     appended since the last (a slot sealed, another retired and sealed
     again) or the ring whole (it fell a ring behind)."""
     told: list[tuple[bool, dict[tuple[int, int], kvlog.Sealed]]] = []
+    # Asked once every 5 s while there is no pool; followed every 20 ms from
+    # the view's making on (its first pass too: a kill may come within a second).
     reader = KvReader(
-        gms.path(), SPEC, "standby", every_s=0.05, follow_s=0.02,
+        gms.path(), SPEC, "standby", every_s=5.0, follow_s=0.02,
         on_pass=lambda view, index: told.append((view.readonly, dict(index.sealed))),
     )  # fmt: skip
     gms.server(0, "--lock-state", "none")
     rw, pool = holder(gms, 1)
     try:
         reader.start()
+        wait_for(lambda: told, 2, what="the view made: its log read whole, empty")
+        assert told == [(True, {})]
         write(pool, 0, 40, seed=1)
-        wait_for(lambda: told and told[-1][1] == pool.index.sealed, 10, what="the first seals")
+        wait_for(lambda: told[-1][1] == pool.index.sealed, 2, what="the first seals")
         write(pool, 1, 64, seed=2)
         write(pool, 0, 16, seed=3, tokens=[5] * 64)  # slot 0 retired, sealed again
-        wait_for(lambda: told[-1][1] == pool.index.sealed, 10, what="the records since")
+        wait_for(lambda: told[-1][1] == pool.index.sealed, 2, what="the records since")
         passes = len(told)
         time.sleep(0.3)  # fifteen passes, nothing new: none told
         assert len(told) == passes

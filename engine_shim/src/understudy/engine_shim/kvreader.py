@@ -180,6 +180,7 @@ class KvReader:
                 seconds=round(time.monotonic() - t0, 4),
             )
             said = ""
+            delay = self._follow_s  # a view's first pass as soon as any other's
 
     def _map_new(self, session: KvSession) -> int:
         """Have the kernel map the pages of the positions sealed since the last
