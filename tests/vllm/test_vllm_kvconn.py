@@ -158,24 +158,14 @@ def test_a_load_ahead_is_taken_only_into_its_own_blocks(n: int, at: int, corrupt
     copies into them as without it. Either way its blocks hold what the pool
     does. A slot longer than a piece (`vllm_kvpreload.PIECE`) is copied in
     pieces, the first step copying those left beside the thread."""
-    from understudy.engine_shim import kvlog
-    from understudy.engine_shim.adapters import vllm_kvmove, vllm_kvpreload
+    from understudy.engine_shim.adapters import vllm_kvpreload
     from understudy.engine_shim.adapters.vllm_kvconn import Link
     from understudy.engine_shim.kvpool import KvPool
 
-    if vllm_kvmove.mover is None:
-        pytest.skip("the package was built without its C kernels")
-    spec = kvlog.PoolSpec(
-        model="m", layers=3, kv_heads=2, head_dim=64, dtype="float32", slots=2, max_len=1280
-    )
-    memory = bytearray(spec.pool_bytes)
-    source = [torch.rand((160, 2, 16, 128)) + 1 for _ in range(3)]  # never 0
+    spec, memory, first, source = _first_engine(slots=2)
     ids = list(range(300, 300 + n))
-    first = Link(caches=source)
-    assert first.attach(KvPool(memoryview(memory), spec, 1)) and first.planner is not None
-    first.planner.matched("a", ids, 0)
+    _served(first, "a", ids, 0, n)
     served = list(range(-(-n // 16)))
-    first.run(first.planner.step([("a", 0, n, served, ids)]), save=True)
     if corrupt:
         first.planner.pool.v[1, 0, 1, 40] += 1.0  # block 2, after its seal
     # The engine dies; the next one maps the pool and guesses blocks 7...
@@ -250,27 +240,17 @@ def test_a_standby_copies_ahead_of_the_kill_and_the_wake_copies_the_rest(change:
     what the pool does. A block changed under its seal before the copy is
     found by the claim from the checksums summed then; a slot retired and
     sealed again is copied from its start at the wake."""
-    from understudy.engine_shim import kvlog
-    from understudy.engine_shim.adapters import vllm_kvmove
-    from understudy.engine_shim.adapters.vllm_kvconn import Link, view_loads
+    from understudy.engine_shim.adapters.vllm_kvconn import CMoves
     from understudy.engine_shim.adapters.vllm_kvfollow import Following
-    from understudy.engine_shim.kvpool import KvPool
 
-    if vllm_kvmove.mover is None:
-        pytest.skip("the package was built without its C kernels")
-    spec = kvlog.PoolSpec(
-        model="m", layers=3, kv_heads=2, head_dim=64, dtype="float32", slots=1, max_len=1280
-    )
-    memory = bytearray(spec.pool_bytes)
-    source = [torch.rand((160, 2, 16, 128)) + 1 for _ in range(3)]  # never 0
+    spec, memory, first, _ = _first_engine(slots=1)
     ids = list(range(300, 1300))
-    first = Link(caches=source)
-    assert first.attach(KvPool(memoryview(memory), spec, 1)) and first.planner is not None
     step = functools.partial(_served, first)
     target = [torch.zeros((160, 2, 16, 128)) for _ in range(3)]
     following = Following(spec, 16)
-    load = view_loads(target, spec, memoryview(memory).toreadonly())  # the standby's view
-    assert load is not None
+    moves = CMoves.of(target, spec)
+    assert moves is not None
+    load = moves.loads_from(memoryview(memory).toreadonly(), spec)  # the standby's view
     free = list(range(7, 160))
 
     def follow() -> int:  # a pass of the standby's reader
@@ -324,13 +304,37 @@ def _woken(
     return nxt, pool, ahead, nxt.scheduling.preload.finish()
 
 
+def _first_engine(slots: int) -> tuple[Any, bytearray, Any, list[Any]]:
+    """A pool (3 layers, 2 heads of 64, 1,280 positions a slot) and the
+    engine that serves first over it: its spec, memory, link and vLLM
+    caches (160 blocks of 16, random KV, never 0). Skips where the C moves
+    were not built."""
+    from understudy.engine_shim import kvlog
+    from understudy.engine_shim.adapters import vllm_kvmove
+    from understudy.engine_shim.adapters.vllm_kvconn import Link
+    from understudy.engine_shim.kvpool import KvPool
+
+    if vllm_kvmove.mover is None:
+        pytest.skip("the package was built without its C kernels")
+    spec = kvlog.PoolSpec(
+        model="m", layers=3, kv_heads=2, head_dim=64, dtype="float32", slots=slots, max_len=1280
+    )
+    memory = bytearray(spec.pool_bytes)
+    source = [torch.rand((160, 2, 16, 128)) + 1 for _ in range(3)]
+    first = Link(caches=source)
+    assert first.attach(KvPool(memoryview(memory), spec, 1)) and first.planner is not None
+    return spec, memory, first, source
+
+
 def _served(link: Any, rid: str, tokens: list[int], start: int, count: int) -> None:
     """A step of the engine that ``link`` serves: ``count`` positions of
-    ``rid`` from ``start`` computed (into vLLM blocks 0...) and sealed."""
+    ``rid`` from ``start`` computed (in vLLM blocks 0, 1, ... in order) and
+    sealed."""
     assert link.planner is not None
     if start == 0:
         link.planner.matched(rid, tokens, 0)
-    link.run(link.planner.step([(rid, start, count, list(range(64)), tokens)]), save=True)
+    blocks = list(range(-(-(start + count) // 16)))
+    link.run(link.planner.step([(rid, start, count, blocks, tokens)]), save=True)
 
 
 def _log_index(memory: bytearray, spec: Any) -> Any:

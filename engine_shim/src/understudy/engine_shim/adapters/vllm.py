@@ -401,7 +401,8 @@ class VllmEngine:
         self._warming: threading.Thread | None = None  # memadvise.warm, since the last wake
         # The copies ahead of a kill while asleep (vllm_kvfollow), on the pool
         # reader's thread; the lock keeps a wake from starting beside one.
-        self._following: vllm_kvfollow.Following | None = None
+        # (its state, the C moves it copies with, made once)
+        self._following: tuple[vllm_kvfollow.Following, vllm_kvconn.CMoves] | None = None
         self._follow_lock = threading.Lock()
         self.model_id: str = models.served_name(model)
         self.gpu = backend == "cuda"
@@ -717,29 +718,26 @@ class VllmEngine:
         caches, spec = self._kv_link.caches, self.kv_spec
         if not self.kv_follow or caches is None or spec is None:
             return
-        if vllm_kv.zeroes_new_blocks(self._engine):
-            return
-        if not vllm_kvconn.c_moves_take(caches, spec):
+        moves = vllm_kvconn.CMoves.of(caches, spec)
+        if moves is None or vllm_kv.zeroes_new_blocks(self._engine):
             return
         with self._follow_lock:
-            self._following = vllm_kvfollow.Following(spec, int(caches[0].shape[2]))
+            self._following = (vllm_kvfollow.Following(spec, moves.block_size), moves)
 
     def _stop_following(self) -> vllm_kvfollow.Following | None:
         """No copy ahead from now on (none under way on return); what was."""
         with self._follow_lock:
             following, self._following = self._following, None
-        return following
+        return None if following is None else following[0]
 
     def follow_kv_pool(self, view: memoryview, index: kvlog.Index) -> None:
         """`FollowsKvPool`: copy what the sequences in flight sealed since the
         last pass into the blocks their continuations would get."""
         with self._follow_lock:
-            following, caches, spec = self._following, self._kv_link.caches, self.kv_spec
-            if following is None or caches is None or spec is None:
+            if self._following is None or self.kv_spec is None:
                 return
-            load = vllm_kvconn.view_loads(caches, spec, view)
-            if load is None:
-                return
+            following, moves = self._following
+            load = moves.loads_from(view, self.kv_spec)
             t0 = time.monotonic()
             engine = self._engine
             copied = following.follow(index, lambda n: vllm_kv.next_free_blocks(engine, n), load)

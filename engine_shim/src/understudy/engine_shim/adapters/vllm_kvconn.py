@@ -139,7 +139,7 @@ class _Copier:
         if any(k.dtype != dtype for k, _ in self.layers):
             raise ValueError(f"vLLM's KV cache is {caches[0].dtype}; the pool {spec.dtype}")
         self.block_size = int(self.layers[0][0].shape[2])
-        self.moves = _CMoves.of(caches, spec, mover)
+        self.moves = CMoves.of(caches, spec, mover)
         self.mover = None if self.moves is None else mover
 
     def _runs(self, m: Move) -> list[tuple[int, int, int, int]]:
@@ -219,7 +219,7 @@ class _Copier:
 
 
 @dataclass(frozen=True, slots=True)
-class _CMoves:
+class CMoves:
     """``mover``'s C moves over vLLM-CPU's caches (float32, contiguous,
     ``[blocks, kv_heads, block_size, 2 * head_dim]``)."""
 
@@ -229,7 +229,7 @@ class _CMoves:
     block_size: int
 
     @classmethod
-    def of(cls, caches: list[Any], spec: PoolSpec, mover: Mover | None = mover) -> _CMoves | None:
+    def of(cls, caches: list[Any], spec: PoolSpec, mover: Mover | None = mover) -> CMoves | None:
         """The moves over ``caches``, or None where they do not take them
         (torch's copies then)."""
         import torch
@@ -262,23 +262,11 @@ class _CMoves:
             m.block_ids, m.start, m.end, into_pool=into_pool, sums=sums,
         )  # fmt: skip
 
-
-def c_moves_take(caches: list[Any], spec: PoolSpec) -> bool:
-    """Whether the C moves copy between ``caches`` and a pool laid out by ``spec``."""
-    return _CMoves.of(caches, spec) is not None
-
-
-def view_loads(
-    caches: list[Any], spec: PoolSpec, view: memoryview
-) -> Callable[[Move, BlockSums], None] | None:
-    """Loads from ``view`` (a standby's read-only mapping of the pool) into
-    vLLM's ``caches``, summing as they copy: the C moves' only (None where
-    they do not take the caches)."""
-    moves = _CMoves.of(caches, spec)
-    if moves is None:
-        return None
-    k, v = arena(view, spec)
-    return lambda m, sums: moves.move(k, v, m, into_pool=False, sums=sums)
+    def loads_from(self, view: memoryview, spec: PoolSpec) -> Callable[[Move, BlockSums], None]:
+        """Loads from ``view`` (a standby's read-only mapping of the pool, laid
+        out by ``spec``) into vLLM's caches, summing as they copy."""
+        k, v = arena(view, spec)
+        return lambda m, sums: self.move(k, v, m, into_pool=False, sums=sums)
 
 
 def kv_views(cache: Any, heads: int, head_dim: int) -> tuple[Any, Any]:
